@@ -1,0 +1,31 @@
+"""mini_paged_attn: PagedAttention in Python.
+
+Layers, each importing only from those above it:
+``core`` (block manager, prefix cache, scheduler; no torch) → ``cache`` (the KV pool and block
+tables) → ``ops`` (paged attention: torch reference and Triton kernels) → ``models`` → ``engine``
+→ ``server`` / ``cli``.
+"""
+
+from .errors import BlockStateError, OutOfBlocksError
+from .core.block_manager import BlockManager
+from .cache.manager import PagedAttentionManager
+from .ops import (explain_decode, flash_attn_varlen_func, merge_attention_states,
+                  num_splits_heuristic, paged_decode, paged_prefill, store_kv)
+
+__version__ = "0.1.0"
+
+_ENGINE_NAMES = {"LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LLMEngine"}
+
+
+def __getattr__(name: str):
+    # The engine pulls in tokenizers and safetensors; import it only when asked for.
+    if name in _ENGINE_NAMES:
+        from . import engine
+        return getattr(engine, name)
+    raise AttributeError(f"module 'mini_paged_attn' has no attribute {name!r}")
+
+
+__all__ = ["BlockManager", "PagedAttentionManager", "OutOfBlocksError", "BlockStateError",
+           "paged_decode", "paged_prefill", "store_kv", "flash_attn_varlen_func",
+           "merge_attention_states", "num_splits_heuristic", "explain_decode",
+           *sorted(_ENGINE_NAMES)]

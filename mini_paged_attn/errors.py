@@ -1,0 +1,12 @@
+"""Exceptions raised by mini_paged_attn.
+
+Each error is raised before any state changes, so a caller can catch it and go on.
+"""
+
+
+class OutOfBlocksError(MemoryError):
+    """The block pool has fewer free blocks than a call needs."""
+
+
+class BlockStateError(RuntimeError):
+    """A block was used in a state that does not allow it (e.g. freeing a free block)."""

@@ -1,0 +1,19 @@
+"""Paged attention ops: each Triton kernel next to its torch reference, one dispatcher.
+
+- :func:`paged_decode`, :func:`paged_prefill`, :func:`store_kv`: ``dispatch.py`` checks the
+  arguments and runs the ``torch`` reference (``reference.py``) or a Triton kernel
+  (``decode.py``, ``prefill.py``, ``kv_write.py``).
+- :func:`flash_attn_varlen_func`: FlashAttention's function of that name (``varlen.py``).
+- :func:`merge_attention_states`: the online-softmax combine of two partial results.
+- :func:`num_splits_heuristic`, :func:`explain_decode`: how decode splits the KV sequence.
+"""
+
+from .dispatch import paged_decode, paged_prefill, resolve_backend, store_kv
+from .explain import explain_decode
+from .heuristics import num_splits_heuristic
+from .merge import merge_attention_states
+from .varlen import flash_attn_varlen_func
+
+__all__ = ["paged_decode", "paged_prefill", "store_kv", "flash_attn_varlen_func",
+           "merge_attention_states", "num_splits_heuristic", "explain_decode",
+           "resolve_backend"]

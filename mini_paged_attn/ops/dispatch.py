@@ -1,0 +1,218 @@
+"""The public paged attention ops: check the arguments once, pick a backend, run it.
+
+Backends:
+  - ``"torch"``: the reference in :mod:`.reference` (any device; the specification).
+  - ``"triton"``: the kernels in :mod:`.decode`, :mod:`.prefill` and :mod:`.kv_write`.
+  - ``"auto"`` (default): ``"triton"`` for CUDA tensors when Triton imports, else ``"torch"``.
+
+A backend never falls back silently: asking for ``"triton"`` where it cannot run is an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from . import reference
+from .checks import (FLOAT_DTYPES, PagedShapes, check_cache_pair, check_paged_decode_args, check_paged_prefill_args,
+                     check_paged_values, check_tensor)
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """Whether ``import triton`` works here (the result is cached)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Map ``backend`` ("auto" | "torch" | "triton") to the one that runs for ``device``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "triton" and not triton_available():
+        raise ValueError("backend: 'triton' was asked for, but triton is not importable "
+                         "(pip install triton, or use backend='torch')")
+    return backend
+
+
+def _outputs(query: torch.Tensor, out: torch.Tensor | None, return_lse: bool, rows: int,
+             num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if out is None:
+        out = torch.empty_like(query)
+    lse = (torch.empty(rows, num_q_heads, dtype=torch.float32, device=query.device)
+           if return_lse else None)
+    return out, lse
+
+
+def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, *,
+                 scale: float | None = None, out: torch.Tensor | None = None,
+                 return_lse: bool = False, backend: str = "auto",
+                 num_splits: int | None = None, workspace: torch.Tensor | None = None,
+                 explain: bool = False):
+    """Attention of one new query token per sequence over its paged K/V.
+
+    Args:
+        query: ``[num_seqs, num_q_heads, head_size]``, fp16 / bf16 / fp32, last dim contiguous.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]`` in the
+            query's dtype; any strides on the first three dims (the views of
+            ``PagedAttentionManager.kv_cache`` work without a copy).
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; entry ``j`` of row ``i`` is the
+            physical block holding tokens ``j*block_size .. (j+1)*block_size-1`` of sequence i.
+            Entries past a sequence's length are never read.
+        context_lens: int32 ``[num_seqs]``, tokens in the cache per sequence (the new one
+            included). A sequence of length 0 gives zeros (and lse ``-inf``).
+        scale: softmax scale, default ``head_size ** -0.5``.
+        out: optional ``[num_seqs, num_q_heads, head_size]`` tensor in the query's dtype to write.
+        return_lse: also return the log-sum-exp of the scaled scores, float32
+            ``[num_seqs, num_q_heads]`` (natural log).
+        backend: "auto" | "torch" | "triton" (see the module doc).
+        num_splits: triton only; split each sequence's KV into this many chunks (None: the
+            heuristic of :func:`~mini_paged_attn.ops.heuristics.num_splits_heuristic`).
+            ``num_splits=1`` makes a sequence's result independent of the batch it is in.
+        workspace: triton only; a float32 scratch buffer for split-KV partial results, so the
+            launch allocates nothing (CUDA-graph capture). See ``decode.workspace_size``.
+        explain: log which kernel runs and why (see ``explain_decode``).
+
+    Query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)`` (MHA, GQA, MQA).
+    Scores and the softmax accumulate in float32.
+
+    Returns:
+        ``out`` (``[num_seqs, num_q_heads, head_size]``, the query's dtype), or
+        ``(out, lse)`` when ``return_lse``.
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices; for the torch backend also bad lengths or
+            block ids. Nothing is written then.
+    """
+    shapes = check_paged_decode_args(query, key_cache, value_cache, block_tables,
+                                     context_lens, scale, out)
+    chosen = resolve_backend(backend, query.device)
+    if chosen == "torch":
+        if num_splits is not None or workspace is not None:
+            raise ValueError("num_splits/workspace: only the triton backend takes them, "
+                             f"got num_splits={num_splits}, workspace given={workspace is not None}")
+        check_paged_values(shapes, block_tables, context_lens)
+        o, l = reference.paged_decode_gather(query, key_cache, value_cache, block_tables,
+                                              context_lens, scale=shapes.scale)
+        out, lse = _outputs(query, out, return_lse, shapes.num_seqs, shapes.num_q_heads)
+        out.copy_(o)
+        if lse is not None:
+            lse.copy_(l)
+    else:
+        from .decode import triton_paged_decode
+        out, lse = _outputs(query, out, return_lse, shapes.num_seqs, shapes.num_q_heads)
+        triton_paged_decode(query, key_cache, value_cache, block_tables, context_lens, shapes,
+                            out=out, lse=lse, num_splits=num_splits, workspace=workspace,
+                            explain=explain)
+    return (out, lse) if return_lse else out
+
+
+def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  context_lens: torch.Tensor, *, causal: bool = True,
+                  scale: float | None = None, out: torch.Tensor | None = None,
+                  return_lse: bool = False, backend: str = "auto",
+                  max_seqlen_q: int | None = None):
+    """Attention of a varlen batch of query tokens over their sequences' paged K/V.
+
+    The ``q_len_i = cu_seqlens_q[i+1] - cu_seqlens_q[i]`` query tokens of sequence ``i`` are the
+    *last* ``q_len_i`` of its ``context_lens[i]`` tokens, already written into the cache; the
+    causal mask is aligned bottom-right (query token ``t`` sees cache positions
+    ``<= context_lens[i] - q_len_i + t``). One call serves whole prompts, chunked prefill,
+    prefix-cache hits and decode rows (``q_len 1``) together.
+
+    Args:
+        query: ``[total_q, num_q_heads, head_size]``, fp16 / bf16 / fp32.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]`` as in
+            :func:`paged_decode`.
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
+        cu_seqlens_q: int32 ``[num_seqs + 1]``, cumulative query lengths, from 0 to total_q.
+        context_lens: int32 ``[num_seqs]``, tokens in the cache per sequence (queries included).
+        causal: mask cache positions after each query token (bottom-right aligned).
+        scale, out, return_lse, backend: as in :func:`paged_decode` (lse is
+            ``[total_q, num_q_heads]``).
+        max_seqlen_q: triton only; an upper bound on ``q_len`` so the launch needs no host sync
+            (None: read from ``cu_seqlens_q``).
+
+    Returns:
+        ``out`` ``[total_q, num_q_heads, head_size]``, or ``(out, lse)`` when ``return_lse``.
+    """
+    shapes = check_paged_prefill_args(query, key_cache, value_cache, block_tables,
+                                      cu_seqlens_q, context_lens, scale, out)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal: expected a bool, got {causal!r}")
+    chosen = resolve_backend(backend, query.device)
+    total_q = query.shape[0]
+    if chosen == "torch":
+        check_paged_values(shapes, block_tables, context_lens, cu_seqlens_q, total_q)
+        o, l = reference.paged_prefill_gather(query, key_cache, value_cache, block_tables,
+                                               cu_seqlens_q, context_lens, causal=causal,
+                                               scale=shapes.scale)
+        out, lse = _outputs(query, out, return_lse, total_q, shapes.num_q_heads)
+        out.copy_(o)
+        if lse is not None:
+            lse.copy_(l)
+    else:
+        from .prefill import triton_paged_prefill
+        out, lse = _outputs(query, out, return_lse, total_q, shapes.num_q_heads)
+        triton_paged_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q,
+                             context_lens, shapes, causal=causal, out=out, lse=lse,
+                             max_seqlen_q=max_seqlen_q)
+    return (out, lse) if return_lse else out
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+             backend: str = "auto") -> None:
+    """Write new tokens' K/V into the paged caches, in place.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_size]`` in the caches' dtype.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, any
+            strides on the first three dims.
+        slot_mapping: int32 or int64 ``[num_tokens]``; token ``t`` goes to block
+            ``slot // block_size``, offset ``slot % block_size``. Slot ``-1`` skips the token
+            (padding); nothing else in the caches changes.
+    """
+    check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
+    num_blocks, block_size, num_kv_heads, head_size = check_cache_pair(
+        key_cache, value_cache, key.dtype, key.device)
+    check_tensor("value", value, ndim=3, dtypes=(key.dtype,), device=key.device)
+    expected = (key.shape[0], num_kv_heads, head_size)
+    for name, t in (("key", key), ("value", value)):
+        if tuple(t.shape) != expected:
+            raise ValueError(f"{name}: expected shape {expected} (num_tokens, num_kv_heads, "
+                             f"head_size of the cache), got {tuple(t.shape)}")
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int32, torch.int64),
+                 device=key.device)
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping: expected shape ({key.shape[0]},) (one slot per token), "
+                         f"got {tuple(slot_mapping.shape)}")
+    chosen = resolve_backend(backend, key.device)
+    if chosen == "torch":
+        slots = slot_mapping.detach().to("cpu", torch.int64)
+        bad = (slots < -1) | (slots >= num_blocks * block_size)
+        if bad.any():
+            i = int(torch.nonzero(bad)[0])
+            raise ValueError(f"slot_mapping: expected slots in [-1, {num_blocks * block_size}) "
+                             f"(-1 skips), got slot_mapping[{i}]={int(slots[i])}")
+        reference.store_kv(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        from .kv_write import triton_store_kv
+        triton_store_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
+__all__ = ["paged_decode", "paged_prefill", "store_kv", "resolve_backend", "triton_available",
+           "PagedShapes"]
