@@ -8,8 +8,8 @@ tables) → ``ops`` (paged attention: torch reference and Triton kernels) → ``
 
 from .errors import BlockStateError, OutOfBlocksError
 # Exports are added here as their modules land (each owner adds its line):
-# from .core.block_manager import BlockManager
-# from .cache.manager import PagedAttentionManager
+from .core.block_manager import BlockManager
+from .cache.manager import PagedAttentionManager
 # from .ops import (explain_decode, flash_attn_varlen_func, merge_attention_states,
 #                   num_splits_heuristic, paged_decode, paged_prefill, store_kv)
 

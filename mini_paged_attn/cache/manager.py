@@ -1,0 +1,315 @@
+"""PagedAttentionManager: the physical KV pool, per-sequence block tables, fork and copy-on-write.
+
+Seed 001's manager with its gaps closed. It owns
+
+- ``kv_cache``: the pool, ``(num_blocks, block_size, 2, num_kv_heads, head_size)``, with
+  ``key_cache`` / ``value_cache`` as strided views ``[num_blocks, block_size, num_kv_heads,
+  head_size]`` (no copy) that every op accepts;
+- ``block_table``: int32 ``[num_sequences, max_blocks_per_seq]`` on the device, row ``seq_id``
+  listing that sequence's physical blocks in logical order (entries past its last block are 0
+  padding and never read); ``context_lens``: int32 ``[num_sequences]``, tokens per sequence;
+- ``seq_block_mapping``: the host mirror, seq_id -> list of physical blocks;
+- ``block_manager``: the reference-counted :class:`~mini_paged_attn.core.BlockManager`.
+
+Copy-on-write rule: a sequence never writes into a block it shares. ``fork_sequence`` shares every
+block of the parent (reference counts go up, nothing is copied). A later ``append_token`` whose
+new token lands in a shared, partly filled last block first copies that block (K and V) into a
+fresh one for the appending sequence, so the slot it reserves is private; ``write_kv`` does the
+same for every shared block it writes into. So neither sequence ever sees the other's later
+tokens, and slots taken from the table after ``append_token`` are safe for ``ops.store_kv``.
+
+Every failing call raises before changing anything. Not thread-safe: one owner (the engine loop)
+drives it; the block manager underneath is.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from ..core.args import as_int
+from ..core.block_manager import BlockManager
+from .memory_map import MemoryMap, build_memory_map
+from .slots import slot_mapping, write_slots
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Sizes of a paged KV cache (validated on construction)."""
+
+    num_sequences: int
+    num_heads: int
+    head_size: int
+    block_size: int
+    num_blocks: int
+    num_kv_heads: int
+    max_blocks_per_seq: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        for name in ("num_sequences", "num_heads", "head_size", "block_size", "num_blocks",
+                     "num_kv_heads", "max_blocks_per_seq"):
+            value = as_int(name, getattr(self, name))
+            if value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value}")
+            object.__setattr__(self, name, value)  # numpy / torch integers -> int
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: expected a divisor of num_heads={self.num_heads}, "
+                             f"got {self.num_kv_heads}")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(f"dtype: expected a floating torch.dtype, got {self.dtype!r}")
+
+
+class PagedAttentionManager:
+    """The paged KV cache of up to ``num_sequences`` sequences (ids ``0 .. num_sequences-1``).
+
+    Args:
+        num_sequences: rows of the block table; seq ids are ``0 .. num_sequences-1``.
+        num_heads: query heads (``num_kv_heads`` must divide it).
+        head_size: size of one head.
+        block_size: tokens per block.
+        num_blocks: physical blocks in the pool.
+        device, dtype: of the pool and the tables (tables are int32).
+        num_kv_heads: K/V heads stored (default ``num_heads``; fewer for GQA / MQA).
+        max_blocks_per_seq: columns of the block table (default ``num_blocks``).
+    """
+
+    def __init__(self, num_sequences: int, num_heads: int, head_size: int, block_size: int,
+                 num_blocks: int, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float16, num_kv_heads: int | None = None,
+                 max_blocks_per_seq: int | None = None) -> None:
+        cfg = CacheConfig(num_sequences, num_heads, head_size, block_size, num_blocks,
+                          num_heads if num_kv_heads is None else num_kv_heads,
+                          num_blocks if max_blocks_per_seq is None else max_blocks_per_seq,
+                          dtype, torch.device(device))
+        self.config = cfg
+        self.num_sequences, self.num_heads, self.head_size = (cfg.num_sequences, cfg.num_heads,
+                                                               cfg.head_size)
+        self.block_size, self.num_blocks, self.dtype = cfg.block_size, cfg.num_blocks, dtype
+        self.num_kv_heads, self.max_blocks_per_seq = cfg.num_kv_heads, cfg.max_blocks_per_seq
+
+        self.block_manager = BlockManager(cfg.num_blocks)
+        # Zeroed rather than empty: unwritten slots then hold no garbage (cheap, done once).
+        self.kv_cache = torch.zeros((cfg.num_blocks, cfg.block_size, 2, cfg.num_kv_heads,
+                                     cfg.head_size), dtype=dtype, device=cfg.device)
+        self.device = self.kv_cache.device  # resolved ("cuda" -> "cuda:0")
+        self.key_cache = self.kv_cache[:, :, 0]
+        self.value_cache = self.kv_cache[:, :, 1]
+        self.block_table = torch.zeros((cfg.num_sequences, cfg.max_blocks_per_seq),
+                                       dtype=torch.int32, device=self.device)
+        self.context_lens = torch.zeros(cfg.num_sequences, dtype=torch.int32, device=self.device)
+        self.seq_block_mapping: dict[int, list[int]] = {}
+        self._seq_lens: dict[int, int] = {}
+        logger.info("KV pool: %d blocks x %d tokens x %d kv heads x %d, %s on %s: %.1f MiB",
+                    cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_size, dtype,
+                    self.device, self.kv_cache.nbytes / 2**20)
+
+    # -- argument checks (raise before any change) -------------------------------------------
+
+    def _seq_id(self, seq_id: object, name: str = "seq_id") -> int:
+        seq_id = as_int(name, seq_id)
+        if not 0 <= seq_id < self.num_sequences:
+            raise ValueError(f"{name}: expected 0 <= {name} < num_sequences="
+                             f"{self.num_sequences}, got {seq_id}")
+        return seq_id
+
+    def _existing(self, seq_id: object, name: str = "seq_id") -> int:
+        seq_id = self._seq_id(seq_id, name)
+        if seq_id not in self.seq_block_mapping:
+            raise ValueError(f"{name}: expected a live sequence, got unknown sequence {seq_id}")
+        return seq_id
+
+    def _unused(self, seq_id: object, name: str = "seq_id") -> int:
+        seq_id = self._seq_id(seq_id, name)
+        if seq_id in self.seq_block_mapping:
+            raise ValueError(f"{name}: expected an unused seq id, got {seq_id}, which exists "
+                             "(free_sequence it first)")
+        return seq_id
+
+    def _check_row_fits(self, seq_id: int, num_blocks: int) -> None:
+        if num_blocks > self.max_blocks_per_seq:
+            raise ValueError(f"sequence {seq_id} would need {num_blocks} blocks, but a block "
+                             f"table row holds max_blocks_per_seq={self.max_blocks_per_seq}")
+
+    def _check_kv(self, key: object, value: object) -> int:
+        for name, t in (("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 3 or tuple(t.shape[1:]) != (self.num_kv_heads, self.head_size):
+                raise ValueError(f"{name}: expected shape [n_tokens, num_kv_heads="
+                                 f"{self.num_kv_heads}, head_size={self.head_size}], "
+                                 f"got {tuple(t.shape)}")
+            if t.dtype != self.dtype or t.device != self.device:
+                raise ValueError(f"{name}: expected {self.dtype} on {self.device} (the cache's), "
+                                 f"got {t.dtype} on {t.device}")
+        if value.shape != key.shape:
+            raise ValueError(f"value: expected the shape of key {tuple(key.shape)}, "
+                             f"got {tuple(value.shape)}")
+        return key.shape[0]
+
+    # -- sequences ----------------------------------------------------------------------------
+
+    def add_sequence(self, seq_id: int, num_prompt_tokens: int) -> None:
+        """Give a new sequence blocks for ``num_prompt_tokens`` tokens (0 allowed).
+
+        Raises ValueError (bad / duplicate seq_id, negative length, row too short) or
+        OutOfBlocksError, changing nothing.
+        """
+        seq_id = self._unused(seq_id)
+        n = as_int("num_prompt_tokens", num_prompt_tokens)
+        if n < 0:
+            raise ValueError(f"num_prompt_tokens: expected >= 0, got {n}")
+        needed = -(-n // self.block_size)
+        self._check_row_fits(seq_id, needed)
+        blocks = self.block_manager.allocate_blocks(needed)
+        self.seq_block_mapping[seq_id] = blocks
+        self._seq_lens[seq_id] = n
+        if blocks:
+            self.block_table[seq_id, :needed] = torch.tensor(blocks, dtype=torch.int32)
+        self.context_lens[seq_id] = n
+        logger.debug("add seq %d: %d tokens in blocks %s", seq_id, n, blocks)
+
+    def append_token(self, seq_id: int, current_seq_len: int) -> int:
+        """Reserve the slot of one new token at position ``current_seq_len`` (seed 001's call).
+
+        ``current_seq_len`` must equal the sequence's length. A block is allocated when the token
+        starts a new block; a shared last block is copied first (copy-on-write). The length
+        grows by one. Returns the token's slot (``block * block_size + offset``).
+
+        Raises ValueError (unknown seq, wrong length, row full) or OutOfBlocksError, changing
+        nothing.
+        """
+        seq_id = self._existing(seq_id)
+        pos = as_int("current_seq_len", current_seq_len)
+        length = self._seq_lens[seq_id]
+        if pos != length:
+            raise ValueError(f"current_seq_len: expected the length of sequence {seq_id}, "
+                             f"{length}, got {pos}")
+        blocks = self.seq_block_mapping[seq_id]
+        assert len(blocks) == -(-length // self.block_size), "blocks out of step with length"
+        if pos % self.block_size == 0:
+            self._check_row_fits(seq_id, len(blocks) + 1)
+            block = self.block_manager.allocate()
+            blocks.append(block)
+            self.block_table[seq_id, len(blocks) - 1] = block
+        else:
+            self._make_private(seq_id, [len(blocks) - 1])
+        self._seq_lens[seq_id] = pos + 1
+        self.context_lens[seq_id] = pos + 1
+        return blocks[-1] * self.block_size + pos % self.block_size
+
+    def fork_sequence(self, parent_id: int, child_id: int) -> None:
+        """Make ``child_id`` a copy of ``parent_id`` sharing all its blocks (nothing copied).
+
+        Raises ValueError (unknown parent, child in use or out of range), changing nothing.
+        """
+        parent = self._existing(parent_id, "parent_id")
+        child = self._unused(child_id, "child_id")
+        blocks = list(self.seq_block_mapping[parent])
+        for b in blocks:
+            self.block_manager.increase_ref_count(b)
+        self.seq_block_mapping[child] = blocks
+        self._seq_lens[child] = self._seq_lens[parent]
+        self.block_table[child] = self.block_table[parent]
+        self.context_lens[child] = self._seq_lens[parent]
+        logger.debug("fork seq %d -> %d sharing blocks %s", parent, child, blocks)
+
+    def free_sequence(self, seq_id: int) -> None:
+        """Drop the sequence and one reference to each of its blocks. Unknown ids: no-op."""
+        seq_id = as_int("seq_id", seq_id)
+        if seq_id not in self.seq_block_mapping:
+            return
+        blocks = self.seq_block_mapping[seq_id]
+        # Reversed, so the pool hands these blocks out again in their logical order.
+        self.block_manager.free_many(reversed(blocks))
+        del self.seq_block_mapping[seq_id], self._seq_lens[seq_id]
+        self.block_table[seq_id] = 0
+        self.context_lens[seq_id] = 0
+        logger.debug("free seq %d: blocks %s", seq_id, blocks)
+
+    def get_block_table_for_seq(self, seq_id: int) -> torch.Tensor:
+        """Row ``seq_id`` of ``block_table`` (an int32 view ``[max_blocks_per_seq]``)."""
+        return self.block_table[self._existing(seq_id)]
+
+    def get_seq_len(self, seq_id: int) -> int:
+        """Tokens of the sequence (those with a slot, written or not)."""
+        return self._seq_lens[self._existing(seq_id)]
+
+    # -- K/V ----------------------------------------------------------------------------------
+
+    def _check_positions(self, seq_id: int, start_pos: object, num_tokens: int) -> int:
+        start = as_int("start_pos", start_pos)
+        length = self._seq_lens[seq_id]
+        if start < 0 or num_tokens < 0 or start + num_tokens > length:
+            raise ValueError(f"start_pos: expected positions start_pos..start_pos+n-1 within "
+                             f"the {length} allocated tokens of sequence {seq_id}, got "
+                             f"{start}..{start + num_tokens - 1}")
+        return start
+
+    def _slots(self, seq_id: int, start: int, num_tokens: int) -> torch.Tensor:
+        blocks = self.seq_block_mapping[seq_id]
+        positions = torch.arange(start, start + num_tokens)
+        return slot_mapping(blocks or [0], positions, self.block_size).to(self.device)
+
+    def get_slot_mapping(self, seq_id: int, start_pos: int, num_tokens: int) -> torch.Tensor:
+        """Slots of positions ``start_pos .. start_pos+num_tokens-1`` (already allocated):
+        int64 ``[num_tokens]`` on the device. Read-only: no copy-on-write happens."""
+        seq_id = self._existing(seq_id)
+        n = as_int("num_tokens", num_tokens)
+        return self._slots(seq_id, self._check_positions(seq_id, start_pos, n), n)
+
+    def write_kv(self, seq_id: int, start_pos: int, key: torch.Tensor,
+                 value: torch.Tensor) -> None:
+        """Write K/V of positions ``start_pos .. start_pos+n-1`` (already allocated).
+
+        Args:
+            key, value: ``[n, num_kv_heads, head_size]`` in the cache's dtype, on its device.
+
+        Shared blocks written into are copied first (copy-on-write). Raises ValueError (unknown
+        seq, bad tensors, positions not allocated) or OutOfBlocksError, changing nothing.
+        """
+        seq_id = self._existing(seq_id)
+        n = self._check_kv(key, value)
+        start = self._check_positions(seq_id, start_pos, n)
+        if n == 0:
+            return
+        self._make_private(seq_id, range(start // self.block_size,
+                                         (start + n - 1) // self.block_size + 1))
+        write_slots(key, value, self.key_cache, self.value_cache, self._slots(seq_id, start, n))
+
+    def _make_private(self, seq_id: int, logical_blocks: Iterable[int]) -> None:
+        """Copy-on-write: give ``seq_id`` its own copy of each shared block among
+        ``logical_blocks``. All or nothing (OutOfBlocksError before any change)."""
+        blocks = self.seq_block_mapping[seq_id]
+        shared = [j for j in logical_blocks if self.block_manager.get_ref_count(blocks[j]) > 1]
+        if not shared:
+            return
+        fresh = self.block_manager.allocate_blocks(len(shared))
+        old = [blocks[j] for j in shared]
+        # K and V of the whole block, unwritten slots included (they are never read).
+        self.kv_cache[fresh] = self.kv_cache[old]
+        for j, new_block in zip(shared, fresh):
+            self.block_manager.free(blocks[j])  # count stays >= 1: the other owner keeps it
+            blocks[j] = new_block
+        self.block_table[seq_id, shared] = torch.tensor(fresh, dtype=torch.int32,
+                                                        device=self.device)
+        logger.debug("copy-on-write seq %d: blocks %s -> %s", seq_id, old, fresh)
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    def memory_map(self) -> MemoryMap:
+        """A snapshot of the pool: each block's owners, sharing and fill; ``str()`` it to read."""
+        refs = [self.block_manager.get_ref_count(i) for i in range(self.num_blocks)]
+        return build_memory_map(self.block_size, self.seq_block_mapping, self._seq_lens, refs)
+
+    def __repr__(self) -> str:
+        return (f"PagedAttentionManager(sequences={len(self.seq_block_mapping)}/"
+                f"{self.num_sequences}, free_blocks={self.block_manager.get_num_free_blocks()}/"
+                f"{self.num_blocks}, block_size={self.block_size}, dtype={self.dtype}, "
+                f"device={self.device})")
