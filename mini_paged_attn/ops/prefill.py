@@ -1,0 +1,270 @@
+"""Triton varlen prefill: FlashAttention-2 style tiles over paged (or contiguous) K/V.
+
+One launch serves a whole varlen batch: full prompts, a chunk on a long cached prefix,
+prefix-cache hits and decode rows (q_len 1) together. Each program owns one tile of query rows
+(query token x query head of one KV head, see :mod:`.prefill_plan`) and walks that sequence's
+K/V in tiles of ``BLOCK_N`` tokens, looking each token's physical block up in the block table
+(``BLOCK_N`` does not depend on ``block_size``). Scores and P @ V run on tensor cores
+(``tl.dot``); the online softmax runs in float32 with ``exp2`` (log2(e) is folded into the
+scale). Causal masks are aligned bottom-right: query token ``t`` of a sequence with ``q_len``
+queries and ``kv_len`` keys sees keys ``<= kv_len - q_len + t``. K/V tiles entirely above the
+diagonal are never visited, and tiles entirely below it run without any mask.
+
+The same kernel reads contiguous varlen K/V (``flash_attn_varlen_func`` without a block table)
+when ``PAGED`` is false: key ``t`` of sequence ``i`` is row ``cu_seqlens_k[i] + t``.
+"""
+
+from __future__ import annotations
+
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import PagedShapes
+from .prefill_plan import PrefillConfig, default_config, tiling
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_kv_tile(acc, l_i, m_i, q, start_n, last_visible, kv_len, qk_scale,
+                    k_base, v_base, table_row, kv_row0, offs_d,
+                    stride_kb, stride_kt, stride_vb, stride_vt,
+                    HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
+                    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One K/V tile of the online softmax; MASKED tiles mask keys past each row's last one."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions in the sequence
+    kv_in_range = offs_n < kv_len             # [BLOCK_N]
+    if PAGED:
+        if BLOCK_SIZE >= BLOCK_N:
+            # The whole tile lies in one cache block (tiles never straddle: BLOCK_N | BLOCK_SIZE).
+            block = tl.load(table_row + start_n // BLOCK_SIZE).to(tl.int64)
+            k_rows = block * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt  # [BLOCK_N] int64
+            v_rows = block * stride_vb + (offs_n % BLOCK_SIZE) * stride_vt
+        else:
+            if MASKED:  # table entries past the sequence's length may be garbage: never read
+                blocks = tl.load(table_row + offs_n // BLOCK_SIZE, mask=kv_in_range, other=0)
+            else:
+                blocks = tl.load(table_row + offs_n // BLOCK_SIZE)
+            blocks = blocks.to(tl.int64)  # [BLOCK_N]
+            k_rows = blocks * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt
+            v_rows = blocks * stride_vb + (offs_n % BLOCK_SIZE) * stride_vt
+    else:
+        rows = (kv_row0 + offs_n).to(tl.int64)  # [BLOCK_N]
+        k_rows = rows * stride_kt
+        v_rows = rows * stride_vt
+    k_ptrs = k_base + k_rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_SIZE_PADDED]
+    v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
+    # Unused cache slots may hold NaN: masked tiles load zeros there (0 * NaN would leak).
+    if MASKED:
+        kv_mask = kv_in_range[:, None] & (offs_d[None, :] < HEAD_SIZE)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif HEAD_SIZE != HEAD_SIZE_PADDED:
+        d_mask = (offs_d < HEAD_SIZE)[None, :]
+        k = tl.load(k_ptrs, mask=d_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=d_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+    if MASKED:
+        visible = offs_n[None, :] <= last_visible[:, None]  # [BLOCK_M, BLOCK_N]
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+        # A row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+        alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+    block_tables_ptr, cu_seqlens_q_ptr, kv_lens_ptr,
+    num_seqs, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
+    TOKENS_PER_TILE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PAGED: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # program = (tile slot, kv head x head chunk); see prefill_plan for the slot layout.
+    slot = tl.program_id(0)
+    kv_head = tl.program_id(1) // HEAD_CHUNKS
+    head_chunk = tl.program_id(1) % HEAD_CHUNKS
+
+    # Sequence of this slot: the largest i with cu_seqlens_q[i] // TOKENS_PER_TILE + i <= slot.
+    lo = slot * 0  # int32 scalars (num_seqs may be specialised to a constexpr 1)
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        mid_start = tl.load(cu_seqlens_q_ptr + mid) // TOKENS_PER_TILE + mid
+        lo = tl.where(mid_start <= slot, mid, lo)
+        hi = tl.where(mid_start <= slot, hi, mid)
+    seq = lo
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    num_tiles = tl.cdiv(q_len, TOKENS_PER_TILE)
+    local = slot - (q_start // TOKENS_PER_TILE + seq)
+    if local >= num_tiles:
+        return  # a spare slot, or a sequence with q_len 0: nothing to compute or write
+    # Heaviest tile first: the last query tokens see the most keys.
+    tile = num_tiles - 1 - local
+    if PAGED:
+        kv_len = tl.load(kv_lens_ptr + seq)
+        kv_row0 = 0
+    else:
+        kv_row0 = tl.load(kv_lens_ptr + seq)
+        kv_len = tl.load(kv_lens_ptr + seq + 1) - kv_row0
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    rows = tl.arange(0, BLOCK_M)                     # [BLOCK_M] row = token-major (token, head)
+    tok = tile * TOKENS_PER_TILE + rows // HEADS_PER_TILE
+    head_in_group = head_chunk * HEADS_PER_TILE + rows % HEADS_PER_TILE
+    row_valid = ((rows < TOKENS_PER_TILE * HEADS_PER_TILE) & (tok < q_len)
+                 & (head_in_group < GROUP))
+    head = kv_head * GROUP + head_in_group           # [BLOCK_M] query head of each row
+    offs_d = tl.arange(0, HEAD_SIZE_PADDED)          # [HEAD_SIZE_PADDED]
+    d_valid = offs_d < HEAD_SIZE
+
+    q_rows = (q_start + tok).to(tl.int64)            # [BLOCK_M]
+    q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    # [BLOCK_M, HEAD_SIZE_PADDED]
+
+    # Keys every row may see: up to its own position (causal) or the whole sequence.
+    first_tok = tile * TOKENS_PER_TILE
+    if CAUSAL:
+        q_offset = kv_len - q_len  # bottom-right alignment
+        last_visible = tl.minimum(q_offset + tok, kv_len - 1)   # [BLOCK_M]
+        kv_end = q_offset + tl.minimum(first_tok + TOKENS_PER_TILE, q_len)
+        unmasked_end = tl.maximum(q_offset + first_tok + 1, 0) // BLOCK_N * BLOCK_N
+    else:
+        last_visible = tl.zeros([BLOCK_M], dtype=tl.int32) + (kv_len - 1)
+        kv_end = kv_len
+        unmasked_end = kv_len // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
+    k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+    for start_n in range(0, unmasked_end, BLOCK_N):
+        acc, l_i, m_i = _attend_kv_tile(
+            acc, l_i, m_i, q, start_n, last_visible, kv_len, qk_scale, k_base, v_base,
+            table_row, kv_row0, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
+            HEAD_SIZE, HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION)
+    for start_n in range(unmasked_end, kv_end, BLOCK_N):
+        acc, l_i, m_i = _attend_kv_tile(
+            acc, l_i, m_i, q, start_n, last_visible, kv_len, qk_scale, k_base, v_base,
+            table_row, kv_row0, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
+            HEAD_SIZE, HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION)
+
+    # Rows that saw no key (only possible for contiguous K/V shorter than Q) give 0 and -inf.
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)               # [BLOCK_M]
+    out = acc / l_safe[:, None]                     # [BLOCK_M, HEAD_SIZE_PADDED]
+    o_ptrs = (out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh
+              + offs_d[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
+             mask=row_valid[:, None] & d_valid[None, :])
+    if WRITE_LSE:
+        lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+        tl.store(lse_ptr + q_rows * stride_lt + head * stride_lh, lse, mask=row_valid)
+
+
+def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs: int,
+            num_kv_heads: int, scale: float, causal: bool, paged: bool, block_size: int,
+            config: PrefillConfig | None) -> None:
+    total_q, num_q_heads, head_size = q.shape
+    if total_q == 0 or num_seqs == 0:
+        return
+    group = num_q_heads // num_kv_heads
+    config = config or default_config(head_size, q.dtype, q.device)
+    plan = tiling(config, group, head_size)
+    lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
+    grid = plan.grid(total_q, num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q, k, v, out, lse_arg, block_tables, cu_seqlens_q, kv_lens,
+        num_seqs, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), out.stride(2), *lse_strides,
+        *(k.stride()[:3] if paged else (0, *k.stride()[:2])),
+        *(v.stride()[:3] if paged else (0, *v.stride()[:2])),
+        block_tables.stride(0) if paged else 0,
+        GROUP=group, HEADS_PER_TILE=plan.heads_per_tile, HEAD_CHUNKS=plan.head_chunks,
+        TOKENS_PER_TILE=plan.tokens_per_tile, HEAD_SIZE=head_size,
+        HEAD_SIZE_PADDED=plan.head_size_padded, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_SIZE=block_size if paged else 1, PAGED=paged,
+        CAUSAL=causal, WRITE_LSE=lse is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def triton_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         context_lens: torch.Tensor, shapes: PagedShapes, *, causal: bool,
+                         out: torch.Tensor, lse: torch.Tensor | None,
+                         max_seqlen_q: int | None = None,
+                         config: PrefillConfig | None = None) -> None:
+    """Paged varlen prefill into ``out`` (and ``lse``); arguments already checked by dispatch.
+
+    Args:
+        query: ``[total_q, num_q_heads, head_size]`` fp16 / bf16 / fp32, last dim contiguous.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, any
+            strides on the first three dims.
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``, last dim contiguous.
+        cu_seqlens_q: int32 ``[num_seqs + 1]``; context_lens: int32 ``[num_seqs]``.
+        shapes: the validated sizes (``scale`` included).
+        out: ``[total_q, num_q_heads, head_size]`` in the query's dtype, written.
+        lse: float32 ``[total_q, num_q_heads]`` (natural log) or None.
+        max_seqlen_q: accepted for the dispatcher's signature; the launch needs no bound on
+            q_len (the grid comes from ``total_q`` and ``num_seqs``), so no host sync either.
+        config: tile sizes (default: :func:`~.prefill_plan.default_config`).
+    """
+    del max_seqlen_q  # the flattened tile schedule makes it unnecessary
+    _launch(query, key_cache, value_cache, out, lse, block_tables, cu_seqlens_q, context_lens,
+            num_seqs=shapes.num_seqs, num_kv_heads=shapes.num_kv_heads, scale=shapes.scale,
+            causal=causal, paged=True, block_size=shapes.block_size, config=config)
+
+
+def triton_varlen_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                             max_seqlen_q: int, max_seqlen_k: int, *, causal: bool,
+                             scale: float, out: torch.Tensor, lse: torch.Tensor | None = None,
+                             config: PrefillConfig | None = None) -> None:
+    """Varlen attention over contiguous K/V into ``out`` (FlashAttention's varlen semantics).
+
+    Args:
+        q: ``[total_q, num_q_heads, head_size]``; k, v: ``[total_k, num_kv_heads, head_size]``,
+            all in one dtype, last dims contiguous.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[num_seqs + 1]``.
+        max_seqlen_q, max_seqlen_k: accepted for FlashAttention's signature; unused.
+        causal: bottom-right aligned: query ``t`` of sequence i sees keys
+            ``<= k_len_i - q_len_i + t``; a query row that sees no key gives zeros.
+        scale: softmax scale.
+        out: ``[total_q, num_q_heads, head_size]`` in q's dtype, written.
+        lse: optional float32 ``[total_q, num_q_heads]`` (natural log, ``-inf`` for empty rows).
+    """
+    del max_seqlen_q, max_seqlen_k
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and q.stride(-1) == 1, "last dims contiguous"
+    _launch(q, k, v, out, lse, cu_seqlens_k, cu_seqlens_q, cu_seqlens_k,
+            num_seqs=cu_seqlens_q.shape[0] - 1, num_kv_heads=k.shape[1], scale=float(scale),
+            causal=causal, paged=False, block_size=1, config=config)
+
+
+__all__ = ["triton_paged_prefill", "triton_varlen_contiguous", "PrefillConfig"]

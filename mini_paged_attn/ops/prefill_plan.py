@@ -1,0 +1,94 @@
+"""How the Triton prefill kernel tiles a varlen batch: tile sizes and the launch grid.
+
+A tile of the prefill kernel holds ``block_m`` *rows*, and a row is one (query token, query head)
+pair: the ``group_size`` query heads that share a KV head are packed next to each other, so one
+tile of ``block_m`` rows covers ``tokens_per_tile = block_m // heads_per_tile`` query tokens of
+``heads_per_tile`` heads and reads each K/V tile once for all of them. A decode row (q_len 1) of
+a GQA-8 model then fills 8 rows of a tile instead of 1.
+
+Sequences are laid out on a flattened tile axis without a host sync: sequence ``i`` owns the
+tile slots starting at ``cu_seqlens_q[i] // tokens_per_tile + i`` (strictly increasing in ``i``,
+and far enough apart for its ``ceil(q_len_i / tokens_per_tile)`` tiles), so a program finds its
+sequence by a binary search over ``cu_seqlens_q`` and the grid size needs only ``total_q`` and
+``num_seqs``, both known on the host. A sequence with q_len 0 owns one slot that exits at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Tile sizes and launch options of the prefill kernel.
+
+    block_m: rows (query token x query head pairs) per tile, a power of two >= 16.
+    block_n: K/V tokens per tile, a power of two >= 16, independent of the cache's block_size.
+    num_warps, num_stages: Triton launch options (software-pipelining depth of the K/V loads).
+    """
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and _is_pow2(value) and value >= 16):
+                raise ValueError(f"{name}: expected a power of two >= 16, got {value!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        if not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 8):
+            raise ValueError(f"num_stages: expected an int in 1..8, got {self.num_stages!r}")
+
+
+@dataclass(frozen=True)
+class PrefillTiling:
+    """The launch geometry derived from a config and the head layout."""
+
+    heads_per_tile: int    # query heads of one KV head packed into a tile (<= block_m)
+    head_chunks: int       # tiles needed to cover a whole GQA group (1 unless group > block_m)
+    tokens_per_tile: int   # query tokens per tile
+    head_size_padded: int  # head_size rounded up to a power of two (>= 16 for tl.dot)
+
+    def grid(self, total_q: int, num_seqs: int, num_kv_heads: int) -> tuple[int, int]:
+        """(tile slots, kv heads x head chunks); an upper bound that needs no host sync."""
+        slots = -(-total_q // self.tokens_per_tile) + num_seqs
+        return (slots, num_kv_heads * self.head_chunks)
+
+
+def tiling(config: PrefillConfig, group_size: int, head_size: int) -> PrefillTiling:
+    heads_per_tile = min(group_size, config.block_m)
+    return PrefillTiling(
+        heads_per_tile=heads_per_tile,
+        head_chunks=-(-group_size // heads_per_tile),
+        tokens_per_tile=config.block_m // heads_per_tile,
+        head_size_padded=max(16, 1 << (head_size - 1).bit_length()),
+    )
+
+
+def default_config(head_size: int, dtype: torch.dtype, device: torch.device) -> PrefillConfig:
+    """Tile sizes for a head size and dtype (H100/H200 numbers; small tiles in the interpreter).
+
+    The interpreter (no CUDA) runs every program in numpy, where small tiles keep tests quick.
+    On the GPU: 128 x 64 tiles with 8 warps fill the tensor cores for head sizes up to 128;
+    at head_size 256 (or fp32, twice the bytes) the Q tile plus pipelined K/V tiles must still
+    fit in shared memory, so the tiles shrink.
+    """
+    if device.type != "cuda":
+        return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    padded = max(16, 1 << (head_size - 1).bit_length())
+    if dtype == torch.float32:
+        return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if padded <= 64:
+        return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if padded <= 128:
+        return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
