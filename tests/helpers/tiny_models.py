@@ -1,0 +1,161 @@
+"""Tiny random Hugging Face model directories for tests (Llama, Qwen2, Qwen3).
+
+``make_tiny_model_dir(path, arch)`` writes what a real checkpoint directory holds, through
+``transformers`` itself: config.json, model.safetensors (or shards + index),
+generation_config.json, tokenizer.json + tokenizer_config.json with a ChatML chat template.
+The tokenizer is a byte-level BPE trained on a few sentences (English, Chinese, emoji), so tokens
+span several bytes and multi-byte characters split across tokens.
+
+Weights are seeded random, larger than transformers' init (std 0.1 instead of 0.02) so the logits
+have clear top-1 gaps and greedy parity does not hinge on float rounding; biases and norm weights
+are random too, so a loader that forgot one would fail the parity tests.
+
+Use from any test (tests/ is on sys.path through tests/conftest.py)::
+
+    from helpers.tiny_models import make_tiny_model_dir, hf_reference_model
+    from helpers.tiny_models import tiny_model_factory  # noqa: F401  (the fixture)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mini_paged_attn.models.tiny import CHAT_TEMPLATE, ENDOFTEXT, IM_END, SPECIAL_TOKENS, write_tokenizer_files
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+TOKENIZER_VOCAB_SIZE = 300
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Hello world, hello paged attention!",
+    "Blocks of sixteen tokens live in a pool; a block table maps each sequence to its blocks.",
+    "你好，世界。分页注意力把键值缓存切成固定大小的块。",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 and emoji 🙂🚀✨ end here.",
+    "def forward(self, x):\n    return self.norm(x) + x\n",
+]
+
+LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def tiny_tokenizer():
+    """The test tokenizer: byte-level BPE, 300 tokens, ids 0..2 are the special tokens.
+
+    ``<|endoftext|>`` (id 0) is bos and eos, ``<|im_start|>`` 1, ``<|im_end|>`` 2; ChatML template.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    raw.train_from_iterator(_CORPUS * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=ENDOFTEXT, eos_token=ENDOFTEXT,
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def _hf_config(arch: str, vocab_size: int, special_ids: dict[str, int], **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, bos_token_id=special_ids[ENDOFTEXT],
+                  eos_token_id=[special_ids[ENDOFTEXT], special_ids[IM_END]], tie_word_embeddings=False)
+    if arch == "llama":
+        common.update(rope_theta=10000.0)
+        common.update(overrides)
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        common.update(rope_theta=1000000.0)
+        common.update(overrides)
+        return Qwen2Config(**common)
+    if arch == "qwen3":
+        common.update(rope_theta=1000000.0, head_dim=32)   # head_dim != hidden / heads, as in Qwen3
+        common.update(overrides)
+        return Qwen3Config(**common)
+    raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
+
+
+def _randomize(model: torch.nn.Module, seed: int, std: float) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * noise)     # RMSNorm gains near 1, but not all equal
+            else:
+                p.copy_(std * noise)           # weights and biases (Qwen2's qkv bias included)
+
+
+def make_tiny_model_dir(path: str | Path, arch: str = "llama", *, seed: int = 0,
+                        tie_word_embeddings: bool = False, rope_scaling: dict | None = None,
+                        max_shard_size: str | int | None = None, dtype: torch.dtype = torch.float32,
+                        std: float = 0.1, **config_overrides) -> Path:
+    """Write a tiny random ``arch`` model directory at ``path`` (created) and return ``path``.
+
+    Args:
+        arch: "llama" | "qwen2" | "qwen3" (2 layers, hidden 64, 4 q heads, 2 kv heads;
+            head_dim 16, Qwen3 32; vocab 300 = the tokenizer's).
+        tie_word_embeddings: share lm_head with the embedding (Qwen2.5-0.5B does).
+        rope_scaling: e.g. :data:`LLAMA3_ROPE_SCALING`.
+        max_shard_size: e.g. "20KB" to get several shards and model.safetensors.index.json.
+        dtype: dtype the weights are saved in (config.json's torch_dtype / dtype).
+        config_overrides: any other config field (num_hidden_layers=3, ...).
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = tiny_tokenizer()
+    special_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    if rope_scaling is not None:
+        config_overrides["rope_scaling"] = rope_scaling
+    config = _hf_config(arch, len(tokenizer), special_ids, tie_word_embeddings=tie_word_embeddings,
+                        **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed, std)
+    if tie_word_embeddings:
+        model.tie_weights()
+    model.to(dtype)
+    save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **save_kwargs)
+    write_tokenizer_files(tokenizer, path)
+    return path
+
+
+def hf_reference_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
+                       device: str | torch.device = "cpu"):
+    """The transformers model of ``model_dir`` (eager attention, eval mode) to compare against."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+    return model.to(device).eval()
+
+
+def read_config(model_dir: str | Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """``make(arch="llama", **kwargs) -> Path``: tiny model dirs, written once per session.
+
+    The directories are shared between tests: do not modify them.
+    """
+    made: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", **kwargs) -> Path:
+        key = (arch, json.dumps(kwargs, sort_keys=True, default=str))
+        if key not in made:
+            made[key] = make_tiny_model_dir(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **kwargs)
+        return made[key]
+
+    return make
