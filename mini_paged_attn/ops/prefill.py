@@ -96,16 +96,18 @@ def _prefill_kernel(
     num_seqs, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
-    GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
     TOKENS_PER_TILE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # program = (tile slot, kv head x head chunk); see prefill_plan for the slot layout.
-    slot = tl.program_id(0)
-    kv_head = tl.program_id(1) // HEAD_CHUNKS
-    head_chunk = tl.program_id(1) % HEAD_CHUNKS
+    # program = (tile slot, kv head, head chunk), slot-major so that programs launch in slot
+    # order (see prefill_plan for the slot layout).
+    pid = tl.program_id(0)
+    slot = pid // (NUM_KV_HEADS * HEAD_CHUNKS)
+    kv_head = pid % (NUM_KV_HEADS * HEAD_CHUNKS) // HEAD_CHUNKS
+    head_chunk = pid % HEAD_CHUNKS
 
     # Sequence of this slot: the largest i with cu_seqlens_q[i] // TOKENS_PER_TILE + i <= slot.
     lo = slot * 0  # int32 scalars (num_seqs may be specialised to a constexpr 1)
@@ -205,7 +207,7 @@ def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs:
         *(k.stride()[:3] if paged else (0, *k.stride()[:2])),
         *(v.stride()[:3] if paged else (0, *v.stride()[:2])),
         block_tables.stride(0) if paged else 0,
-        GROUP=group, HEADS_PER_TILE=plan.heads_per_tile, HEAD_CHUNKS=plan.head_chunks,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEADS_PER_TILE=plan.heads_per_tile, HEAD_CHUNKS=plan.head_chunks,
         TOKENS_PER_TILE=plan.tokens_per_tile, HEAD_SIZE=head_size,
         HEAD_SIZE_PADDED=plan.head_size_padded, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_SIZE=block_size if paged else 1, PAGED=paged,

@@ -58,10 +58,12 @@ class PrefillTiling:
     tokens_per_tile: int   # query tokens per tile
     head_size_padded: int  # head_size rounded up to a power of two (>= 16 for tl.dot)
 
-    def grid(self, total_q: int, num_seqs: int, num_kv_heads: int) -> tuple[int, int]:
-        """(tile slots, kv heads x head chunks); an upper bound that needs no host sync."""
+    def grid(self, total_q: int, num_seqs: int, num_kv_heads: int) -> tuple[int]:
+        """Programs = tile slots x kv heads x head chunks, flattened slot-major into one axis
+        (so a batch's first sequences, e.g. its decode rows, start first); an upper bound
+        that needs no host sync."""
         slots = -(-total_q // self.tokens_per_tile) + num_seqs
-        return (slots, num_kv_heads * self.head_chunks)
+        return (slots * num_kv_heads * self.head_chunks,)
 
 
 def tiling(config: PrefillConfig, group_size: int, head_size: int) -> PrefillTiling:
