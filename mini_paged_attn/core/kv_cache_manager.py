@@ -1,0 +1,220 @@
+"""Per-sequence KV block allocation on top of the block manager and the prefix cache (no torch).
+
+Blocks are allocated as tokens arrive (never reserved for max_tokens up front). Every call that
+can fail checks first and changes nothing when it fails, so the scheduler can try, preempt
+someone, and try again.
+
+Copy-on-write: after :meth:`KVCacheManager.fork`, parent and child share every block. Full blocks
+are only ever read. The first of them to write into a shared, partly filled last block gets a
+fresh copy of it; :meth:`allocate_slots` returns the ``(src, dst)`` block pairs that the model
+runner must copy on the device before the step writes any K/V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .prefix_cache import ROOT_HASH, PrefixCache, hash_block
+from .request import Sequence
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    """Blocks a waiting sequence can reuse from the prefix cache: ``block_ids`` hold its first
+    ``num_tokens`` tokens (a multiple of block_size)."""
+
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+
+
+NO_HIT = CacheHit()
+
+
+class KVCacheManager:
+    """Allocates, shares and frees the blocks of sequences; owns the prefix cache.
+
+    Args:
+        block_manager: the pool (its reference counts are the single source of truth).
+        block_size: tokens per block.
+        enable_prefix_caching: look up and register full blocks by content.
+    """
+
+    def __init__(self, block_manager: BlockManager, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size: expected a positive int, got {block_size}")
+        self.block_manager = block_manager
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache = PrefixCache()
+        # Prompt tokens looked up in the cache, and those found (for the hit rate).
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    # ---- accounting --------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    def num_free_blocks(self) -> int:
+        """Blocks a sequence could get now: free in the pool, or cached and evictable."""
+        return self.block_manager.get_num_free_blocks() + self.prefix_cache.num_evictable_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    # ---- prefix cache lookups ---------------------------------------------------------------
+    def _extend_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
+        """Make seq.block_hashes cover its first ``num_full_blocks`` full blocks."""
+        hashes, tokens, bs = seq.block_hashes, seq.token_ids, self.block_size
+        parent = hashes[-1] if hashes else ROOT_HASH
+        for i in range(len(hashes), num_full_blocks):
+            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+            hashes.append(parent)
+
+    def find_cached_prefix(self, seq: Sequence) -> CacheHit:
+        """The longest run of cached blocks at the start of a sequence that holds no blocks.
+
+        At most ``num_tokens - 1`` tokens are served, so the last token is always computed (its
+        logits are needed). Nothing changes; :meth:`allocate_slots` takes the hit.
+        """
+        assert not seq.block_ids, seq
+        if not self.enable_prefix_caching:
+            return NO_HIT
+        bs = self.block_size
+        num_full = (seq.num_tokens - 1) // bs
+        self._extend_hashes(seq, num_full)
+        found: list[int] = []
+        parent = ROOT_HASH
+        for i in range(num_full):
+            h = seq.block_hashes[i]
+            block = self.prefix_cache.lookup(h, parent, seq.token_ids[i * bs:(i + 1) * bs])
+            if block is None:
+                break
+            found.append(block)
+            parent = h
+        return CacheHit(tuple(found), len(found) * bs) if found else NO_HIT
+
+    def record_lookup(self, num_queried: int, num_hit: int) -> None:
+        """Count one prompt's lookup in the hit rate (the scheduler calls it on admission)."""
+        self.num_queried_tokens += num_queried
+        self.num_hit_tokens += num_hit
+
+    # ---- allocation --------------------------------------------------------------------------
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       hit: CacheHit = NO_HIT) -> list[tuple[int, int]] | None:
+        """Give ``seq`` room for its next ``num_new_tokens`` tokens' K/V.
+
+        With a ``hit`` (from :meth:`find_cached_prefix`, for a sequence holding no blocks), the
+        hit's blocks are attached first and ``seq.num_computed_tokens`` is set to the hit's token
+        count; the new tokens follow them.
+
+        Returns:
+            The copy-on-write ``(src, dst)`` block pairs to copy on the device before the step
+            writes K/V (empty almost always), or None if there are not enough blocks, in which
+            case nothing changed.
+        """
+        bs = self.block_size
+        num_computed = hit.num_tokens if hit.block_ids else seq.num_computed_tokens
+        held = len(seq.block_ids) + len(hit.block_ids)
+        num_new_blocks = max(0, self.blocks_for(num_computed + num_new_tokens) - held)
+        # The first new token lands in an existing block only when it is partly filled.
+        cow = (num_new_tokens > 0 and num_computed % bs != 0 and num_computed // bs < held
+               and self.block_manager.get_ref_count(seq.block_ids[num_computed // bs]) > 1)
+        revived = sum(1 for b in hit.block_ids if self.prefix_cache.is_evictable(b))
+        if num_new_blocks + cow > self.num_free_blocks() - revived:
+            return None
+
+        if hit.block_ids:
+            self._take_hit(seq, hit)
+        copies: list[tuple[int, int]] = []
+        if cow:
+            index = num_computed // bs
+            src = seq.block_ids[index]
+            (dst,) = self._take_free(1)
+            self.block_manager.free(src)   # drops this sequence's share; others keep it
+            seq.block_ids[index] = dst
+            seq.blocks_changed_from = min(seq.blocks_changed_from, index)
+            copies.append((src, dst))
+        if num_new_blocks:
+            seq.block_ids.extend(self._take_free(num_new_blocks))
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, num_computed // bs, (num_computed + num_new_tokens) // bs)
+        return copies
+
+    def _take_hit(self, seq: Sequence, hit: CacheHit) -> None:
+        assert not seq.block_ids, seq
+        for b in hit.block_ids:
+            if self.prefix_cache.is_evictable(b):
+                self.prefix_cache.take(b)      # the cache's reference becomes the sequence's
+            else:
+                self.block_manager.increase_ref_count(b)
+        seq.block_ids.extend(hit.block_ids)
+        seq.num_computed_tokens = hit.num_tokens
+        seq.num_cached_tokens = hit.num_tokens
+
+    def _take_free(self, n: int) -> list[int]:
+        """n blocks with reference count 1 for the caller: free ones first, then evicted ones."""
+        from_pool = min(n, self.block_manager.get_num_free_blocks())
+        blocks = self.block_manager.allocate_blocks(from_pool)
+        for _ in range(n - from_pool):
+            blocks.append(self.prefix_cache.evict())
+        return blocks
+
+    def _register_full_blocks(self, seq: Sequence, start: int, stop: int) -> None:
+        """Cache blocks ``start .. stop-1`` of seq, full once this step's K/V is written.
+
+        (Registering before the step runs is safe: a sequence that hits these blocks is
+        scheduled in a later step, or in this one, where every layer writes its K/V before any
+        attention reads it.)
+        """
+        if stop <= start:
+            return
+        self._extend_hashes(seq, stop)
+        bs, hashes = self.block_size, seq.block_hashes
+        for i in range(start, stop):
+            parent = hashes[i - 1] if i else ROOT_HASH
+            self.prefix_cache.insert(hashes[i], parent, seq.token_ids[i * bs:(i + 1) * bs],
+                                     seq.block_ids[i])
+
+    # ---- sharing and freeing ------------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares every block of ``parent`` (nothing is copied now)."""
+        assert not child.block_ids, child
+        for b in parent.block_ids:
+            self.block_manager.increase_ref_count(b)
+        child.block_ids = list(parent.block_ids)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.blocks_changed_from = 0
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's share of each of its blocks; it then holds none.
+
+        Blocks are released last-first, so a prompt's tail is evicted before its head (a later
+        request is likelier to share a head).
+        """
+        for b in reversed(seq.block_ids):
+            if self.block_manager.get_ref_count(b) == 1 and self.prefix_cache.is_cached(b):
+                self.prefix_cache.make_evictable(b)
+            else:
+                self.block_manager.free(b)
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        seq.blocks_changed_from = 0
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every evictable block back to the pool; returns how many were freed."""
+        n = 0
+        while self.prefix_cache.num_evictable_blocks:
+            self.block_manager.free(self.prefix_cache.evict())
+            n += 1
+        return n
+
+
+__all__ = ["CacheHit", "KVCacheManager", "NO_HIT"]

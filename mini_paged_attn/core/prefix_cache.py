@@ -1,0 +1,103 @@
+"""Automatic prefix caching: find full KV blocks by the tokens they hold (no torch).
+
+A full block is named by a chained hash, ``hash(parent_hash, tokens of the block)``, so equal
+hashes mean equal *prefixes*, not just equal blocks. A hit is confirmed by comparing the block's
+tokens and parent hash with the cached entry, so a hash collision costs a miss, never wrong KV.
+
+Ownership (with the block manager's reference counts):
+- a cached block that sequences use has one reference per sequence, as any block;
+- when its last sequence frees it, the cache keeps that reference and the block becomes
+  *evictable*: still findable, and reusable by anyone who needs a fresh block. Evictable blocks
+  are kept in least-recently-freed order; the oldest is evicted first.
+So ``ref_count(b) == (sequences holding b) + (1 if b is evictable)`` for every block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Parent hash of a sequence's first block.
+ROOT_HASH = 0x6D696E69  # "mini"
+
+
+def hash_block(parent_hash: int, tokens: Sequence[int]) -> int:
+    """Chained hash of one full block (Python's tuple hash: deterministic for ints)."""
+    return hash((parent_hash, tuple(tokens)))
+
+
+@dataclass(frozen=True)
+class _Entry:
+    block_id: int
+    parent_hash: int
+    tokens: tuple[int, ...]
+
+
+class PrefixCache:
+    """Maps chained block hashes to physical blocks and keeps the LRU of evictable blocks.
+
+    The cache never allocates or frees: :class:`~.kv_cache_manager.KVCacheManager` moves
+    references between sequences, this cache and the block manager, and tells the cache.
+    """
+
+    def __init__(self) -> None:
+        self._by_hash: dict[int, _Entry] = {}
+        self._hash_of_block: dict[int, int] = {}
+        # Evictable blocks, least recently freed first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+
+    # ---- lookups -----------------------------------------------------------------------------
+    def lookup(self, block_hash: int, parent_hash: int, tokens: Sequence[int]) -> int | None:
+        """The block holding exactly ``tokens`` after the prefix named ``parent_hash``, or None."""
+        entry = self._by_hash.get(block_hash)
+        if entry is None or entry.parent_hash != parent_hash or entry.tokens != tuple(tokens):
+            return None
+        return entry.block_id
+
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._hash_of_block
+
+    def is_evictable(self, block_id: int) -> bool:
+        return block_id in self._evictable
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_of_block)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._evictable)
+
+    def evictable_blocks(self) -> list[int]:
+        """Evictable block ids, the next to be evicted first (a copy)."""
+        return list(self._evictable)
+
+    # ---- changes -----------------------------------------------------------------------------
+    def insert(self, block_hash: int, parent_hash: int, tokens: Sequence[int], block_id: int) -> bool:
+        """Register a block whose K/V holds ``tokens``; False (and no change) if that hash is
+        already cached (by another block with the same content) or the block already is."""
+        if block_hash in self._by_hash or block_id in self._hash_of_block:
+            return False
+        self._by_hash[block_hash] = _Entry(block_id, parent_hash, tuple(tokens))
+        self._hash_of_block[block_id] = block_hash
+        return True
+
+    def make_evictable(self, block_id: int) -> None:
+        """The last sequence let go of a cached block; the cache now holds its reference."""
+        assert block_id in self._hash_of_block and block_id not in self._evictable, block_id
+        self._evictable[block_id] = None
+
+    def take(self, block_id: int) -> None:
+        """A sequence takes over an evictable block (a cache hit); it stays cached."""
+        del self._evictable[block_id]
+
+    def evict(self) -> int:
+        """Forget the least recently freed evictable block and return it (its reference passes
+        to the caller). Raises KeyError if none is evictable."""
+        block_id, _ = self._evictable.popitem(last=False)
+        del self._by_hash[self._hash_of_block.pop(block_id)]
+        return block_id
+
+
+__all__ = ["PrefixCache", "ROOT_HASH", "hash_block"]

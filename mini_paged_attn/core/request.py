@@ -1,0 +1,123 @@
+"""Request and sequence state, as the scheduler and the KV cache manager see it (no torch).
+
+A :class:`Request` is what a user submitted: one prompt, ``n`` samples wanted. Each sample is a
+:class:`Sequence`: its own token ids, its own blocks, its own place in the scheduler's queues.
+A request with ``n > 1`` starts with one sequence; when its prompt has been computed and the
+first tokens are sampled (``n`` of them, from the same logits), the other ``n - 1`` sequences are
+forked off it and share the prompt's blocks (copy-on-write, see ``kv_cache_manager``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"     # queued: not admitted yet, or preempted (its KV was dropped)
+    RUNNING = "running"     # admitted: holds blocks, gets tokens every step
+    FINISHED = "finished"   # done (see finish_reason); holds no blocks
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"           # a stop token or stop string
+    LENGTH = "length"       # max_tokens or max_model_len
+    ABORT = "abort"         # aborted by the caller
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of a request: tokens, progress, and the physical blocks holding its KV.
+
+    ``token_ids`` are the prompt then the generated tokens. ``num_computed_tokens`` of them have
+    their K/V in the cache (the last sampled token never has: it is the next step's input).
+    ``block_ids[i]`` holds tokens ``i*block_size .. (i+1)*block_size - 1``.
+    """
+
+    seq_id: int
+    request: Request
+    index: int                       # sample index within the request, 0 .. n-1
+    token_ids: list[int]
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # Chained hashes of the first len(block_hashes) full blocks of token_ids (a function of the
+    # tokens only, so it survives preemption); extended lazily by the KV cache manager.
+    block_hashes: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Tokens served by the prefix cache when this sequence was last admitted.
+    num_cached_tokens: int = 0
+    # Index of the first entry of block_ids that changed since the model runner last copied
+    # this sequence's block table row (the KV cache manager lowers it, the runner raises it).
+    blocks_changed_from: int = 0
+    # Per generated token, whatever the sampler attached (logprobs); None when not asked for.
+    logprobs: list[Any] | None = None
+    cumulative_logprob: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.request.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.request.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence(seq_id={self.seq_id}, request={self.request.request_id!r}, "
+                f"index={self.index}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_ids}, "
+                f"status={self.status.value})")
+
+
+@dataclass(eq=False)
+class Request:
+    """A submitted request: the prompt, the limits the scheduler enforces, its sequences.
+
+    ``params`` is the engine's sampling parameters object, carried through untouched (core does
+    not look inside it); the fields the scheduler needs are copied out into plain values.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    n: int = 1
+    params: Any = None
+    arrival_time: float = 0.0
+    sequences: list[Sequence] = field(default_factory=list)
+    # Whether the n - 1 siblings of sequence 0 exist yet (always True when n == 1).
+    forked: bool = False
+    # Wall-clock times (time.time()) for the request's metrics, set by the scheduler/engine.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.n == 1:
+            self.forked = True
+
+    @property
+    def is_finished(self) -> bool:
+        """All samples are done. (Before forking, sequence 0 can only finish by abort, which
+        ends the whole request, so no sibling is missing then.)"""
+        return all(s.is_finished for s in self.sequences)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+__all__ = ["FinishReason", "Request", "Sequence", "SequenceStatus"]

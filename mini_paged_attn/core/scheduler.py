@@ -1,0 +1,281 @@
+"""Continuous batching under a token budget, with preemption by recompute (no torch).
+
+Each step, every running sequence gets the tokens it still needs (the rest of its prompt, a chunk
+of it, or one decode token) while ``max_num_batched_tokens`` lasts, oldest first; then waiting
+sequences are admitted (first come, first served) while the budget, ``max_num_seqs`` and the
+blocks last. So prompt chunks and decodes share a step.
+
+When a running sequence cannot get a block, the newest running sequence is preempted: its blocks
+are freed (full blocks stay in the prefix cache, so its recompute is mostly hits) and it goes to
+the front of the waiting queue. The oldest running sequence can always proceed, since every
+request fits the pool alone (checked at submission), so the scheduler never deadlocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import KVCacheManager
+from .request import FinishReason, Request, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step and of one sequence."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes.
+
+    Sequence ``seqs[i]`` computes its tokens ``num_computed_tokens .. + num_new_tokens[i] - 1``
+    (``num_computed_tokens`` as it is now, before the step), and the model samples
+    ``num_samples[i]`` tokens from the logits of its last one (0 for a prompt chunk that does not
+    reach the end of the sequence; ``n`` for a request about to fork its n samples).
+    """
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_samples: list[int] = field(default_factory=list)
+    # Copy-on-write (src, dst) block pairs, to copy in every layer before any K/V is written.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    # Sequences that left the running set since the previous output (finished, aborted,
+    # preempted): the model runner drops their state.
+    released_seq_ids: list[int] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    # Sequences still computing their prompt (before this step) and plain decodes, for display.
+    num_prefill_seqs: int = 0
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence computes exactly one token."""
+        return self.num_batched_tokens == len(self.seqs)
+
+
+class Scheduler:
+    """Owns the waiting and running queues and decides every step (single-threaded use)."""
+
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._next_seq_id = 0
+        self._released: list[int] = []
+
+    # ---- queue management --------------------------------------------------------------------
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        seq = Sequence(self._next_seq_id, request, index, token_ids)
+        self._next_seq_id += 1
+        request.sequences.append(seq)
+        return seq
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (already validated by the engine) behind the waiting ones."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: expected a new id, got {request.request_id!r} "
+                             "(already in use)")
+        self.requests[request.request_id] = request
+        self.waiting.append(self._new_sequence(request, 0, list(request.prompt_token_ids)))
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish every sequence of a request with reason "abort", freeing its blocks.
+
+        Returns the request, or None if it is unknown or already finished.
+        """
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.finish_sequence(seq, FinishReason.ABORT)
+        return request
+
+    def finish_sequence(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence now (e.g. the engine matched a stop string): free its blocks."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._released.append(seq.seq_id)
+        else:
+            self.waiting.remove(seq)
+        self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        request = seq.request
+        if request.is_finished:
+            request.finished_time = time.time()
+            del self.requests[request.request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def _seats(self, seq: Sequence) -> int:
+        """Running slots a sequence will take: a request about to fork takes all n at once."""
+        return 1 if seq.request.forked else seq.request.n
+
+    # ---- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(released_seq_ids=self._released)
+        self._released = []
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv
+
+        # 1. Running sequences, oldest first; preempt from the newest end when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            assert n > 0, seq
+            copies = kv.allocate_slots(seq, n)
+            while copies is None:
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+                copies = kv.allocate_slots(seq, n)
+            if copies is None:
+                break
+            self._add(out, seq, n, copies)
+            budget -= n
+            i += 1
+
+        # 2. Waiting sequences, first come first served, unless this step had to preempt.
+        seats = sum(self._seats(s) for s in self.running)
+        while self.waiting and budget > 0 and not out.preempted:
+            seq = self.waiting[0]
+            if seats + self._seats(seq) > self.config.max_num_seqs:
+                break
+            hit = kv.find_cached_prefix(seq)
+            n = min(seq.num_tokens - hit.num_tokens, budget)
+            copies = kv.allocate_slots(seq, n, hit)
+            if copies is None:
+                break
+            self.waiting.popleft()
+            if seq.request.first_scheduled_time is None:   # the prompt's first admission
+                kv.record_lookup(seq.num_tokens, hit.num_tokens)
+                seq.request.first_scheduled_time = time.time()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seats += self._seats(seq)
+            self._add(out, seq, n, copies)
+            budget -= n
+        return out
+
+    def _add(self, out: SchedulerOutput, seq: Sequence, n: int, copies: list) -> None:
+        out.seqs.append(seq)
+        out.num_new_tokens.append(n)
+        reaches_end = seq.num_computed_tokens + n == seq.num_tokens
+        out.num_samples.append(self._seats(seq) if reaches_end else 0)
+        if copies:
+            out.block_copies.extend(copies)
+        out.num_batched_tokens += n
+        if seq.num_computed_tokens < seq.num_prompt_tokens:
+            out.num_prefill_seqs += 1
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.kv.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_cached_tokens = 0
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        out.released_seq_ids.append(seq.seq_id)
+        self.num_preemptions += 1
+
+    # ---- results of a step ------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: list[list[int]],
+               logprobs: list[list[tuple[float, object]]] | None = None) -> list[Sequence]:
+        """Apply a step's results: advance progress, append sampled tokens, fork, finish.
+
+        Args:
+            out: the step's schedule.
+            sampled: ``sampled[i]`` holds ``out.num_samples[i]`` token ids for ``out.seqs[i]``.
+            logprobs: optional, aligned with ``sampled``: ``(logprob of the token, anything the
+                sampler attaches)`` per sampled token, kept in ``Sequence.logprobs``.
+
+        Returns:
+            The sequences that got a new token (forked children included), in batch order.
+        """
+        now = None
+        grew: list[Sequence] = []
+        max_model_len = self.config.max_model_len
+        for i, seq in enumerate(out.seqs):
+            seq.num_computed_tokens += out.num_new_tokens[i]
+            tokens = sampled[i]
+            if not tokens or seq.is_finished:
+                continue
+            request = seq.request
+            if request.first_token_time is None:
+                request.first_token_time = now = now or time.time()
+            targets = [seq]
+            if len(tokens) > 1:
+                targets = self._fork(seq, len(tokens) - 1)
+            for j, target in enumerate(targets):
+                token = tokens[j]
+                target.token_ids.append(token)
+                if logprobs is not None and logprobs[i]:
+                    lp = logprobs[i][j]
+                    if target.logprobs is None:
+                        target.logprobs = []
+                    target.logprobs.append(lp[1])
+                    target.cumulative_logprob += lp[0]
+                grew.append(target)
+                if token in request.stop_token_ids:
+                    self.finish_sequence(target, FinishReason.STOP)
+                elif (target.num_output_tokens >= request.max_tokens
+                      or target.num_tokens >= max_model_len):
+                    self.finish_sequence(target, FinishReason.LENGTH)
+        return grew
+
+    def _fork(self, parent: Sequence, num_children: int) -> list[Sequence]:
+        """Create a request's other samples, sharing parent's blocks; returns [parent, *children]."""
+        request = parent.request
+        assert not request.forked and parent.index == 0
+        request.forked = True
+        family = [parent]
+        at = self.running.index(parent) + 1
+        for k in range(num_children):
+            child = self._new_sequence(request, k + 1, list(parent.token_ids))
+            self.kv.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            family.append(child)
+        self.running[at:at] = family[1:]
+        return family
+
+
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput"]

@@ -1,0 +1,11 @@
+"""The inference engine: sampling parameters, outputs, the scheduler-driven LLMEngine and LLM.
+
+``LLM`` (offline, vLLM-shaped) wraps ``LLMEngine`` (one step at a time, thread-safe submission),
+which drives ``core.Scheduler`` and the ``ModelRunner`` (KV cache, metadata, CUDA graphs,
+sampling on the device).
+"""
+
+from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams
+
+__all__ = ["CompletionOutput", "EngineStats", "RequestMetrics", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,112 @@
+"""What the engine hands back: per-request outputs, their metrics, and engine statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request.
+
+    ``text`` and ``token_ids`` only grow between successive outputs of one request. A stop
+    string is not part of ``text``; a stop token is part of ``token_ids`` but not of ``text``.
+    ``logprobs`` (when asked): per generated token, ``{token_id: logprob}`` for the top
+    ``logprobs`` tokens and the sampled one. ``cumulative_logprob``: the sum of the sampled
+    tokens' logprobs (when asked), else None.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None          # "stop" | "length" | "abort" | None (running)
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Times are ``time.time()`` seconds; durations are seconds."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0          # prompt tokens served by the prefix cache
+    num_generation_tokens: int = 0      # over all samples
+    last_token_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Generated tokens per second after the first one (None until two exist)."""
+        if self.first_token_time is None or self.num_generation_tokens < 2:
+            return None
+        end = self.last_token_time if self.last_token_time is not None else self.first_token_time
+        elapsed = end - self.first_token_time
+        return (self.num_generation_tokens - 1) / elapsed if elapsed > 0 else None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after a step (or at the end, for ``LLM.generate``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine, for people and for ``/metrics``.
+
+    ``kv_blocks_free`` counts the blocks no live request holds: free ones and cached ones that
+    can be evicted. ``prefix_cache_hit_rate`` is the share of prompt tokens found in the prefix
+    cache. ``generation_tokens_per_s`` is measured over the last ``window_s`` seconds of steps.
+    """
+
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_cached: int = 0           # blocks findable in the prefix cache (in use or not)
+    block_size: int = 16
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_steps: int = 0
+    prompt_tokens_total: int = 0        # prompt tokens computed (cache hits excluded)
+    generation_tokens_total: int = 0
+    generation_tokens_per_s: float = 0.0
+    requests_finished: int = 0
+    window_s: float = 0.0
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_free
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    def summary(self) -> str:
+        return (f"running {self.num_running}, waiting {self.num_waiting}, "
+                f"KV blocks used {self.kv_blocks_used}/{self.kv_blocks_total} "
+                f"({100 * self.kv_cache_usage:.1f}%), prefix hit rate "
+                f"{100 * self.prefix_cache_hit_rate:.1f}%, preemptions {self.num_preemptions}, "
+                f"generation {self.generation_tokens_per_s:.1f} tok/s")
+
+
+__all__ = ["CompletionOutput", "EngineStats", "RequestMetrics", "RequestOutput"]

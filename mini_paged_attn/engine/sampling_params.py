@@ -1,0 +1,100 @@
+"""SamplingParams: how to pick each next token and when to stop (shaped like vLLM's)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Top logprobs a request may ask for per token (the sampler gathers them for the whole batch).
+MAX_LOGPROBS = 20
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping for one request.
+
+    Args:
+        temperature: >= 0; 0 is greedy (argmax). Logits are divided by it before softmax.
+        top_p: in (0, 1]; keep the smallest set of most likely tokens whose probability sum
+            reaches top_p.
+        top_k: -1 (off) or >= 1; keep the k most likely tokens.
+        min_p: in [0, 1]; drop tokens less likely than min_p times the most likely one.
+        max_tokens: >= 1; generate at most this many tokens per sample.
+        stop: strings that end generation when they appear in the text (not included in it).
+        stop_token_ids: token ids that end generation (included in token_ids, not in the text).
+        ignore_eos: keep generating past the model's end-of-sequence tokens.
+        n: >= 1 samples of the same prompt (they share the prompt's KV blocks).
+        seed: makes this request's sampling reproducible (its own random generator).
+        logprobs: None, or the number (0..20) of most likely tokens whose log-probabilities are
+            returned per generated token, with the sampled token's (log-softmax of the model's
+            logits before temperature and filtering).
+
+    Raises:
+        ValueError: naming the field, the expected range and the value given.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int = 16
+    stop: str | list[str] | tuple[str, ...] | None = None
+    stop_token_ids: list[int] | tuple[int, ...] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    seed: int | None = None
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        def fail(name: str, expected: str) -> ValueError:
+            return ValueError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
+
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise fail("temperature", "a number >= 0 (0 is greedy)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise fail("top_p", "a number in (0, 1]")
+        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            raise fail("top_k", "-1 (off) or an int >= 1")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise fail("min_p", "a number in [0, 1]")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise fail("max_tokens", "an int >= 1")
+        if not _is_int(self.n) or self.n < 1:
+            raise fail("n", "an int >= 1")
+        if self.seed is not None and not _is_int(self.seed):
+            raise fail("seed", "None or an int")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise fail("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
+        if not isinstance(self.ignore_eos, bool):
+            raise fail("ignore_eos", "a bool")
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise fail("stop", "None, a non-empty string or a list of non-empty strings")
+        self.stop = tuple(stop)
+        ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise fail("stop_token_ids", "None or a list of non-negative ints")
+        self.stop_token_ids = tuple(ids)
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+        self.min_p = float(self.min_p)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+__all__ = ["MAX_LOGPROBS", "SamplingParams"]
