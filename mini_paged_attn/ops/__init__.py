@@ -9,11 +9,11 @@
 """
 
 # Each line is enabled by the owner of its module once the module exists.
-# from .dispatch import paged_decode, paged_prefill, resolve_backend, store_kv
+from .dispatch import paged_decode, paged_prefill, resolve_backend, store_kv
 # from .explain import explain_decode
-# from .heuristics import num_splits_heuristic
-# from .merge import merge_attention_states
-# from .varlen import flash_attn_varlen_func
+from .heuristics import num_splits_heuristic
+from .merge import merge_attention_states
+from .varlen import flash_attn_varlen_func
 
 __all__ = ["paged_decode", "paged_prefill", "store_kv", "flash_attn_varlen_func",
            "merge_attention_states", "num_splits_heuristic", "explain_decode",

@@ -1,0 +1,154 @@
+"""``flash_attn_varlen_func``: a drop-in for FlashAttention's function of that name (forward only).
+
+Same positional order and defaults as FlashAttention's, so code written for it (seed 003's test
+script, transformers' ``_flash_attention_forward``) runs unchanged. Two K/V layouts:
+
+- contiguous varlen: ``k``, ``v`` ``[total_k, num_kv_heads, head_size]``, sequence i's keys at rows
+  ``cu_seqlens_k[i] .. cu_seqlens_k[i+1]-1``;
+- paged (``block_table`` given): ``k``, ``v`` are the caches
+  ``[num_blocks, block_size, num_kv_heads, head_size]`` and sequence i has
+  ``cu_seqlens_k[i+1] - cu_seqlens_k[i]`` keys, read through ``block_table[i]``; this runs
+  :func:`~mini_paged_attn.ops.dispatch.paged_prefill`, so its queries must be the last tokens of
+  the sequence (``q_len <= k_len``).
+
+``causal`` is bottom-right aligned when ``q_len != k_len``, as in FlashAttention >= 2.1: query row
+t sees keys ``<= k_len - q_len + t``; rows that see no key give 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.args import as_int
+from . import reference
+from .checks import FLOAT_DTYPES, check_scale, check_tensor
+from .dispatch import paged_prefill, resolve_backend
+
+
+def _not_implemented(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs) -> None:
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or \
+            not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
+    if dropout_p > 0:
+        raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not implemented "
+                                  "(inference only); pass dropout_p=0.0")
+    if tuple(window_size) != (-1, -1):
+        raise NotImplementedError(f"window_size={tuple(window_size)}: sliding-window attention "
+                                  "is not implemented; pass window_size=(-1, -1)")
+    if softcap != 0.0:
+        raise NotImplementedError(f"softcap={softcap}: softcapping is not implemented; "
+                                  "pass softcap=0.0")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: ALiBi is not implemented; pass None")
+    if return_attn_probs:
+        raise NotImplementedError("return_attn_probs=True: returning attention probabilities "
+                                  "is not implemented")
+
+
+def _seqlen_bound(name: str, value: object) -> int:
+    try:
+        v = as_int(name, value)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
+    if v < 0:
+        raise ValueError(f"{name}: expected a non-negative int, got {v}")
+    return v
+
+
+def _check_cu_values(name: str, cu: torch.Tensor, total: int, exact: bool,
+                     max_seqlen_name: str, max_seqlen: int) -> None:
+    """Values of a cu_seqlens tensor (a host sync): 0, non-decreasing, ends at / within total."""
+    c = cu.detach().to("cpu", torch.int64)
+    lens = c[1:] - c[:-1]
+    end_ok = int(c[-1]) == total if exact else int(c[-1]) <= total
+    if int(c[0]) != 0 or (lens < 0).any() or not end_ok:
+        relation = "=" if exact else "<="
+        raise ValueError(f"{name}: expected a non-decreasing sequence from 0 to a last value "
+                         f"{relation} {total} (the rows of the tensor), got {c.tolist()}")
+    if lens.numel() and int(lens.max()) > max_seqlen:
+        raise ValueError(f"{max_seqlen_name}: expected >= the longest sequence in {name} "
+                         f"({int(lens.max())}), got {max_seqlen}")
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None, *, backend="auto"):
+    """Attention over a varlen batch, FlashAttention's ``flash_attn_varlen_func`` (forward only).
+
+    Args:
+        q: ``[total_q, num_q_heads, head_size]``, fp16 / bf16 / fp32, last dim contiguous.
+        k, v: contiguous ``[total_k, num_kv_heads, head_size]``, or with ``block_table`` the paged
+            caches ``[num_blocks, block_size, num_kv_heads, head_size]``; q's dtype and device.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[num_seqs + 1]``, cumulative lengths from 0.
+        max_seqlen_q, max_seqlen_k: ints, at least the longest q / k length (launch bounds).
+        dropout_p, window_size, softcap, alibi_slopes, return_attn_probs: only their defaults
+            (0.0, (-1, -1), 0.0, None, False) are implemented; other values raise
+            NotImplementedError naming the option.
+        softmax_scale: default ``head_size ** -0.5``.
+        causal: bottom-right aligned causal mask.
+        deterministic: accepted and ignored (the forward pass is deterministic).
+        block_table: int32 ``[num_seqs, max_blocks_per_seq]`` for paged K/V, else None.
+        backend: "auto" | "torch" | "triton" (keyword only; see :mod:`.dispatch`).
+
+    Returns:
+        out ``[total_q, num_q_heads, head_size]`` in q's dtype.
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices (and, for the torch backend, lengths).
+        NotImplementedError: an unimplemented option.
+    """
+    _not_implemented(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs)
+    max_seqlen_q = _seqlen_bound("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _seqlen_bound("max_seqlen_k", max_seqlen_k)
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=q.device)
+    check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=(torch.int32,), device=q.device)
+    if cu_seqlens_q.shape[0] < 1 or cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(f"cu_seqlens_k: expected the shape of cu_seqlens_q "
+                         f"{tuple(cu_seqlens_q.shape)} (num_seqs + 1, at least 1), "
+                         f"got {tuple(cu_seqlens_k.shape)}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal: expected a bool, got {causal!r}")
+
+    if block_table is not None:
+        # Paged K/V: FlashAttention's per-sequence K length is the difference of cu_seqlens_k.
+        chosen = resolve_backend(backend, q.device)
+        if chosen == "torch":
+            total_k = int(cu_seqlens_k[-1]) if cu_seqlens_k.numel() else 0
+            _check_cu_values("cu_seqlens_k", cu_seqlens_k, total_k, True, "max_seqlen_k",
+                             max_seqlen_k)
+            _check_cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], True, "max_seqlen_q",
+                             max_seqlen_q)
+        context_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+        return paged_prefill(q, k, v, block_table, cu_seqlens_q, context_lens, causal=causal,
+                             scale=softmax_scale, backend=backend, max_seqlen_q=max_seqlen_q)
+
+    if q.stride(-1) != 1:
+        raise ValueError(f"q: expected a contiguous last dimension (stride 1), "
+                         f"got stride {q.stride()}")
+    check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=q.device)
+    check_tensor("v", v, ndim=3, dtypes=(q.dtype,), device=q.device)
+    if v.shape != k.shape:
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    total_q, num_q_heads, head_size = q.shape
+    if k.shape[2] != head_size:
+        raise ValueError(f"k: expected head_size {head_size} (q's last dim), got {k.shape[2]}")
+    if k.shape[1] < 1 or num_q_heads % k.shape[1] != 0:
+        raise ValueError(f"q: expected num_q_heads divisible by num_kv_heads={k.shape[1]} "
+                         f"(k's heads), got num_q_heads={num_q_heads}")
+    scale = check_scale(softmax_scale, head_size)
+    chosen = resolve_backend(backend, q.device)
+    if chosen == "torch":
+        _check_cu_values("cu_seqlens_q", cu_seqlens_q, total_q, True, "max_seqlen_q",
+                         max_seqlen_q)
+        _check_cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], False, "max_seqlen_k",
+                         max_seqlen_k)
+        out, _ = reference.varlen_attention_contiguous(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                       causal=causal, scale=scale)
+        return out.to(q.dtype)
+    from .prefill import triton_varlen_contiguous
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    triton_varlen_contiguous(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             causal=causal, scale=scale, out=out)
+    return out
