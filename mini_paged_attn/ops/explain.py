@@ -1,0 +1,262 @@
+"""How paged decode runs and why: the launch plan, shared by the Triton launcher and
+:func:`explain_decode`.
+
+One program of the decode kernel serves one (sequence, KV head, split): all ``group_size``
+query heads of that KV head, so each K/V tile is read once per group. When ``num_seqs x
+num_kv_heads`` programs cannot fill the GPU, each sequence's KV is split into ``num_splits``
+chunks ("flash decoding"); a second kernel merges the chunks' partial results by their
+log-sum-exp. The number of splits comes from FlashAttention's heuristic (seed 003), fed with
+this kernel's own figures: its KV tile (``block_n``) and how many of its programs fit on one SM.
+
+Planning reads nothing from the device but its SM count, so a launch needs no host sync: the
+planned context length is the block table's capacity (``max_blocks_per_seq * block_size``).
+Each sequence divides *its own* length among the splits, and splits left without work exit at
+once, so planning for the capacity costs a few idle programs, never wrong results.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .heuristics import num_splits_heuristic
+
+MAX_SPLITS = 128
+"""The most KV splits of one sequence (FlashAttention's cap, too)."""
+
+PROGRAMS_PER_SM = 2
+"""Decode programs resident on one SM at a time (4 warps and about 100 KB of pipelined K/V
+tiles each): the heuristic counts a wave as ``num_sms * PROGRAMS_PER_SM`` programs."""
+
+ASSUMED_NUM_SMS = 132
+"""SM count used for planning when no CUDA device is given (an H100 or H200)."""
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms_of(device: torch.device | None) -> int:
+    """Multiprocessors of a CUDA device (read once per device), else :data:`ASSUMED_NUM_SMS`."""
+    if device is None or device.type != "cuda":
+        return ASSUMED_NUM_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Tile size and launch options of the decode kernel.
+
+    block_n: KV tokens per tile, a power of two >= 16 (independent of the cache's block_size).
+    num_warps, num_stages: Triton launch options; ``num_stages`` is the software-pipelining
+        depth, i.e. how many K/V tiles are in flight while one is being used.
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.block_n, int) and self.block_n >= 16
+                and self.block_n == _next_pow2(self.block_n)):
+            raise ValueError(f"block_n: expected a power of two >= 16, got {self.block_n!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        if not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 8):
+            raise ValueError(f"num_stages: expected an int in 1..8, got {self.num_stages!r}")
+
+
+def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool) -> DecodeTiles:
+    """Tiles for a head size and dtype. They never depend on the batch, so that a sequence's
+    result with ``num_splits=1`` does not depend on which batch it is in.
+
+    On the GPU a tile of K plus one of V is 16-32 KB, and ``num_stages`` of them in flight per
+    program (two programs per SM) keep enough bytes moving to saturate HBM. The interpreter
+    runs every program in numpy: small tiles keep tests quick and still span several blocks.
+    """
+    if not on_gpu:
+        return DecodeTiles(block_n=16, num_warps=4, num_stages=1)
+    tile_bytes = 64 * _next_pow2(head_size) * torch.finfo(dtype).bits // 8
+    if tile_bytes <= 8192:        # head_size <= 64 in 16-bit: longer tiles, same bytes
+        return DecodeTiles(block_n=128, num_warps=4, num_stages=3)
+    if tile_bytes <= 16384:       # head_size <= 128 in 16-bit
+        return DecodeTiles(block_n=64, num_warps=4, num_stages=3)
+    return DecodeTiles(block_n=32, num_warps=4, num_stages=3)
+
+
+def wave_efficiency(programs: int, wave_slots: int) -> float:
+    """Fraction of the last wave's slots that do work: ``w / ceil(w)``, ``w = programs/slots``."""
+    waves = programs / wave_slots
+    return waves / math.ceil(waves) if programs > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Everything the decode launch decides, with the figures behind the decision.
+
+    ``str(plan)`` is a short human explanation.
+    """
+
+    num_seqs: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: torch.dtype
+    max_context_len: int      # the length planned for (the block table's capacity at launch)
+    tiles: DecodeTiles
+    num_sms: int
+    num_splits: int
+    split_reason: str         # "forced", "enough programs", "heuristic"
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def block_h(self) -> int:
+        """Query-head rows of a tile: the group padded to a power of two >= 16 (``tl.dot``)."""
+        return max(16, _next_pow2(self.group_size))
+
+    @property
+    def head_size_padded(self) -> int:
+        return max(16, _next_pow2(self.head_size))
+
+    @property
+    def units(self) -> int:
+        """Programs without splitting: one per (sequence, KV head)."""
+        return self.num_seqs * self.num_kv_heads
+
+    @property
+    def wave_slots(self) -> int:
+        return self.num_sms * PROGRAMS_PER_SM
+
+    @property
+    def num_kv_tiles(self) -> int:
+        """KV tiles of the longest planned sequence (the heuristic's ``num_n_blocks``)."""
+        return max(1, _cdiv(self.max_context_len, self.tiles.block_n))
+
+    @property
+    def programs(self) -> int:
+        return self.units * self.num_splits
+
+    @property
+    def merge_programs(self) -> int:
+        """Programs of the merge kernel (one per (sequence, query head)); 0 when unsplit."""
+        return self.num_seqs * self.num_q_heads if self.num_splits > 1 else 0
+
+    @property
+    def kernel(self) -> str:
+        if self.num_splits == 1:
+            return "paged_decode (one pass, writes the output directly)"
+        return f"paged_decode split-KV ({self.num_splits} splits) + merge"
+
+    @property
+    def efficiency_unsplit(self) -> float:
+        return wave_efficiency(self.units, self.wave_slots)
+
+    @property
+    def efficiency(self) -> float:
+        return wave_efficiency(self.programs, self.wave_slots)
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).replace("torch.", "")
+        g = self.group_size
+        heads = (f"{self.num_q_heads} q heads / {self.num_kv_heads} kv heads"
+                 + (f" (GQA {g}:1)" if g > 1 else " (MHA)"))
+        t = self.tiles
+        lines = [
+            f"paged decode: {self.num_seqs} seqs x {heads}, head_size {self.head_size}, {dtype}, "
+            f"block_size {self.block_size}, context <= {self.max_context_len}",
+            f"  kernel:   {self.kernel}",
+            f"  tiles:    {g} q heads padded to {self.block_h} rows x {t.block_n} kv tokens x "
+            f"{self.head_size_padded} dims; {t.num_warps} warps, {t.num_stages} stages",
+            f"  programs: {self.programs} = {self.num_seqs} seqs x {self.num_kv_heads} kv heads"
+            f" x {self.num_splits} splits, on {self.wave_slots} slots ({self.num_sms} SMs x "
+            f"{PROGRAMS_PER_SM})" + (f"; merge: {self.merge_programs}" if self.num_splits > 1
+                                     else ""),
+        ]
+        unsplit = (f"{self.units} programs unsplit fill {self.efficiency_unsplit:.0%} "
+                   "of their last wave")
+        if self.split_reason == "forced":
+            why = f"num_splits={self.num_splits} was forced"
+        elif self.split_reason == "enough programs":
+            why = (f"{self.units} programs >= 80% of {self.wave_slots} slots: no split "
+                   "needed (FlashAttention's rule)")
+        else:
+            why = (f"{unsplit}; the split heuristic over {self.num_kv_tiles} kv tiles chose "
+                   f"{self.num_splits} splits ({self.efficiency:.0%} of the last wave)")
+        lines.append(f"  why:      {why}")
+        return "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: int,
+                max_context_len: int, block_size: int, dtype: torch.dtype, num_sms: int,
+                num_splits: int | None = None, max_splits: int = MAX_SPLITS,
+                on_gpu: bool = True, tiles: DecodeTiles | None = None) -> DecodePlan:
+    """Plan one decode launch (pure; cached). The single place tiles and splits are chosen.
+
+    num_splits: forced split count (1..MAX_SPLITS), or None for the heuristic.
+    max_splits: cap for the heuristic (a caller's workspace may hold fewer splits).
+    on_gpu: pick GPU tiles (else small interpreter tiles); ``tiles`` overrides either.
+    """
+    if num_splits is not None and not (isinstance(num_splits, int)
+                                       and not isinstance(num_splits, bool)
+                                       and 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits: expected an int in 1..{MAX_SPLITS} or None, "
+                         f"got {num_splits!r}")
+    tiles = tiles or default_tiles(head_size, dtype, on_gpu)
+    units = num_seqs * num_kv_heads
+    slots = num_sms * PROGRAMS_PER_SM
+    if num_splits is not None:
+        splits, reason = num_splits, "forced"
+    else:
+        n_tiles = max(1, _cdiv(max_context_len, tiles.block_n))
+        splits = num_splits_heuristic(units, slots, n_tiles, max(1, min(max_splits, MAX_SPLITS)))
+        # The heuristic's first rule: >= 80% of a wave needs no split.
+        reason = "enough programs" if units >= 0.8 * slots else "heuristic"
+    return DecodePlan(num_seqs, num_q_heads, num_kv_heads, head_size, block_size, dtype,
+                      max_context_len, tiles, num_sms, splits, reason)
+
+
+def explain_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: int,
+                   max_context_len: int, block_size: int = 16,
+                   dtype: torch.dtype = torch.bfloat16,
+                   device: torch.device | str | None = None) -> DecodePlan:
+    """Which decode kernel runs for these sizes, with which tiles and splits, and why.
+
+    ``device``: the CUDA device whose SM count to plan for; None uses the current CUDA device
+    if there is one, else assumes an H100's 132 SMs. Returns a :class:`DecodePlan`; print it
+    for a short explanation. ``paged_decode(..., explain=True)`` logs the same plan.
+    """
+    for name, value in (("num_seqs", num_seqs), ("num_q_heads", num_q_heads),
+                        ("num_kv_heads", num_kv_heads), ("head_size", head_size),
+                        ("block_size", block_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    if not isinstance(max_context_len, int) or max_context_len < 0:
+        raise ValueError(f"max_context_len: expected an int >= 0, got {max_context_len!r}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={num_kv_heads}, "
+                         f"got {num_q_heads}")
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype: expected torch.float16, bfloat16 or float32, got {dtype}")
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device) if device is not None else None
+    return plan_decode(num_seqs, num_q_heads, num_kv_heads, head_size, max_context_len,
+                       block_size, dtype, num_sms_of(device))
+
+
+__all__ = ["DecodePlan", "DecodeTiles", "plan_decode", "explain_decode", "default_tiles",
+           "num_sms_of", "MAX_SPLITS", "PROGRAMS_PER_SM"]

@@ -1,0 +1,159 @@
+"""The Triton paged decode kernels (ops/decode.py) and their plan (ops/explain.py).
+
+On CPU the kernels run through the Triton interpreter with small shapes and fp16/fp32 (bf16
+``tl.dot`` is broken there); the interpreter tiles hold 16 KV tokens, so block sizes 1 and 4
+take the per-token table lookup and 16, 32, 64 the one-lookup-per-tile path. The GPU suite
+(test_decode_gpu.py) runs full shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from helpers.decode_batches import assert_decode_matches_reference, make_decode_batch
+from mini_paged_attn.ops.checks import check_paged_decode_args
+from mini_paged_attn.ops.decode import triton_paged_decode, workspace_size
+from mini_paged_attn.ops.dispatch import paged_decode
+from mini_paged_attn.ops.explain import DecodeTiles, explain_decode, plan_decode
+
+# (num_q_heads, num_kv_heads, head_size, block_size, lengths, dtype, seed_layout)
+CASES = [
+    pytest.param(4, 4, 64, 16, [1, 15, 16, 17, 50], torch.float16, False, id="mha-d64-bs16"),
+    pytest.param(8, 2, 80, 1, [1, 5, 33], torch.float32, True, id="gqa4-d80-bs1-seedlayout"),
+    pytest.param(8, 1, 96, 64, [1, 63, 65, 130], torch.float16, False, id="mqa8-d96-bs64"),
+    pytest.param(10, 2, 128, 4, [3, 4, 5, 40], torch.float32, True, id="gqa5-d128-bs4"),
+    pytest.param(16, 2, 32, 32, [31, 33, 100], torch.float16, True, id="gqa8-d32-bs32"),
+]
+
+
+def _run(batch, *, num_splits=None, workspace=None, scale=None):
+    out = torch.full_like(batch.query, float("nan"))   # every element must be written
+    _, lse = paged_decode(*batch.args, scale=scale, out=out, return_lse=True, backend="triton",
+                          num_splits=num_splits, workspace=workspace)
+    return out, lse
+
+
+@pytest.mark.parametrize("hq, hkv, head_size, block_size, lens, dtype, seed_layout", CASES)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_matches_reference(hq, hkv, head_size, block_size, lens, dtype, seed_layout, num_splits):
+    batch = make_decode_batch(lens, num_q_heads=hq, num_kv_heads=hkv, head_size=head_size,
+                              block_size=block_size, dtype=dtype, seed=len(lens) + head_size,
+                              seed_layout=seed_layout)
+    out, lse = _run(batch, num_splits=num_splits)
+    assert_decode_matches_reference(batch, out, lse)
+
+
+def test_auto_plan_splits_small_batches():
+    # 2 seqs x 2 kv heads on 132 assumed SMs: the heuristic splits (the interpreter tiles).
+    plan = plan_decode(2, 8, 2, 64, 40 * 16, 16, torch.float16, 132, on_gpu=False)
+    assert plan.num_splits > 1 and plan.split_reason == "heuristic"
+
+
+def test_forced_splits_agree_with_each_other():
+    batch = make_decode_batch([97, 40, 1], num_q_heads=4, num_kv_heads=2, head_size=64,
+                              block_size=8, dtype=torch.float32, seed=7)
+    results = [_run(batch, num_splits=s) for s in (1, 2, 4, 7, 16)]
+    for out, lse in results:
+        assert_decode_matches_reference(batch, out, lse)
+        torch.testing.assert_close(out, results[0][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, results[0][1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_empty_sequence_gives_zeros_and_minus_inf(num_splits):
+    batch = make_decode_batch([0, 20, 0], num_q_heads=4, num_kv_heads=2, head_size=64,
+                              block_size=16, dtype=torch.float16, seed=3)
+    out, lse = _run(batch, num_splits=num_splits)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[2], out[0])
+    assert torch.isinf(lse[[0, 2]]).all() and (lse[[0, 2]] < 0).all()
+    assert_decode_matches_reference(batch, out, lse)
+
+
+def test_custom_scale():
+    batch = make_decode_batch([30, 9], num_q_heads=4, num_kv_heads=2, head_size=64,
+                              block_size=16, dtype=torch.float32, seed=11)
+    out, lse = _run(batch, num_splits=2, scale=0.3)
+    assert_decode_matches_reference(batch, out, lse, scale=0.3)
+
+
+def test_num_splits_1_is_batch_invariant():
+    batch = make_decode_batch([50, 17, 33], num_q_heads=8, num_kv_heads=2, head_size=64,
+                              block_size=16, dtype=torch.float16, seed=5)
+    out_batch, _ = _run(batch, num_splits=1)
+    for i in range(3):
+        q, kc, vc, bt, cl = batch.args
+        alone = paged_decode(q[i:i + 1], kc, vc, bt[i:i + 1], cl[i:i + 1], backend="triton",
+                             num_splits=1)
+        assert torch.equal(alone, out_batch[i:i + 1])
+
+
+def test_workspace_is_used_and_checked():
+    batch = make_decode_batch([60, 20], num_q_heads=4, num_kv_heads=2, head_size=64,
+                              block_size=16, dtype=torch.float16, seed=13)
+    ws = torch.empty(workspace_size(2, 4, 64, 4), dtype=torch.float32)
+    out, lse = _run(batch, num_splits=4, workspace=ws)
+    assert_decode_matches_reference(batch, out, lse)
+    out_auto, lse_auto = _run(batch, workspace=ws)   # heuristic capped to the 4 splits it holds
+    assert_decode_matches_reference(batch, out_auto, lse_auto)
+    out = torch.zeros_like(batch.query)
+    with pytest.raises(ValueError, match="workspace"):
+        paged_decode(*batch.args, out=out, backend="triton", num_splits=5, workspace=ws)
+    with pytest.raises(ValueError, match="workspace"):
+        paged_decode(*batch.args, out=out, backend="triton", workspace=ws.half())
+    assert not out.any()  # nothing written on error
+
+
+@pytest.mark.parametrize("bad", ["head_size", "block_size", "num_splits"])
+def test_unsupported_input_raises_before_launch(bad):
+    head_size, block_size, num_splits = 64, 16, 2
+    if bad == "head_size":
+        head_size = 512
+    elif bad == "block_size":
+        block_size = 12
+    else:
+        num_splits = 0
+    batch = make_decode_batch([5], num_q_heads=2, num_kv_heads=1, head_size=head_size,
+                              block_size=block_size, dtype=torch.float16, seed=1)
+    out = torch.zeros_like(batch.query)
+    with pytest.raises(ValueError, match=bad):
+        paged_decode(*batch.args, out=out, backend="triton", num_splits=num_splits)
+    assert not out.any()
+
+
+def test_tile_override_spans_and_splits_blocks():
+    # BLOCK_N 32 over block_size 16 (two lookups per tile) and over block_size 64 (part of one).
+    for block_size in (16, 64):
+        batch = make_decode_batch([70, 3], num_q_heads=4, num_kv_heads=4, head_size=64,
+                                  block_size=block_size, dtype=torch.float16, seed=block_size)
+        shapes = check_paged_decode_args(*batch.args, None, None)
+        out = torch.full_like(batch.query, float("nan"))
+        lse = torch.full(batch.query.shape[:2], float("nan"))
+        triton_paged_decode(*batch.args, shapes, out=out, lse=lse, num_splits=2,
+                            tiles=DecodeTiles(block_n=32, num_warps=4, num_stages=1))
+        assert_decode_matches_reference(batch, out, lse)
+
+
+def test_explain_decode_says_what_runs_and_why():
+    small = explain_decode(1, 32, 8, 128, 4096, device="cpu")
+    assert small.num_splits > 1 and small.programs == 8 * small.num_splits
+    assert small.merge_programs == 32 and small.efficiency > small.efficiency_unsplit
+    text = str(small)
+    assert "split-KV" in text and f"{small.num_splits} splits" in text and "132 SMs" in text
+    big = explain_decode(256, 32, 8, 128, 4096, device="cpu")
+    assert big.num_splits == 1 and big.merge_programs == 0 and "no split" in str(big)
+    # Tiles never depend on the batch: the precondition of batch invariance.
+    assert small.tiles == big.tiles and small.block_h == 16
+    with pytest.raises(ValueError, match="num_q_heads"):
+        explain_decode(1, 30, 8, 128, 4096)
+
+
+def test_explain_flag_logs_the_plan(caplog):
+    batch = make_decode_batch([20], num_q_heads=4, num_kv_heads=2, head_size=64,
+                              block_size=16, dtype=torch.float16, seed=2)
+    with caplog.at_level(logging.INFO, logger="mini_paged_attn.ops.decode"):
+        paged_decode(*batch.args, backend="triton", num_splits=2, explain=True)
+    assert "num_splits=2 was forced" in caplog.text and "kernel:" in caplog.text
+
