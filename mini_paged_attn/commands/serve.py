@@ -1,0 +1,86 @@
+"""``mini-paged-attn serve``: an OpenAI-compatible HTTP server over one engine.
+
+    mini-paged-attn serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+                          [--max-queue N] [engine options]
+
+With no GPU (or none that runs the model's dtype) it runs on the CPU, so ``serve --model DIR``
+alone works on a laptop. It binds to 127.0.0.1 unless ``--host`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="local Hugging Face model directory (config.json, *.safetensors, "
+                             "tokenizer files)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the id clients pass as `model` (default: the directory's name)")
+    http = parser.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1",
+                      help="address to bind (default 127.0.0.1: this machine only)")
+    http.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    http.add_argument("--api-key", default=os.environ.get("MINI_PAGED_ATTN_API_KEY"),
+                      help="require `Authorization: Bearer KEY` on /v1/* "
+                           "(default: $MINI_PAGED_ATTN_API_KEY, else no key)")
+    http.add_argument("--max-queue", type=_positive, default=None,
+                      help="at most N requests may wait for their first token; more get 429 "
+                           "(default: no limit)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default="auto",
+                        help="auto (the model's), float16, bfloat16 or float32")
+    engine.add_argument("--device", default=None,
+                        help="cuda, cuda:1, cpu ... (default: cuda if it can run the dtype, "
+                             "else cpu)")
+    engine.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block")
+    engine.add_argument("--num-kv-blocks", type=_positive, default=None,
+                        help="KV pool size in blocks (default: sized from free memory)")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="share of GPU memory the engine may use (default 0.9)")
+    engine.add_argument("--max-num-seqs", type=_positive, default=256,
+                        help="most requests in one batch (default 256)")
+    engine.add_argument("--max-num-batched-tokens", type=_positive, default=8192,
+                        help="token budget of one step (default 8192)")
+    engine.add_argument("--max-model-len", type=_positive, default=None,
+                        help="longest prompt + output (default: the model's)")
+    engine.add_argument("--no-prefix-caching", action="store_true",
+                        help="turn automatic prefix caching off")
+    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    engine.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    from pathlib import Path
+
+    import uvicorn
+
+    from mini_paged_attn.engine import LLM
+    from mini_paged_attn.server.app import build_app
+
+    log = logging.getLogger("mini_paged_attn.serve")
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+              num_kv_blocks=args.num_kv_blocks,
+              gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+              enforce_eager=args.enforce_eager, seed=args.seed)
+    name = args.served_model_name or Path(args.model).resolve().name
+    app = build_app(llm.engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue)
+    print(f"serving {name!r} on http://{args.host}:{args.port}/v1 "
+          f"({llm.stats().summary()})", flush=True)
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s with no API key: anyone who can reach it can use it",
+                    args.host)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0

@@ -1,0 +1,144 @@
+"""Response objects of the two endpoints, as OpenAI shapes them (streamed chunks and whole).
+
+``text_completion`` for /v1/completions, ``chat.completion`` / ``chat.completion.chunk`` for
+/v1/chat/completions. A chunk carries the text and log-probabilities of the tokens that arrived
+since the previous chunk of the same choice (``start``: the first of them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _finite(x: float) -> float:
+    # JSON has no -inf; OpenAI clients expect a number, -9999.0 is what OpenAI itself sends.
+    return x if math.isfinite(x) else -9999.0
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """Turns the engine's per-token ``{token_id: logprob}`` dicts into OpenAI's two layouts.
+
+    Args:
+        token_text: token id -> its text (for a token that is part of a multi-byte character,
+            whatever the tokenizer decodes it to alone).
+        top: how many alternatives per token the client asked for.
+    """
+
+    token_text: Callable[[int], str]
+    top: int
+
+    def _alternatives(self, entry: dict[int, float]) -> list[tuple[int, float]]:
+        return sorted(entry.items(), key=lambda kv: -kv[1])[:self.top]
+
+    def completion(self, comp: Any, start: int, text_offset: int) -> dict[str, Any] | None:
+        """The ``logprobs`` object of a text_completion choice for tokens ``start:``."""
+        if comp.logprobs is None:
+            return None
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for tid, entry in zip(comp.token_ids[start:], comp.logprobs[start:]):
+            text = self.token_text(tid)
+            tokens.append(text)
+            token_logprobs.append(_finite(entry[tid]))
+            top_logprobs.append({self.token_text(t): _finite(lp)
+                                 for t, lp in self._alternatives(entry)})
+            offsets.append(text_offset)
+            text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs,
+                "top_logprobs": top_logprobs, "text_offset": offsets}
+
+    def _chat_token(self, tid: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(tid)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+    def chat(self, comp: Any, start: int) -> dict[str, Any] | None:
+        """The ``logprobs`` object of a chat choice for tokens ``start:``."""
+        if comp.logprobs is None:
+            return None
+        content = []
+        for tid, entry in zip(comp.token_ids[start:], comp.logprobs[start:]):
+            item = self._chat_token(tid, entry[tid])
+            item["top_logprobs"] = [self._chat_token(t, lp) for t, lp in self._alternatives(entry)]
+            content.append(item)
+        return {"content": content, "refusal": None}
+
+
+@dataclass
+class ResponseFormat:
+    """Builds the response objects of one request of either endpoint."""
+
+    chat: bool
+    request_id: str
+    model: str
+    created: int
+    logprobs: Logprobs | None = None
+
+    @property
+    def object_name(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    @property
+    def chunk_object_name(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _envelope(self, obj: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created,
+                "model": self.model, "choices": choices, **extra}
+
+    def _logprobs(self, comp: Any, start: int, text_offset: int) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        if self.chat:
+            return self.logprobs.chat(comp, start)
+        return self.logprobs.completion(comp, start, text_offset)
+
+    def role_chunk(self, index: int, *, usage_field: bool) -> dict[str, Any]:
+        """The chunk that opens a chat choice (OpenAI sends the role first, with no text)."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None}
+        return self._envelope(self.chunk_object_name, [choice],
+                              **({"usage": None} if usage_field else {}))
+
+    def chunk(self, index: int, comp: Any, *, text_start: int, token_start: int,
+              usage_field: bool) -> dict[str, Any]:
+        """The chunk for what ``comp`` gained since ``text_start`` / ``token_start``."""
+        delta = comp.text[text_start:]
+        logprobs = self._logprobs(comp, token_start, text_start)
+        if self.chat:
+            choice = {"index": index, "delta": {"content": delta}, "logprobs": logprobs,
+                      "finish_reason": comp.finish_reason}
+        else:
+            choice = {"index": index, "text": delta, "logprobs": logprobs,
+                      "finish_reason": comp.finish_reason}
+        return self._envelope(self.chunk_object_name, [choice],
+                              **({"usage": None} if usage_field else {}))
+
+    def usage_chunk(self, usage_: dict[str, int]) -> dict[str, Any]:
+        """The last chunk when the client asked for ``stream_options.include_usage``."""
+        return self._envelope(self.chunk_object_name, [], usage=usage_)
+
+    def response(self, choices: list[tuple[int, Any]], usage_: dict[str, int]) -> dict[str, Any]:
+        """The whole (non-streamed) response.
+
+        Args:
+            choices: (OpenAI choice index, the engine's finished CompletionOutput), in order.
+        """
+        out = []
+        for index, comp in choices:
+            logprobs = self._logprobs(comp, 0, 0)
+            if self.chat:
+                out.append({"index": index,
+                            "message": {"role": "assistant", "content": comp.text},
+                            "logprobs": logprobs, "finish_reason": comp.finish_reason})
+            else:
+                out.append({"index": index, "text": comp.text, "logprobs": logprobs,
+                            "finish_reason": comp.finish_reason})
+        return self._envelope(self.object_name, out, usage=usage_)

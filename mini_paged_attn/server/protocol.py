@@ -1,0 +1,239 @@
+"""Request schemas of the OpenAI-compatible API, their validation, and the mapping to SamplingParams.
+
+Requests are parsed strictly: a field of the wrong type (``"max_tokens": "5"``) or a field this
+server does not know is a 400, as the OpenAI API answers, rather than a silent coercion or a
+parameter quietly ignored. Every rejection is an :class:`APIError` that renders as OpenAI's error
+body ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..engine import SamplingParams
+
+# OpenAI caps `logprobs` of completions at 5 and `top_logprobs` of chat at 20.
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
+# OpenAI's default for /v1/completions; chat defaults to "as long as the context allows".
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+class APIError(Exception):
+    """A request the server answers with an error status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+class _Strict(BaseModel):
+    # strict: no "5" -> 5 coercion; forbid: an unknown field is an error, not ignored.
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Accepted only at their neutral values, so clients that always send them still work.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # Extensions (vLLM's names).
+    top_k: int = -1
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    ignore_eos: bool = False
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError("must be -1 (off) or at least 1")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str] | None:
+        stops = [v] if isinstance(v, str) else v
+        if stops is not None and any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops or None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError("only 0 is supported")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise ValueError("is not supported")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    # A string, a list of strings, a list of token ids or a list of lists of token ids.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo=true is not supported")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as separate items: a string or a list of token ids each."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise bad_request("prompt: must not be empty", param="prompt")
+        if isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    # The newer OpenAI name of max_tokens; either may be given, not both.
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The messages as the chat template wants them: role and plain text content."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+# What a field of several accepted shapes takes, for errors (pydantic would name one shape).
+_UNION_FIELDS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts",
+}
+_NOT_A_FIELD = ("str", "int", "float", "bool", "none", "function-after", "function-before")
+
+
+def _param_name(loc: tuple[Any, ...]) -> tuple[str, bool]:
+    """``('messages', 0, 'content', 'str')`` -> ``("messages[0].content", True)``.
+
+    The flag says whether pydantic was trying one member of a union (named in ``loc``).
+    """
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in _NOT_A_FIELD:
+            return out, True
+        else:
+            out += f".{part}" if out else part
+    return out, False
+
+
+def parse_request(raw: bytes, model_cls: type[_SamplingFields]) -> _SamplingFields:
+    """Parse and validate a request body; :class:`APIError` (400) on anything malformed."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"The request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        param, in_union = _param_name(err["loc"])
+        if err["type"] == "extra_forbidden":
+            raise bad_request(f"Unrecognized request argument supplied: {param}",
+                              param=param) from None
+        if err["type"] == "missing":
+            raise bad_request(f"Missing required parameter: {param}", param=param) from None
+        got = json.dumps(err.get("input"), default=str)
+        if len(got) > 80:
+            got = got[:77] + "..."
+        msg = err["msg"].removeprefix("Value error, ")
+        field_name = param.rsplit(".", 1)[-1].split("[", 1)[0]
+        if in_union and field_name in _UNION_FIELDS:
+            msg = f"expected {_UNION_FIELDS[field_name]}"
+        raise bad_request(f"{param}: {msg} (got {got})", param=param) from None
+
+
+def to_sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The engine's SamplingParams for a validated request.
+
+    Args:
+        req: the parsed request.
+        max_tokens: resolved by the caller (defaults differ between completions and chat).
+        logprobs: number of top log-probabilities per token, or None.
+    """
+    try:
+        return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                              min_p=req.min_p, max_tokens=max_tokens, stop=req.stop,
+                              ignore_eos=req.ignore_eos, n=req.n, seed=req.seed,
+                              logprobs=logprobs)
+    except ValueError as exc:  # the engine's checks say "<field>: expected ..., got ..."
+        field_name = str(exc).split(":", 1)[0]
+        raise bad_request(str(exc), param=field_name if field_name.isidentifier() else None
+                          ) from None
