@@ -1,0 +1,153 @@
+"""The attention layer over the paged KV cache, and the per-step metadata every layer shares.
+
+One step's tokens are flattened (``[num_tokens, ...]``, no batch dim, no padding): sequence ``i``
+owns rows ``cu_seqlens_q[i] .. cu_seqlens_q[i+1]``, which are the *last* tokens of its
+``context_lens[i]`` tokens. Each layer writes the new tokens' K/V into its cache with
+``ops.store_kv`` and attends with ``ops.paged_decode`` (one new token per sequence) or
+``ops.paged_prefill`` (any mix of prompts, prompt chunks, prefix-cache hits and decodes).
+Nothing here reads a device tensor on the host, so a decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..ops.dispatch import BACKENDS, paged_decode, paged_prefill, store_kv
+from .config import ModelConfig
+from .layers import RMSNorm, apply_rotary
+
+KVCache = tuple[torch.Tensor, torch.Tensor]   # (key_cache, value_cache) of one layer
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs: built once per step by the engine's model runner, shared by all layers.
+
+    Attributes:
+        slot_mapping: int64 ``[num_tokens]``: cache slot (``block * block_size + offset``) of each
+            new token's K/V; ``-1`` skips the token (e.g. CUDA-graph padding).
+        cu_seqlens_q: int32 ``[num_seqs + 1]``: new tokens per sequence, cumulative from 0.
+        context_lens: int32 ``[num_seqs]``: tokens in the cache per sequence after this step's
+            writes (the new ones included).
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``, last dim contiguous.
+        max_seqlen_q: host int, the most new tokens of one sequence this step.
+        decode_only: every sequence has exactly one new token -> ``ops.paged_decode``
+            (``num_tokens == num_seqs``); else ``ops.paged_prefill``.
+        backend: "auto" | "torch" | "triton", passed to the ops.
+        num_splits: triton decode only: fixed split-KV count (a CUDA graph needs one that does
+            not depend on the lengths); None lets the op's heuristic choose.
+        decode_workspace: triton decode only: float32 scratch for split-KV partials so the
+            launch allocates nothing (see ``ops.decode.workspace_size``).
+    """
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_seqlen_q: int
+    decode_only: bool
+    backend: str = "auto"
+    num_splits: int | None = None
+    decode_workspace: torch.Tensor | None = None
+
+    def __post_init__(self):
+        # Shapes and dtypes only: reading values would sync the host with the device.
+        specs = (("slot_mapping", (torch.int64, torch.int32), 1),
+                 ("cu_seqlens_q", (torch.int32,), 1), ("context_lens", (torch.int32,), 1),
+                 ("block_tables", (torch.int32,), 2))
+        for name, dtypes, ndim in specs:
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or t.dim() != ndim:
+                got = (f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+                       else type(t).__name__)
+                raise ValueError(f"{name}: expected a {ndim}-D tensor of dtype "
+                                 f"{' or '.join(map(str, dtypes))}, got {got}")
+        num_seqs = self.context_lens.shape[0]
+        if self.cu_seqlens_q.shape[0] != num_seqs + 1 or self.block_tables.shape[0] != num_seqs:
+            raise ValueError(f"cu_seqlens_q / block_tables: expected {num_seqs + 1} entries / "
+                             f"{num_seqs} rows (num_seqs = len(context_lens)), got "
+                             f"{tuple(self.cu_seqlens_q.shape)} / {tuple(self.block_tables.shape)}")
+        if not isinstance(self.max_seqlen_q, int) or self.max_seqlen_q < 0:
+            raise ValueError(f"max_seqlen_q: expected a host int >= 0, got {self.max_seqlen_q!r}")
+        if self.decode_only and (self.max_seqlen_q > 1 or self.slot_mapping.shape[0] != num_seqs):
+            raise ValueError("decode_only: expected one new token per sequence (num_tokens == "
+                             f"num_seqs == {num_seqs}, max_seqlen_q 1), got num_tokens="
+                             f"{self.slot_mapping.shape[0]}, max_seqlen_q={self.max_seqlen_q}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Store the new K/V in the cache, then attend over each sequence's cached K/V.
+
+    Args:
+        q: ``[num_tokens, num_q_heads, head_size]``, last dim contiguous.
+        k, v: ``[num_tokens, num_kv_heads, head_size]`` in the cache dtype (any strides).
+        kv_cache: (key_cache, value_cache), each ``[num_blocks, block_size, num_kv_heads, head_size]``.
+
+    Returns:
+        ``[num_tokens, num_q_heads, head_size]`` in q's dtype.
+    """
+    key_cache, value_cache = kv_cache
+    store_kv(k, v, key_cache, value_cache, meta.slot_mapping, backend=meta.backend)
+    if meta.decode_only:
+        triton_args = {}
+        if meta.num_splits is not None:
+            triton_args["num_splits"] = meta.num_splits
+        if meta.decode_workspace is not None:
+            triton_args["workspace"] = meta.decode_workspace
+        return paged_decode(q, key_cache, value_cache, meta.block_tables, meta.context_lens,
+                            scale=scale, backend=meta.backend, **triton_args)
+    return paged_prefill(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q,
+                         meta.context_lens, scale=scale, backend=meta.backend,
+                         max_seqlen_q=meta.max_seqlen_q)
+
+
+class Attention(nn.Module):
+    """Self-attention of one decoder layer: fused qkv projection, (q/k RMSNorm), rope, paged attention, o_proj.
+
+    ``qkv_proj.weight`` is ``[(num_q_heads + 2 * num_kv_heads) * head_size, hidden_size]``: the
+    q rows, then k, then v (the loader fills them from q_proj / k_proj / v_proj).
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.num_q_heads = config.num_q_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_size = config.head_size
+        self.scale = config.head_size ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size,
+                                  bias=config.qkv_bias, dtype=dtype, device=device)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias,
+                                dtype=dtype, device=device)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_size, config.rms_norm_eps, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(config.head_size, config.rms_norm_eps, dtype=dtype, device=device)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """hidden: ``[num_tokens, hidden_size]``; cos, sin: ``[num_tokens, head_size // 2]``
+        -> ``[num_tokens, hidden_size]``, hidden's dtype."""
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_size)
+        q, k, v = qkv.split([self.num_q_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.view(num_tokens, -1))

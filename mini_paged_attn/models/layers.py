@@ -1,0 +1,126 @@
+"""Building blocks of the decoder: RMSNorm, rotary embedding (with llama3 scaling), gated MLP.
+
+Tokens are flattened: activations are ``[num_tokens, ...]`` with no batch dim and no padding.
+The arithmetic follows Hugging Face's Llama/Qwen modules op for op (norm statistics in float32,
+rope tables computed in float32 then cast to the model dtype), so bf16 results match
+``transformers`` to the rounding of the matmuls.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim; statistics in float32."""
+
+    def __init__(self, size: int, eps: float, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: ``[..., size]`` float -> same shape and dtype."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(head_size: int, rope: RopeConfig,
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse frequency of each rotary pair: float32 ``[head_size // 2]``."""
+    exponents = torch.arange(0, head_size, 2, dtype=torch.int64, device=device).float() / head_size
+    inv_freq = 1.0 / (rope.theta ** exponents)
+    if rope.rope_type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "llama3":
+        # How many turns each pair makes over the original context decides its treatment:
+        # pairs turning often (>= high_freq_factor) carry local order and stay as they are;
+        # pairs turning rarely (<= low_freq_factor) are stretched by `factor` to reach the longer
+        # context; in between, a linear blend in the number of turns.
+        turns = rope.original_max_position_embeddings * inv_freq / (2 * math.pi)
+        blend = ((turns - rope.low_freq_factor)
+                 / (rope.high_freq_factor - rope.low_freq_factor)).clamp(0.0, 1.0)
+        inv_freq = (1 - blend) * inv_freq / rope.factor + blend * inv_freq
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding from a precomputed table, indexed by position on the device.
+
+    The table ``cos_sin_cache`` is ``[max_positions, head_size]`` in the model dtype: cosines of
+    the ``head_size // 2`` pair angles, then their sines. It is a non-persistent buffer: call
+    :meth:`reset_parameters` after materialising a model built on the meta device.
+    Positions must be ``< max_positions`` (not checked: that would need a host sync).
+    """
+
+    def __init__(self, head_size: int, max_positions: int, rope: RopeConfig, *,
+                 dtype: torch.dtype, device: torch.device | str | None = None):
+        super().__init__()
+        self.head_size = head_size
+        self.max_positions = max_positions
+        self.rope = rope
+        self.dtype = dtype
+        self.register_buffer("cos_sin_cache", self._table(device), persistent=False)
+
+    def _table(self, device) -> torch.Tensor:
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        if device.type == "meta":
+            return torch.empty(self.max_positions, self.head_size, dtype=self.dtype, device=device)
+        inv_freq = rope_inv_freq(self.head_size, self.rope, device)
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        angles = torch.outer(positions, inv_freq)                 # [max_positions, head_size/2]
+        return torch.cat([angles.cos(), angles.sin()], dim=-1).to(self.dtype)
+
+    def reset_parameters(self) -> None:
+        """Recompute the table on the buffer's current device (after ``to_empty``)."""
+        self.cos_sin_cache = self._table(self.cos_sin_cache.device)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: int64 ``[num_tokens]`` -> (cos, sin), each ``[num_tokens, head_size // 2]``."""
+        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the (i, i + head_size/2) pairs of every head (the "rotate half" layout HF uses).
+
+    Args:
+        x: ``[num_tokens, num_heads, head_size]`` (any strides).
+        cos, sin: ``[num_tokens, head_size // 2]`` in x's dtype, from :class:`RotaryEmbedding`.
+
+    Returns:
+        A new contiguous ``[num_tokens, num_heads, head_size]`` tensor in x's dtype.
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul.
+
+    ``gate_up_proj.weight`` is ``[2 * intermediate_size, hidden_size]``: the gate rows, then the
+    up rows (the loader fills both halves from the checkpoint's gate_proj / up_proj).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool,
+                 dtype: torch.dtype, device: torch.device | str | None = None):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias,
+                                      dtype=dtype, device=device)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias,
+                                   dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``, same dtype."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

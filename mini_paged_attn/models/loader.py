@@ -1,0 +1,115 @@
+"""Load a Hugging Face model directory (config.json + *.safetensors) straight onto the device.
+
+Each checkpoint tensor is read by ``safetensors.safe_open(device=...)`` directly onto the target
+device in its stored dtype, then copied (and cast) into its rows of the already allocated
+parameters, so peak extra memory is one tensor: no full-precision copy of the model on the CPU.
+Sharded checkpoints are read through ``model.safetensors.index.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig, resolve_dtype
+from .llama import CausalLM, init_empty_model
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of ``model_dir``: the shards its index names, or every *.safetensors.
+
+    Raises:
+        FileNotFoundError: the directory, a shard named by the index, or any safetensors file is
+            missing (the message names it).
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model_dir: {str(model_dir)!r} is not a directory")
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index}: names shard files that do not exist: {missing}")
+        if not files:
+            raise FileNotFoundError(f"{index}: its weight_map names no files")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model_dir: no *.safetensors file in {str(model_dir)!r} "
+                                "(only safetensors checkpoints are supported)")
+    return files
+
+
+def load_weights(model: CausalLM, files: list[Path], device: torch.device | str) -> None:
+    """Copy every tensor of ``files`` into ``model`` (cast to its dtype).
+
+    Raises:
+        ValueError: a tensor the model needs is absent from every file, or a tensor's shape does
+            not match its parameter (names the tensor and file).
+    """
+    from safetensors import safe_open
+
+    targets = model.checkpoint_targets()
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    device_str = str(torch.device(device))
+    with torch.no_grad():
+        for path in files:
+            with safe_open(str(path), framework="pt", device=device_str) as f:
+                for name in f.keys():
+                    target = targets.get(name)
+                    if target is None:
+                        if not model.is_ignored_checkpoint_tensor(name):
+                            unexpected.append(name)
+                        continue
+                    tensor = f.get_tensor(name)
+                    if tuple(tensor.shape) != tuple(target.shape):
+                        raise ValueError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                         f"the model expects {tuple(target.shape)} "
+                                         "(config.json does not match the weights)")
+                    target.copy_(tensor)
+                    loaded.add(name)
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f", ... ({len(missing)} in all)" if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint {files[0].parent}: missing tensors {shown}")
+    if unexpected:
+        logger.warning("checkpoint %s: %d tensors the model does not use, e.g. %s",
+                       files[0].parent, len(unexpected), unexpected[:3])
+
+
+def load_model(model_dir: str | Path, *, dtype: torch.dtype | str | None = None,
+               device: torch.device | str = "cpu") -> tuple[CausalLM, ModelConfig]:
+    """Read a Hugging Face model directory into a :class:`CausalLM` on ``device``.
+
+    Args:
+        model_dir: holds config.json and model.safetensors (or shards + index).
+        dtype: torch.float32 / float16 / bfloat16 (or their names); None or "auto" keeps the
+            checkpoint's (config.json ``torch_dtype`` / ``dtype``).
+        device: where the weights go (read there directly).
+
+    Returns:
+        ``(model, config)``, the model in eval mode without autograd.
+
+    Raises:
+        FileNotFoundError: no config.json / no safetensors / a missing shard (named).
+        ValueError: unsupported architecture (named, with the supported ones), a bad config
+            field, a missing or misshapen tensor (named).
+    """
+    config = ModelConfig.from_model_dir(model_dir)
+    files = checkpoint_files(model_dir)
+    load_dtype = resolve_dtype(dtype, config)
+    model = init_empty_model(config, dtype=load_dtype, device=device)
+    load_weights(model, files, device)
+    logger.info("loaded %s from %s: %d layers, hidden %d, %s on %s", config.architecture,
+                model_dir, config.num_layers, config.hidden_size, load_dtype, device)
+    return model, config
