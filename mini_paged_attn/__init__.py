@@ -12,7 +12,7 @@ from .core.block_manager import BlockManager
 from .cache.manager import PagedAttentionManager
 from .ops import (flash_attn_varlen_func, merge_attention_states, num_splits_heuristic,
                   paged_decode, paged_prefill, store_kv)
-# from .ops import explain_decode
+from .ops import explain_decode
 
 __version__ = "0.1.0"
 

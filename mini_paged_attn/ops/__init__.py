@@ -10,7 +10,7 @@
 
 # Each line is enabled by the owner of its module once the module exists.
 from .dispatch import paged_decode, paged_prefill, resolve_backend, store_kv
-# from .explain import explain_decode
+from .explain import explain_decode
 from .heuristics import num_splits_heuristic
 from .merge import merge_attention_states
 from .varlen import flash_attn_varlen_func
