@@ -98,7 +98,17 @@ class Submission:
     async def __anext__(self) -> tuple[int, Any]:
         if not self._unfinished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        return self._take(await self._queue.get())
+
+    def ready(self) -> list[tuple[int, Any]]:
+        """The outputs already queued, without waiting (a consumer that fell behind uses the
+        latest output of each request: text and token ids only grow)."""
+        items = []
+        while self._unfinished and not self._queue.empty():
+            items.append(self._take(self._queue.get_nowait()))
+        return items
+
+    def _take(self, item: Any) -> tuple[int, Any]:
         if item is _CANCELLED:
             raise ClientGoneError("the client disconnected")
         if isinstance(item, _Failure):
@@ -283,6 +293,7 @@ class EngineLoop:
             self._fail_all(self._dead_reason, abort=False)
 
     def _dispatch(self, outputs: list[Any]) -> None:
+        deliveries = []
         with self._lock:
             for out in outputs:
                 route = self._routes.get(out.request_id)
@@ -293,19 +304,19 @@ class EngineLoop:
                     self._num_not_started -= 1
                 if out.finished:
                     del self._routes[out.request_id]
-                _post(route, out)
+                deliveries.append((route, out))
+        _deliver(deliveries)
 
     def _fail_all(self, message: str, *, abort: bool) -> None:
         with self._lock:
             routes, self._routes = self._routes, {}
             self._num_not_started = 0
             self.counters.requests_failed += len(routes)
-        for rid, route in routes.items():
-            if abort:
-                self.engine.abort_request(rid)
-            _post(route, _Failure(message))
         if abort:
+            for rid in routes:
+                self.engine.abort_request(rid)
             self._step_wanted = True
+        _deliver([(route, _Failure(message)) for route in routes.values()])
 
     def _refresh_stats(self, *, force: bool) -> None:
         now = time.monotonic()
@@ -314,8 +325,18 @@ class EngineLoop:
             self._stats_time = now
 
 
-def _post(route: _Route, item: Any) -> None:
-    try:
-        route.loop.call_soon_threadsafe(route.queue.put_nowait, item)
-    except RuntimeError:  # its event loop is closed: the server is going away
-        pass
+def _deliver(deliveries: list[tuple[_Route, Any]]) -> None:
+    """Put each item on its route's queue: one wake-up per event loop, not one per item."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+    for route, item in deliveries:
+        by_loop.setdefault(route.loop, []).append((route.queue, item))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # that event loop is closed: the server is going away
+            pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -139,36 +139,57 @@ def _usage_of(last: dict[int, Any]) -> dict[str, int]:
     return usage(prompt, completion)
 
 
+@dataclass
+class _StreamState:
+    """What a stream has sent so far, per OpenAI choice index."""
+
+    fmt: ResponseFormat
+    n: int
+    include_usage: bool
+    text_sent: dict[int, int] = field(default_factory=dict)    # characters of text
+    tokens_sent: dict[int, int] = field(default_factory=dict)  # tokens
+    finished: set[int] = field(default_factory=set)
+    last: dict[int, Any] = field(default_factory=dict)  # prompt index -> latest RequestOutput
+
+    def events(self, prompt_index: int, out: Any) -> list[str]:
+        """One chunk per choice of ``out`` that gained tokens or finished."""
+        self.last[prompt_index] = out
+        events = []
+        for comp in out.outputs:
+            index = prompt_index * self.n + comp.index
+            token_start = self.tokens_sent.get(index, 0)
+            if index in self.finished or (len(comp.token_ids) == token_start
+                                          and comp.finish_reason is None):
+                continue
+            events.append(_sse(self.fmt.chunk(index, comp,
+                                              text_start=self.text_sent.get(index, 0),
+                                              token_start=token_start,
+                                              usage_field=self.include_usage)))
+            self.text_sent[index] = len(comp.text)
+            self.tokens_sent[index] = len(comp.token_ids)
+            if comp.finish_reason is not None:
+                self.finished.add(index)
+        return events
+
+
 async def _stream(submission: Submission, first: tuple[int, Any], fmt: ResponseFormat, n: int,
                   include_usage: bool, watcher: asyncio.Task) -> AsyncIterator[str]:
-    """SSE events: one chunk per choice per step that gave it tokens, then usage and [DONE]."""
-    text_sent: dict[int, int] = {}    # choice index -> characters of its text already sent
-    tokens_sent: dict[int, int] = {}  # choice index -> its tokens already sent
-    finished: set[int] = set()
-    last: dict[int, Any] = {}         # prompt index -> its latest RequestOutput
+    """SSE events: a chunk per choice per step that gave it tokens, then usage and [DONE]."""
+    state = _StreamState(fmt, n, include_usage)
     try:
         if fmt.chat:
             for index in range(n * len(submission.request_ids)):
                 yield _sse(fmt.role_chunk(index, usage_field=include_usage))
         item: tuple[int, Any] | None = first
         while item is not None:
-            prompt_index, out = item
-            last[prompt_index] = out
-            for comp in out.outputs:
-                index = prompt_index * n + comp.index
-                token_start = tokens_sent.get(index, 0)
-                if index in finished or (len(comp.token_ids) == token_start
-                                         and comp.finish_reason is None):
-                    continue
-                yield _sse(fmt.chunk(index, comp, text_start=text_sent.get(index, 0),
-                                     token_start=token_start, usage_field=include_usage))
-                text_sent[index] = len(comp.text)
-                tokens_sent[index] = len(comp.token_ids)
-                if comp.finish_reason is not None:
-                    finished.add(index)
+            # Outputs of several steps may be waiting (a slow client): the latest output of a
+            # request covers the earlier ones, so one chunk per choice carries them all.
+            for prompt_index, out in dict([item, *submission.ready()]).items():
+                for event in state.events(prompt_index, out):
+                    yield event
             item = await anext(submission, None)
         if include_usage:
-            yield _sse(fmt.usage_chunk(_usage_of(last)))
+            yield _sse(fmt.usage_chunk(_usage_of(state.last)))
         yield _sse("[DONE]")
     except RequestFailedError as exc:
         # The status line is long gone: report it the way OpenAI streams report errors.
