@@ -1,0 +1,179 @@
+"""The Triton prefill kernel (ops/prefill.py) against the torch reference.
+
+On CPU this runs through the Triton interpreter (small shapes, fp16/fp32; bf16 ``tl.dot`` is
+broken there), with small tiles so that every code path is hit: unmasked and masked K/V tiles,
+K/V tiles smaller and larger than a cache block, GQA groups split over several tiles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mini_paged_attn.ops import reference
+from mini_paged_attn.ops.dispatch import paged_prefill
+from mini_paged_attn.ops.checks import check_paged_prefill_args
+from mini_paged_attn.ops.prefill import triton_paged_prefill, triton_varlen_contiguous
+from mini_paged_attn.ops.prefill_plan import PrefillConfig
+
+TOL = {torch.float32: 2e-5, torch.float16: 1e-2}
+SMALL = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+
+def make_paged_batch(q_lens, prefix_lens, *, num_q_heads, num_kv_heads, head_size, block_size,
+                     dtype, seed, seed_layout=False):
+    """A varlen batch whose K/V sit in shuffled cache blocks, NaN in every unused slot and
+    out-of-range garbage in table entries past each sequence's length."""
+    gen = torch.Generator().manual_seed(seed)
+    ctx = [q + p for q, p in zip(q_lens, prefix_lens)]
+    blocks_per_seq = [-(-c // block_size) for c in ctx]
+    num_blocks = sum(blocks_per_seq) + 3
+    max_blocks = max(blocks_per_seq + [1]) + 2
+    shape = (num_blocks, block_size, 2, num_kv_heads, head_size)
+    kv = torch.randn(shape, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.full((len(ctx), max_blocks), 10 ** 6, dtype=torch.int32)
+    used = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    start = 0
+    for i, (n, c) in enumerate(zip(blocks_per_seq, ctx)):
+        tables[i, :n] = perm[start:start + n].to(torch.int32)
+        for pos in range(c):
+            used[tables[i, pos // block_size], pos % block_size] = True
+        start += n
+    kv[~used] = float("nan")
+    if seed_layout:  # the manager's views of the (num_blocks, block_size, 2, H_kv, D) pool
+        key_cache, value_cache = kv[:, :, 0], kv[:, :, 1]
+    else:
+        key_cache, value_cache = kv[:, :, 0].contiguous(), kv[:, :, 1].contiguous()
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
+    query = torch.randn(int(cu[-1]), num_q_heads, head_size, generator=gen).to(dtype)
+    return query, key_cache, value_cache, tables, cu, torch.tensor(ctx, dtype=torch.int32)
+
+
+def check_against_reference(batch, *, causal, config=SMALL, scale=None):
+    """Run the kernel with ``config`` (None: through the public dispatcher) and compare."""
+    query, key_cache, value_cache, tables, cu, ctx = batch
+    out = torch.full_like(query, float("nan"))  # every row must be written
+    if config is None:
+        _, lse = paged_prefill(query, key_cache, value_cache, tables, cu, ctx, causal=causal,
+                               scale=scale, out=out, return_lse=True, backend="triton")
+    else:
+        shapes = check_paged_prefill_args(query, key_cache, value_cache, tables, cu, ctx,
+                                          scale, out)
+        lse = torch.full(query.shape[:2], float("nan"))
+        triton_paged_prefill(query, key_cache, value_cache, tables, cu, ctx, shapes,
+                             causal=causal, out=out, lse=lse, config=config)
+    ref_out, ref_lse = reference.paged_prefill_gather(
+        query, key_cache, value_cache, tables, cu, ctx, causal=causal,
+        scale=scale or query.shape[-1] ** -0.5)
+    tol = TOL[query.dtype]
+    torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+
+
+# q_len 0, 1 (decode rows), block_size - 1, block_size + 1, longer; cached prefix 0, a partial
+# block, many blocks.
+def lengths(block_size):
+    q_lens = [0, 1, block_size - 1 or 2, block_size + 1, 37, 1, 20]
+    prefix = [5, 0, 0, block_size // 2 + 1, 3 * block_size + 2, 70, 9 * block_size]
+    return q_lens, prefix
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", [(2, 2), (4, 1), (8, 2), (10, 2)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_batch_matches_reference(dtype, heads, causal):
+    q_lens, prefix = lengths(8)
+    batch = make_paged_batch(q_lens, prefix, num_q_heads=heads[0], num_kv_heads=heads[1],
+                             head_size=32, block_size=8, dtype=dtype, seed=sum(heads))
+    check_against_reference(batch, causal=causal)
+
+
+@pytest.mark.parametrize("block_size,block_n", [(1, 16), (4, 16), (16, 16), (64, 16), (2, 32)])
+def test_block_sizes_smaller_and_larger_than_kv_tile(block_size, block_n):
+    q_lens, prefix = lengths(block_size)
+    batch = make_paged_batch(q_lens, prefix, num_q_heads=4, num_kv_heads=2, head_size=16,
+                             block_size=block_size, dtype=torch.float16, seed=block_size)
+    check_against_reference(batch, causal=True,
+                            config=PrefillConfig(block_m=16, block_n=block_n, num_stages=1))
+
+
+@pytest.mark.parametrize("head_size", [16, 24, 40, 64])
+def test_head_sizes_padded_to_power_of_two(head_size):
+    batch = make_paged_batch([3, 17], [11, 0], num_q_heads=4, num_kv_heads=1,
+                             head_size=head_size, block_size=4, dtype=torch.float32, seed=head_size)
+    check_against_reference(batch, causal=True, scale=0.2, config=None)
+
+
+def test_gqa_group_larger_than_tile_is_split_over_head_chunks():
+    # 32 query heads on one KV head with 16-row tiles: two head chunks per token tile.
+    batch = make_paged_batch([5, 1, 12], [0, 30, 7], num_q_heads=32, num_kv_heads=1,
+                             head_size=16, block_size=4, dtype=torch.float16, seed=3)
+    check_against_reference(batch, causal=True)
+
+
+def test_seed_layout_strided_views_and_wide_tiles():
+    batch = make_paged_batch([40, 1, 0, 33], [0, 50, 8, 16], num_q_heads=8, num_kv_heads=2,
+                             head_size=32, block_size=16, dtype=torch.float16, seed=7,
+                             seed_layout=True)
+    assert not batch[1].is_contiguous()
+    check_against_reference(batch, causal=True,
+                            config=PrefillConfig(block_m=32, block_n=32, num_stages=1))
+
+
+def test_all_empty_and_single_sequences():
+    batch = make_paged_batch([0, 0], [4, 0], num_q_heads=2, num_kv_heads=1, head_size=16,
+                             block_size=4, dtype=torch.float32, seed=1)
+    out = paged_prefill(*batch, backend="triton")
+    assert out.shape == (0, 2, 16)
+    batch = make_paged_batch([1], [0], num_q_heads=2, num_kv_heads=1, head_size=16,
+                             block_size=4, dtype=torch.float32, seed=2)
+    check_against_reference(batch, causal=True, config=None)
+
+
+def test_bad_input_raises_before_launch():
+    query, key_cache, value_cache, tables, cu, ctx = make_paged_batch(
+        [3], [2], num_q_heads=2, num_kv_heads=1, head_size=16, block_size=4,
+        dtype=torch.float32, seed=4)
+    out = torch.zeros_like(query)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        paged_prefill(query, key_cache, value_cache, tables, cu.long(), ctx, out=out,
+                      backend="triton")
+    assert (out == 0).all()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_contiguous_varlen_matches_reference(causal, dtype):
+    # q_len > k_len (rows that see no key under causal), q_len 0, k_len 0 with q_len 0.
+    q_lens, k_lens = [3, 0, 17, 1, 9, 0, 20], [3, 5, 40, 1, 4, 0, 20]
+    gen = torch.Generator().manual_seed(11)
+    cu_q = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(k_lens).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), 6, 40, generator=gen).to(dtype)
+    k = torch.randn(int(cu_k[-1]), 2, 40, generator=gen).to(dtype)
+    v = torch.randn(int(cu_k[-1]), 2, 40, generator=gen).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"))
+    triton_varlen_contiguous(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal,
+                             scale=0.3, out=out, lse=lse, config=SMALL)
+    ref_out, ref_lse = reference.varlen_attention_contiguous(q, k, v, cu_q, cu_k,
+                                                             causal=causal, scale=0.3)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+    if causal:  # rows 0..4 of sequence 4 (q_len 9 over 4 keys) see nothing
+        rows = slice(int(cu_q[4]), int(cu_q[4]) + 5)
+        assert (out[rows] == 0).all() and (lse[rows] == -math.inf).all()
+
+
+def test_default_config_and_kv_tile_larger_than_sequence():
+    # The default interpreter config, and a KV tile much longer than every sequence.
+    batch = make_paged_batch([2, 5], [1, 3], num_q_heads=4, num_kv_heads=4, head_size=16,
+                             block_size=2, dtype=torch.float32, seed=5)
+    check_against_reference(batch, causal=False, config=None)
+    check_against_reference(batch, causal=True,
+                            config=PrefillConfig(block_m=64, block_n=64, num_stages=1))
