@@ -14,6 +14,10 @@ from pathlib import Path
 
 import torch
 
+from .config import ModelConfig
+from .llama import CausalLM, init_empty_model
+from .tokenizer import Tokenizer
+
 logger = logging.getLogger(__name__)
 
 # Special tokens after the 256 byte tokens (ChatML markers, as Qwen uses them).
@@ -102,3 +106,59 @@ def write_tokenizer_files(hf_tokenizer, model_dir: str | Path) -> None:
     if getattr(hf_tokenizer, "chat_template", None):
         config["chat_template"] = hf_tokenizer.chat_template   # 4.x reads it from here
     config_path.write_text(json.dumps(config, indent=2))
+
+
+def tiny_llama_config() -> ModelConfig:
+    """The :class:`ModelConfig` of the embedded tiny Llama."""
+    return ModelConfig.from_dict(TINY_LLAMA_CONFIG, source="the embedded tiny Llama config")
+
+
+def randomize_weights(model: CausalLM, seed: int = 0, std: float = 0.1) -> None:
+    """Fill ``model`` with seeded random weights, identical on every device.
+
+    Weights ~ N(0, std) (larger than a trained model's init so the logits are not flat); RMSNorm
+    gains ~ 1 + N(0, 0.1). Drawn on the CPU in checkpoint-name order, then copied.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, target in sorted(model.checkpoint_targets().items()):
+            noise = torch.randn(tuple(target.shape), generator=gen, dtype=torch.float32)
+            value = 1.0 + 0.1 * noise if name.endswith("norm.weight") else std * noise
+            target.copy_(value)
+
+
+def tiny_llama(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               seed: int = 0) -> tuple[CausalLM, ModelConfig, Tokenizer]:
+    """The embedded default, in memory: a tiny Llama with RANDOM weights and the byte tokenizer.
+
+    Returns ``(model, config, tokenizer)``. The model knows nothing: it produces noise.
+    """
+    config = tiny_llama_config()
+    model = init_empty_model(config, dtype=dtype, device=device)
+    randomize_weights(model, seed)
+    tokenizer = Tokenizer(byte_level_hf_tokenizer(), extra_eos_token_ids=config.eos_token_ids,
+                          name="the embedded byte-level tokenizer")
+    logger.info("tiny Llama with RANDOM weights (seed %d): its output is noise", seed)
+    return model, config, tokenizer
+
+
+def write_tiny_llama(model_dir: str | Path, seed: int = 0) -> Path:
+    """Write the embedded tiny Llama (RANDOM weights) as a Hugging Face model directory.
+
+    The directory (config.json, model.safetensors, tokenizer files) loads with
+    :func:`~mini_paged_attn.models.loader.load_model`, ``load_tokenizer`` and ``transformers``
+    alike. Returns ``model_dir``.
+    """
+    from safetensors.torch import save_file
+
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    model, _, _ = tiny_llama(seed=seed)
+    tensors = {name: t.detach().contiguous().clone()
+               for name, t in model.checkpoint_targets().items()}
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = {**TINY_LLAMA_CONFIG,
+              "_mini_paged_attn_note": f"RANDOM weights (seed {seed}): this model knows nothing"}
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer_files(byte_level_hf_tokenizer(), model_dir)
+    return model_dir

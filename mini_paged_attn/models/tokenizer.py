@@ -1,0 +1,178 @@
+"""Tokenizer: a thin wrapper over a ``transformers`` tokenizer loaded from a local directory,
+and IncrementalDetokenizer, which turns a growing list of token ids into text deltas.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+# Prompt tokens kept as left context when detokenizing the first generated tokens: some
+# tokenizers (sentencepiece) decode a token differently at the start of a text (no leading space).
+_DETOKENIZE_CONTEXT = 6
+_REPLACEMENT = "\ufffd"   # what decoding gives for an incomplete UTF-8 sequence
+
+
+class Tokenizer:
+    """encode / decode / chat template / eos ids over a ``transformers`` tokenizer.
+
+    ``eos_token_ids`` is the tokenizer's eos token plus ``extra_eos_token_ids`` (load_tokenizer
+    passes those of config.json and generation_config.json: instruct models stop on several).
+    """
+
+    def __init__(self, hf_tokenizer: Any, *, extra_eos_token_ids: Sequence[int] = (),
+                 name: str = "tokenizer"):
+        self.hf = hf_tokenizer
+        self.name = name
+        ids: list[int] = []
+        for i in (hf_tokenizer.eos_token_id, *extra_eos_token_ids):
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+        self.eos_token_ids: tuple[int, ...] = tuple(ids)
+        # The Rust tokenizer decodes ~10x faster than the Python wrapper, which matters when
+        # every running request detokenizes every step; use it unless the wrapper would change
+        # the text (clean_up_tokenization_spaces).
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self._raw_decode = (backend.decode if backend is not None
+                            and not getattr(hf_tokenizer, "clean_up_tokenization_spaces", False)
+                            else None)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The primary eos id (the tokenizer's own, else the first extra one)."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf.bos_token_id
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.hf.pad_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (may be below the model's vocab_size)."""
+        return len(self.hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (with the tokenizer's bos etc. when ``add_special_tokens``)."""
+        if not isinstance(text, str):
+            raise ValueError(f"text: expected a str, got {type(text).__name__}")
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        if self._raw_decode is not None:
+            return self._raw_decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        return list(self.hf.convert_ids_to_tokens(list(token_ids)))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *,
+                            add_generation_prompt: bool = True, tokenize: bool = True,
+                            **template_kwargs: Any) -> list[int] | str:
+        """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the chat template.
+
+        Returns the token ids (``tokenize=True``) or the rendered text. The text is encoded
+        without adding special tokens: the template writes them itself.
+
+        Raises:
+            ValueError: the tokenizer has no chat template, or ``messages`` is malformed.
+        """
+        if not self.has_chat_template:
+            raise ValueError(f"messages: {self.name} has no chat template "
+                             "(pass a plain prompt instead)")
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError("messages: expected a list of {'role': ..., 'content': ...} dicts, "
+                             f"got {messages!r:.200}")
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                           tokenize=False, **template_kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def detokenizer(self, prompt_token_ids: Sequence[int] = (), *,
+                    skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, prompt_token_ids, skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Feed generated token ids, get text deltas; the concatenated deltas only ever grow.
+
+    It decodes a short window of recent tokens twice (with and without the newest) and emits the
+    difference, holding back text that ends in an incomplete UTF-8 sequence (a byte-level token
+    can carry half a character) until the rest arrives; :meth:`flush` releases what is left at
+    the end. Each :meth:`add` costs O(window), not O(generated tokens).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (), *,
+                 skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids = list(prompt_token_ids[-_DETOKENIZE_CONTEXT:])
+        self._prefix_offset = 0               # window start
+        self._read_offset = len(self._ids)    # tokens before it have been emitted as text
+        self.token_ids: list[int] = []        # generated tokens fed so far
+        self.text = ""                        # text emitted so far
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _advance(self, final: bool) -> str:
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset:])
+        if len(new_text) <= len(prefix_text) or (not final and new_text.endswith(_REPLACEMENT)):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
+
+    def add(self, token_ids: int | Sequence[int]) -> str:
+        """Append one or more generated token ids; return the new text ("" while held back)."""
+        new = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        self._ids.extend(new)
+        self.token_ids.extend(new)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """At the end of generation: the held-back text (an incomplete character as U+FFFD)."""
+        return self._advance(final=True)
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """The tokenizer of a local Hugging Face model directory (nothing is downloaded).
+
+    Extra eos ids come from config.json and generation_config.json when present.
+
+    Raises:
+        FileNotFoundError: ``model_dir`` is missing or holds no tokenizer file (named).
+    """
+    from transformers import AutoTokenizer
+
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model_dir: {str(model_dir)!r} is not a directory")
+    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"model_dir: no tokenizer in {str(model_dir)!r} (expected one of "
+                                f"{', '.join(TOKENIZER_FILES)})")
+    hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    extra: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            extra.extend([eos] if isinstance(eos, int) else (eos or []))
+    return Tokenizer(hf, extra_eos_token_ids=extra, name=f"the tokenizer of {model_dir}")
