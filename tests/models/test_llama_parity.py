@@ -1,0 +1,111 @@
+"""The paged decoder against transformers' own forward, token for token (fp32, CPU).
+
+Every variant is a tiny random checkpoint written by transformers: Llama (plain and with llama3
+rope scaling), Qwen2 (tied and untied embeddings, qkv bias), Qwen3 (q/k norm, head_dim 32,
+sharded). Caches are NaN-poisoned and blocks come out of a shuffled free list.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.paged_batch import PagedBatchBuilder
+from helpers.tiny_models import LLAMA3_ROPE_SCALING, hf_reference_model
+
+from mini_paged_attn.models.loader import load_model
+
+VARIANTS = {
+    "llama": ("llama", {}),
+    "llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE_SCALING}),
+    "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen2-untied": ("qwen2", {}),
+    "qwen3-sharded": ("qwen3", {"max_shard_size": "100KB"}),
+}
+ATOL = 1e-4
+BLOCK_SIZE = 4
+PROMPT_LENS = (1, 3, BLOCK_SIZE, BLOCK_SIZE + 1, 11)
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def models(request, tiny_model_factory):
+    arch, kwargs = VARIANTS[request.param]
+    model_dir = tiny_model_factory(arch, **kwargs)
+    model, config = load_model(model_dir, dtype=torch.float32)
+    return model, config, hf_reference_model(model_dir)
+
+
+def hf_logits(hf, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([token_ids])).logits[0].float()
+
+
+def random_prompts(vocab_size: int, lens, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lens]
+
+
+@torch.inference_mode()
+def test_prefill_then_decode_match_transformers(models):
+    model, config, hf = models
+    prompts = random_prompts(config.vocab_size, PROMPT_LENS)
+    batch = PagedBatchBuilder(config, block_size=BLOCK_SIZE)
+    ids, pos, meta = batch.step(dict(enumerate(prompts)))
+    assert not meta.decode_only
+    logits = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
+    assert logits.dtype == torch.float32 and logits.shape == (sum(PROMPT_LENS), config.vocab_size)
+    cu = meta.cu_seqlens_q.tolist()
+    for i, prompt in enumerate(prompts):
+        torch.testing.assert_close(logits[cu[i]:cu[i + 1]], hf_logits(hf, prompt), atol=ATOL, rtol=0)
+
+    # Decode: one greedy token per sequence per step, compared with a full forward of the sequence.
+    seqs = [list(p) for p in prompts]
+    next_tokens = logits[[c - 1 for c in cu[1:]]].argmax(-1).tolist()
+    for _ in range(3):
+        for seq, tok in zip(seqs, next_tokens):
+            seq.append(tok)
+        ids, pos, meta = batch.step({i: [tok] for i, tok in enumerate(next_tokens)})
+        assert meta.decode_only
+        logits = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
+        for i, seq in enumerate(seqs):
+            torch.testing.assert_close(logits[i], hf_logits(hf, seq)[-1], atol=ATOL, rtol=0)
+        next_tokens = logits.argmax(-1).tolist()
+
+
+@torch.inference_mode()
+def test_chunked_prefill_prefix_hit_and_decode_in_one_step(models):
+    """One varlen step mixing a prompt's second chunk, a decode, and a prefix-cache hit."""
+    model, config, hf = models
+    a, b = random_prompts(config.vocab_size, (10, 6), seed=1)
+    c_tail = random_prompts(config.vocab_size, (3,), seed=2)[0]
+    batch = PagedBatchBuilder(config, block_size=BLOCK_SIZE, seed=3)
+    ids, pos, meta = batch.step({"a": a[:6], "b": b})             # a's first chunk, b whole
+    logits = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
+    b_next = int(logits[-1].argmax())
+    batch.share_prefix("c", "a", num_full_blocks=1)               # c = a[:4] (cached) + c_tail
+    ids, pos, meta = batch.step({"a": a[6:], "b": [b_next], "c": c_tail})
+    logits = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
+    cu = meta.cu_seqlens_q.tolist()
+    assert meta.context_lens.tolist() == [10, 7, 7] and meta.max_seqlen_q == 4
+    torch.testing.assert_close(logits[cu[0]:cu[1]], hf_logits(hf, a)[6:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[cu[1]], hf_logits(hf, b + [b_next])[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[cu[2]:cu[3]], hf_logits(hf, a[:4] + c_tail)[4:], atol=ATOL,
+                               rtol=0)
+
+
+@torch.inference_mode()
+def test_padding_rows_are_inert(models):
+    """CUDA-graph padding (slot -1, context length 0) changes neither real rows nor the cache."""
+    model, config, _ = models
+    prompts = random_prompts(config.vocab_size, (5, 2), seed=4)
+    plain, padded = (PagedBatchBuilder(config, block_size=BLOCK_SIZE, seed=5) for _ in range(2))
+    outs = []
+    for batch, pad_to in ((plain, None), (padded, 4)):
+        ids, pos, meta = batch.step(dict(enumerate(prompts)))
+        model(ids, pos, batch.kv_caches, meta)
+        ids, pos, meta = batch.step({0: [7], 1: [9]}, pad_to=pad_to)
+        outs.append(model.compute_logits(model(ids, pos, batch.kv_caches, meta)))
+    assert outs[1].shape[0] == 4
+    torch.testing.assert_close(outs[1][:2], outs[0], atol=1e-5, rtol=0)   # matmul blocking differs
+    for (k0, v0), (k1, v1) in zip(plain.kv_caches, padded.kv_caches):
+        torch.testing.assert_close(k1, k0, atol=1e-5, rtol=0, equal_nan=True)
+        torch.testing.assert_close(v1, v0, atol=1e-5, rtol=0, equal_nan=True)
