@@ -1,8 +1,9 @@
 """The paged attention specification in plain PyTorch, in two independent implementations.
 
-- ``*_gather``: gather each sequence's keys and values through its block table into a padded
-  dense tensor, then one float32 softmax per row. The obvious algorithm; the one dispatch runs.
-- ``*_blockwise``: walk the logical blocks of all sequences in step and keep an online softmax
+- ``*_gather``: gather each sequence's keys and values through its block table into a dense
+  tensor (decode: all sequences padded to the longest; prefill: one sequence at a time), then a
+  masked float32 softmax. The obvious algorithm; the one dispatch runs.
+- ``*_blockwise``: walk the logical blocks of all query rows in step and keep an online softmax
   (running max, running sum, unnormalised output) per row: seed 004's block-wise algorithm, done
   right, and the shape of what the Triton kernels do.
 
@@ -34,34 +35,22 @@ _NEG_INF = float("-inf")
 
 
 # ---------------------------------------------------------------------------------------------
-# Padding helpers: varlen <-> [num_seqs, max_len, ...] with a validity mask.
+# Every query row sees a prefix of its sequence's cache: positions 0 .. n-1, where n is the
+# context length (decode, or prefill without causal) or, causal, its own position plus one.
 
-def _lengths(lens: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """int64 copy of ``lens`` and its max (at least 1, so padded dims are never empty)."""
-    lens = lens.to(torch.int64)
-    return lens, max(int(lens.max()) if lens.numel() else 0, 1)
+def _visible_counts(q_lens: torch.Tensor, k_lens: torch.Tensor,
+                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row (varlen order): its sequence index and how many keys it sees, int64 [total_q].
 
-
-def _valid(lens: torch.Tensor, max_len: int) -> torch.Tensor:
-    """bool ``[num_seqs, max_len]``: position < length."""
-    return torch.arange(max_len, device=lens.device) < lens[:, None]
-
-
-def _pad_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
-    """``[total, H, D]`` (sequence i at rows cu[i]..cu[i+1]) -> float32 ``[num_seqs, max_len, H, D]``
-    with zeros in the padding."""
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-    valid = _valid(lens, max_len)
-    padded = x.new_zeros((lens.shape[0], max_len, *x.shape[1:]), dtype=torch.float32)
-    # Boolean-mask assignment fills valid positions in row-major order: sequence by sequence,
-    # position by position, which is exactly the varlen order of x's rows.
-    padded[valid] = x[int(cu_seqlens[0]):int(cu_seqlens[-1])].float()
-    return padded
-
-
-def _unpad_varlen(padded: torch.Tensor, q_lens: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_pad_varlen`: ``[num_seqs, max_len, ...]`` -> ``[total, ...]``."""
-    return padded[_valid(q_lens, padded.shape[1])]
+    Causal is bottom-right aligned: row t of a sequence is position k_len - q_len + t and sees
+    ``k_len - q_len + t + 1`` keys (at least 0; contiguous varlen allows q_len > k_len).
+    """
+    seq = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=q_lens.device), q_lens)
+    if not causal:
+        return seq, k_lens[seq]
+    first_row = torch.cumsum(q_lens, 0) - q_lens
+    t = torch.arange(seq.shape[0], device=q_lens.device) - first_row[seq]
+    return seq, (k_lens[seq] - q_lens[seq] + t + 1).clamp(min=0)
 
 
 def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
@@ -72,7 +61,7 @@ def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.T
     past a sequence's length nor a cache slot past it is ever read; padding is 0.
     """
     block_size = cache.shape[1]
-    valid = _valid(lens, max_len)
+    valid = torch.arange(max_len, device=lens.device) < lens[:, None]  # [num_seqs, max_len]
     seq, pos = torch.nonzero(valid, as_tuple=True)  # [num_tokens] each
     blocks = block_tables[seq, pos // block_size].to(torch.int64)
     padded = cache.new_zeros((lens.shape[0], max_len, *cache.shape[2:]), dtype=torch.float32)
@@ -81,87 +70,73 @@ def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.T
 
 
 # ---------------------------------------------------------------------------------------------
-# The two attention cores, on padded queries [num_seqs, max_q, num_q_heads, head_size].
+# The two attention cores.
 
-def _key_mask(q_lens: torch.Tensor, k_lens: torch.Tensor, max_q: int, max_k: int,
-              causal: bool) -> torch.Tensor:
-    """bool ``[num_seqs, max_q, max_k]``: may query row t of sequence i see key position p?"""
-    t = torch.arange(max_q, device=k_lens.device)[None, :, None]
-    p = torch.arange(max_k, device=k_lens.device)[None, None, :]
-    mask = p < k_lens[:, None, None]
-    if causal:
-        # Bottom-right: the last query row is the last key; row t sits at k_len - q_len + t.
-        mask = mask & (p <= (k_lens - q_lens)[:, None, None] + t)
-    return mask
-
-
-def _attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def _attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_visible: torch.Tensor,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked softmax attention, float32.
+    """Masked softmax attention of padded batches, float32.
 
-    q ``[S, Lq, Hq, D]``; k, v ``[S, Lk, Hkv, D]`` (zeros where masked, never NaN);
-    mask bool ``[S, Lq, Lk]``. Returns out ``[S, Lq, Hq, D]`` and lse ``[S, Lq, Hq]``.
+    q ``[S, Lq, Hq, D]``; k, v ``[S, Lk, Hkv, D]`` (finite: padding is 0, never NaN);
+    n_visible int ``[S, Lq]``: row (s, t) sees keys ``0 .. n_visible[s, t] - 1``.
+    Returns out ``[S, Lq, Hq, D]`` and lse ``[S, Lq, Hq]``.
     """
     s_, lq, hq, d = q.shape
-    hkv = k.shape[2]
+    lk, hkv = k.shape[1], k.shape[2]
     qg = q.reshape(s_, lq, hkv, hq // hkv, d)  # query head h = kv_head * group + g
     scores = torch.einsum("sqkgd,slkd->skgql", qg, k) * scale  # [S, Hkv, G, Lq, Lk]
-    scores = scores.masked_fill(~mask[:, None, None], _NEG_INF)
+    visible = torch.arange(lk, device=q.device) < n_visible[..., None]  # [S, Lq, Lk]
+    scores = scores.masked_fill(~visible[:, None, None], _NEG_INF)
     row_max = scores.amax(dim=-1, keepdim=True)
     # A row with no visible key has max -inf; shift it by 0 so exp gives 0, not NaN.
     row_max = torch.where(row_max == _NEG_INF, 0.0, row_max)
     p = torch.exp(scores - row_max)
-    row_sum = p.sum(dim=-1, keepdim=True)  # [S, Hkv, G, Lq, 1]
-    out = torch.einsum("skgql,slkd->sqkgd", p / torch.where(row_sum > 0, row_sum, 1.0), v)
-    lse = (row_max + torch.log(row_sum))[..., 0]  # log(0) = -inf for empty rows
-    return out.reshape(s_, lq, hq, d), lse.permute(0, 3, 1, 2).reshape(s_, lq, hq)
+    row_sum = p.sum(dim=-1)  # [S, Hkv, G, Lq]
+    out = torch.einsum("skgql,slkd->skgqd", p, v) / torch.where(row_sum > 0, row_sum, 1.0)[..., None]
+    lse = row_max[..., 0] + torch.log(row_sum)  # log(0) = -inf for empty rows
+    return (out.permute(0, 3, 1, 2, 4).reshape(s_, lq, hq, d),
+            lse.permute(0, 3, 1, 2).reshape(s_, lq, hq))
 
 
-def _attend_blockwise(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      block_tables: torch.Tensor, q_lens: torch.Tensor, k_lens: torch.Tensor,
-                      causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_blockwise(q: torch.Tensor, seq: torch.Tensor, n_visible: torch.Tensor,
+                      key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_tables: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Online softmax over the paged blocks, float32.
 
-    q ``[S, Lq, Hq, D]`` (padded); walks logical block j = 0, 1, ... of every sequence still that
-    long, reading its physical block once for all query rows and heads. Per row it keeps the
-    running max ``m``, the running sum ``l`` of ``exp(score - m)`` and the unnormalised output
-    ``acc``; a new block with max ``m_j`` rescales both by ``exp(m - max(m, m_j))``.
+    q ``[R, Hq, D]``, one row per query token; seq int64 ``[R]``, its sequence; n_visible int64
+    ``[R]``, the keys it sees (positions ``0 .. n-1``). Walks logical block j = 0, 1, ... for all
+    rows that still see keys there, reading physical block ``block_tables[seq, j]``. Per row it
+    keeps the running max ``m``, the running sum ``l`` of ``exp(score - m)`` and the unnormalised
+    output ``acc``; a block whose max raises ``m`` rescales ``l`` and ``acc`` by
+    ``exp(m_old - m_new)``. Returns out ``[R, Hq, D]`` and lse ``[R, Hq]``.
     """
-    s_, lq, hq, d = q.shape
+    rows, hq, d = q.shape
     block_size, hkv = key_cache.shape[1], key_cache.shape[2]
-    qg = q.reshape(s_, lq, hkv, hq // hkv, d)
-    m = q.new_full((s_, hkv, hq // hkv, lq), _NEG_INF)  # [S, Hkv, G, Lq]
+    qg = q.reshape(rows, hkv, hq // hkv, d)
+    m = q.new_full((rows, hkv, hq // hkv), _NEG_INF)  # [R, Hkv, G]
     l = q.new_zeros(m.shape)
-    acc = q.new_zeros((*m.shape, d))  # [S, Hkv, G, Lq, D]
-    num_logical = int(-(-int(k_lens.max()) // block_size)) if k_lens.numel() else 0
+    acc = q.new_zeros((*m.shape, d))  # [R, Hkv, G, D]
+    num_logical = -(-int(n_visible.max()) // block_size) if rows else 0
     offsets = torch.arange(block_size, device=q.device)
     for j in range(num_logical):
-        active = torch.nonzero(k_lens > j * block_size, as_tuple=True)[0]  # [A]
-        blocks = block_tables[active, j].to(torch.int64)  # only entries within each length
-        pos = j * block_size + offsets  # [block_size] cache positions of this block
-        in_len = pos[None, :] < k_lens[active, None]  # [A, block_size]
-        # Zero the slots past the length *before* the matmuls (0 * NaN would be NaN).
-        k = torch.where(in_len[..., None, None], key_cache[blocks].float(), 0.0)
-        v = torch.where(in_len[..., None, None], value_cache[blocks].float(), 0.0)
-        mask = in_len[:, None, :].expand(-1, lq, -1)  # [A, Lq, block_size]
-        if causal:
-            t = torch.arange(lq, device=q.device)[None, :, None]
-            last_visible = (k_lens[active] - q_lens[active])[:, None, None] + t
-            mask = mask & (pos[None, None, :] <= last_visible)
-        scores = torch.einsum("aqkgd,abkd->akgqb", qg[active], k) * scale  # [A, Hkv, G, Lq, bs]
-        scores = scores.masked_fill(~mask[:, None, None], _NEG_INF)
+        active = torch.nonzero(n_visible > j * block_size, as_tuple=True)[0]  # [A]
+        blocks = block_tables[seq[active], j].to(torch.int64)  # entries within each length only
+        seen = (j * block_size + offsets)[None, :] < n_visible[active, None]  # [A, block_size]
+        # Zero the slots a row must not see *before* the matmuls: 0 * NaN would be NaN.
+        k = torch.where(seen[..., None, None], key_cache[blocks].float(), 0.0)  # [A, bs, Hkv, D]
+        v = torch.where(seen[..., None, None], value_cache[blocks].float(), 0.0)
+        scores = torch.einsum("akgd,abkd->akgb", qg[active], k) * scale  # [A, Hkv, G, bs]
+        scores = scores.masked_fill(~seen[:, None, None, :], _NEG_INF)
         m_old = m[active]
         m_new = torch.maximum(m_old, scores.amax(dim=-1))
-        m_safe = torch.where(m_new == _NEG_INF, 0.0, m_new)  # rows with no key yet
-        alpha = torch.exp(m_old - m_safe)  # rescales what was accumulated; 0 when m_old = -inf
-        p = torch.exp(scores - m_safe[..., None])
+        alpha = torch.exp(m_old - m_new)  # m_old = -inf: nothing accumulated yet, alpha 0
+        p = torch.exp(scores - m_new[..., None])
+        # Every active row sees >= 1 key of this block, so m_new is finite: no -inf - -inf.
         l[active] = alpha * l[active] + p.sum(dim=-1)
-        acc[active] = alpha[..., None] * acc[active] + torch.einsum("akgqb,abkd->akgqd", p, v)
+        acc[active] = alpha[..., None] * acc[active] + torch.einsum("akgb,abkd->akgd", p, v)
         m[active] = m_new
     out = acc / torch.where(l > 0, l, 1.0)[..., None]
     lse = torch.where(l > 0, m + torch.log(l), _NEG_INF)
-    return (out.permute(0, 3, 1, 2, 4).reshape(s_, lq, hq, d),
-            lse.permute(0, 3, 1, 2).reshape(s_, lq, hq))
+    return out.reshape(rows, hq, d), lse.reshape(rows, hq)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,7 +146,7 @@ def _attend_blockwise(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 def paged_decode_gather(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor, *,
                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention by gather + dense float32 softmax.
+    """Decode attention by gather + dense float32 softmax, all sequences at once.
 
     Args:
         query: ``[num_seqs, num_q_heads, head_size]``.
@@ -183,11 +158,12 @@ def paged_decode_gather(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     Returns:
         out float32 ``[num_seqs, num_q_heads, head_size]``, lse float32 ``[num_seqs, num_q_heads]``.
     """
-    k_lens, max_k = _lengths(context_lens)
+    k_lens = context_lens.to(torch.int64)
+    # Pad to the longest context (at least 1 so the key dim is never empty; padding is masked).
+    max_k = max(int(k_lens.max()) if k_lens.numel() else 0, 1)
     k = _gather_paged(key_cache, block_tables, k_lens, max_k)
     v = _gather_paged(value_cache, block_tables, k_lens, max_k)
-    mask = _valid(k_lens, max_k)[:, None, :]  # [S, 1, Lk]: the one query sees every cached key
-    out, lse = _attend_dense(query.float()[:, None], k, v, mask, scale)
+    out, lse = _attend_dense(query.float()[:, None], k, v, k_lens[:, None], scale)
     return out[:, 0], lse[:, 0]
 
 
@@ -199,10 +175,9 @@ def paged_decode_blockwise(query: torch.Tensor, key_cache: torch.Tensor,
     """Decode attention by a block-wise online softmax; same arguments and results as
     :func:`paged_decode_gather`."""
     k_lens = context_lens.to(torch.int64)
-    q_lens = torch.ones_like(k_lens)
-    out, lse = _attend_blockwise(query.float()[:, None], key_cache, value_cache, block_tables,
-                                 q_lens, k_lens, causal=False, scale=scale)
-    return out[:, 0], lse[:, 0]
+    seq = torch.arange(k_lens.shape[0], device=k_lens.device)
+    return _attend_blockwise(query.float(), seq, k_lens, key_cache, value_cache, block_tables,
+                             scale)
 
 
 @torch.no_grad()
@@ -210,7 +185,10 @@ def paged_prefill_gather(query: torch.Tensor, key_cache: torch.Tensor, value_cac
                          block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                          context_lens: torch.Tensor, *, causal: bool,
                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Varlen prefill attention over paged K/V by gather + dense float32 softmax.
+    """Varlen prefill attention over paged K/V: per sequence, gather + dense float32 softmax.
+
+    One sequence at a time, because padding every sequence to the longest query *and* the longest
+    context (a long prompt batched with many decode rows) would cost max_q x max_k per sequence.
 
     Args:
         query: ``[total_q, num_q_heads, head_size]``; sequence i's rows are
@@ -225,13 +203,21 @@ def paged_prefill_gather(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     Returns:
         out float32 ``[total_q, num_q_heads, head_size]``, lse float32 ``[total_q, num_q_heads]``.
     """
-    k_lens, max_k = _lengths(context_lens)
-    q_lens, max_q = _lengths(cu_seqlens_q[1:] - cu_seqlens_q[:-1])
-    k = _gather_paged(key_cache, block_tables, k_lens, max_k)
-    v = _gather_paged(value_cache, block_tables, k_lens, max_k)
-    q = _pad_varlen(query, cu_seqlens_q, max_q)
-    out, lse = _attend_dense(q, k, v, _key_mask(q_lens, k_lens, max_q, max_k, causal), scale)
-    return _unpad_varlen(out, q_lens), _unpad_varlen(lse, q_lens)
+    k_lens = context_lens.to(torch.int64)
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int64)
+    _, n_visible = _visible_counts(q_lens, k_lens, causal)
+    out = query.new_zeros(query.shape, dtype=torch.float32)
+    lse = query.new_full(query.shape[:2], _NEG_INF, dtype=torch.float32)
+    cu = cu_seqlens_q.tolist()
+    for i, k_len in enumerate(k_lens.tolist()):
+        rows = slice(cu[i], cu[i + 1])
+        if rows.start == rows.stop:
+            continue
+        k = _gather_paged(key_cache, block_tables[i:i + 1], k_lens[i:i + 1], max(k_len, 1))
+        v = _gather_paged(value_cache, block_tables[i:i + 1], k_lens[i:i + 1], max(k_len, 1))
+        o, s = _attend_dense(query[rows].float()[None], k, v, n_visible[None, rows], scale)
+        out[rows], lse[rows] = o[0], s[0]
+    return out, lse
 
 
 @torch.no_grad()
@@ -239,14 +225,12 @@ def paged_prefill_blockwise(query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, block_tables: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, *,
                             causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Varlen prefill attention by a block-wise online softmax; same arguments and results as
-    :func:`paged_prefill_gather`."""
-    k_lens = context_lens.to(torch.int64)
-    q_lens, max_q = _lengths(cu_seqlens_q[1:] - cu_seqlens_q[:-1])
-    q = _pad_varlen(query, cu_seqlens_q, max_q)
-    out, lse = _attend_blockwise(q, key_cache, value_cache, block_tables, q_lens, k_lens,
-                                 causal=causal, scale=scale)
-    return _unpad_varlen(out, q_lens), _unpad_varlen(lse, q_lens)
+    """Varlen prefill attention by a block-wise online softmax over all query rows at once;
+    same arguments and results as :func:`paged_prefill_gather`."""
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int64)
+    seq, n_visible = _visible_counts(q_lens, context_lens.to(torch.int64), causal)
+    return _attend_blockwise(query.float(), seq, n_visible, key_cache, value_cache,
+                             block_tables, scale)
 
 
 @torch.no_grad()
@@ -267,12 +251,20 @@ def varlen_attention_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     Returns:
         out float32 ``[total_q, num_q_heads, head_size]``, lse float32 ``[total_q, num_q_heads]``.
     """
-    q_lens, max_q = _lengths(cu_seqlens_q[1:] - cu_seqlens_q[:-1])
-    k_lens, max_k = _lengths(cu_seqlens_k[1:] - cu_seqlens_k[:-1])
-    out, lse = _attend_dense(_pad_varlen(q, cu_seqlens_q, max_q), _pad_varlen(k, cu_seqlens_k, max_k),
-                             _pad_varlen(v, cu_seqlens_k, max_k),
-                             _key_mask(q_lens, k_lens, max_q, max_k, causal), scale)
-    return _unpad_varlen(out, q_lens), _unpad_varlen(lse, q_lens)
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int64)
+    k_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int64)
+    _, n_visible = _visible_counts(q_lens, k_lens, causal)
+    out = q.new_zeros(q.shape, dtype=torch.float32)
+    lse = q.new_full(q.shape[:2], _NEG_INF, dtype=torch.float32)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        if rows.start == rows.stop or keys.start == keys.stop:
+            continue  # no query, or no key: zeros and -inf
+        o, s = _attend_dense(q[rows].float()[None], k[keys].float()[None], v[keys].float()[None],
+                             n_visible[None, rows], scale)
+        out[rows], lse[rows] = o[0], s[0]
+    return out, lse
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
