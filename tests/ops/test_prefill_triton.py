@@ -12,66 +12,22 @@ import math
 import pytest
 import torch
 
+from helpers.prefill_batches import PrefillBatch, make_prefill_batch, run_and_compare
 from mini_paged_attn.ops import reference
 from mini_paged_attn.ops.dispatch import paged_prefill
-from mini_paged_attn.ops.checks import check_paged_prefill_args
-from mini_paged_attn.ops.prefill import triton_paged_prefill, triton_varlen_contiguous
+from mini_paged_attn.ops.prefill import triton_varlen_contiguous
 from mini_paged_attn.ops.prefill_plan import PrefillConfig
 
 TOL = {torch.float32: 2e-5, torch.float16: 1e-2}
 SMALL = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 
 
-def make_paged_batch(q_lens, prefix_lens, *, num_q_heads, num_kv_heads, head_size, block_size,
-                     dtype, seed, seed_layout=False):
-    """A varlen batch whose K/V sit in shuffled cache blocks, NaN in every unused slot and
-    out-of-range garbage in table entries past each sequence's length."""
-    gen = torch.Generator().manual_seed(seed)
-    ctx = [q + p for q, p in zip(q_lens, prefix_lens)]
-    blocks_per_seq = [-(-c // block_size) for c in ctx]
-    num_blocks = sum(blocks_per_seq) + 3
-    max_blocks = max(blocks_per_seq + [1]) + 2
-    shape = (num_blocks, block_size, 2, num_kv_heads, head_size)
-    kv = torch.randn(shape, generator=gen).to(dtype)
-    perm = torch.randperm(num_blocks, generator=gen)
-    tables = torch.full((len(ctx), max_blocks), 10 ** 6, dtype=torch.int32)
-    used = torch.zeros(num_blocks, block_size, dtype=torch.bool)
-    start = 0
-    for i, (n, c) in enumerate(zip(blocks_per_seq, ctx)):
-        tables[i, :n] = perm[start:start + n].to(torch.int32)
-        for pos in range(c):
-            used[tables[i, pos // block_size], pos % block_size] = True
-        start += n
-    kv[~used] = float("nan")
-    if seed_layout:  # the manager's views of the (num_blocks, block_size, 2, H_kv, D) pool
-        key_cache, value_cache = kv[:, :, 0], kv[:, :, 1]
-    else:
-        key_cache, value_cache = kv[:, :, 0].contiguous(), kv[:, :, 1].contiguous()
-    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
-    query = torch.randn(int(cu[-1]), num_q_heads, head_size, generator=gen).to(dtype)
-    return query, key_cache, value_cache, tables, cu, torch.tensor(ctx, dtype=torch.int32)
+def make_paged_batch(q_lens, prefix_lens, **kw):
+    return make_prefill_batch(q_lens, prefix_lens, **kw).args
 
 
 def check_against_reference(batch, *, causal, config=SMALL, scale=None):
-    """Run the kernel with ``config`` (None: through the public dispatcher) and compare."""
-    query, key_cache, value_cache, tables, cu, ctx = batch
-    out = torch.full_like(query, float("nan"))  # every row must be written
-    if config is None:
-        _, lse = paged_prefill(query, key_cache, value_cache, tables, cu, ctx, causal=causal,
-                               scale=scale, out=out, return_lse=True, backend="triton")
-    else:
-        shapes = check_paged_prefill_args(query, key_cache, value_cache, tables, cu, ctx,
-                                          scale, out)
-        lse = torch.full(query.shape[:2], float("nan"))
-        triton_paged_prefill(query, key_cache, value_cache, tables, cu, ctx, shapes,
-                             causal=causal, out=out, lse=lse, config=config)
-    ref_out, ref_lse = reference.paged_prefill_gather(
-        query, key_cache, value_cache, tables, cu, ctx, causal=causal,
-        scale=scale or query.shape[-1] ** -0.5)
-    tol = TOL[query.dtype]
-    torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
-    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+    run_and_compare(PrefillBatch(*batch), causal=causal, config=config, scale=scale)
 
 
 # q_len 0, 1 (decode rows), block_size - 1, block_size + 1, longer; cached prefix 0, a partial
