@@ -21,4 +21,5 @@ def as_int(name: str, value: object) -> int:
     try:
         return operator.index(value)
     except TypeError:
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} ({value!r})") from None
+        raise TypeError(f"{name}: expected an int, "
+                        f"got {type(value).__name__} ({value!r})") from None
