@@ -74,28 +74,43 @@ class MemoryMap:
                  f"{num_free} free"]
         if self.sequences:
             lines.append("sequences:")
-        for s in self.sequences:
-            blocks = " ".join(str(b) for b in s.blocks) or "-"
-            lines.append(f"  seq {s.seq_id:<3} {s.num_tokens:>5} tokens  blocks [{blocks}]  "
-                         f"last block {s.last_block_fill}/{self.block_size}")
+        listed = [f"[{_block_list(s.blocks)}]" for s in self.sequences]
+        width = max(map(len, listed), default=0)
+        for s, blocks in zip(self.sequences, listed):
+            lines.append(f"  seq {s.seq_id:<3} {s.num_tokens:>5} tokens  blocks {blocks:<{width}}"
+                         f"  last block {s.last_block_fill}/{self.block_size}")
         lines.append("blocks:")
+        # Runs of neighbouring blocks that read the same (free, or same owners and fill) are
+        # one line, so a large pool stays a screenful.
         i = 0
         while i < self.num_blocks:
-            b = self.blocks[i]
+            b, j = self.blocks[i], i
+            while j + 1 < self.num_blocks and _same_line(self.blocks[j + 1], b):
+                j += 1
+            span = f"#{i}" if i == j else f"#{i}-#{j}"
+            count = f" ({j - i + 1} blocks)" if j > i else ""
             if b.is_free:
-                j = i
-                while j + 1 < self.num_blocks and self.blocks[j + 1].is_free:
-                    j += 1
-                span = f"#{i}" if i == j else f"#{i}-#{j}"
-                lines.append(f"  {span:<9} free" + (f" ({j - i + 1} blocks)" if j > i else ""))
-                i = j + 1
-                continue
-            owners = ", ".join(f"seq {o}" for o in b.owners)
-            shared = f"  shared by {b.ref_count}" if b.is_shared else ""
-            lines.append(f"  #{b.block:<8} [{_bar(b.num_tokens, self.block_size)}] "
-                         f"{b.num_tokens:>3}/{self.block_size}  {owners}{shared}")
-            i += 1
+                lines.append(f"  {span:<9} free{count}")
+            else:
+                owners = ", ".join(f"seq {o}" for o in b.owners)
+                shared = f"  shared by {b.ref_count}" if b.is_shared else ""
+                lines.append(f"  {span:<9} [{_bar(b.num_tokens, self.block_size)}] "
+                             f"{b.num_tokens:>3}/{self.block_size}  {owners}{shared}{count}")
+            i = j + 1
         return "\n".join(lines)
+
+
+def _block_list(blocks: tuple[int, ...], most: int = 12) -> str:
+    if len(blocks) <= most:
+        return " ".join(map(str, blocks))
+    head, tail = blocks[:most - 3], blocks[-2:]  # long sequences: keep the line readable
+    return (" ".join(map(str, head)) + " ... " + " ".join(map(str, tail))
+            + f" ({len(blocks)} blocks)")
+
+
+def _same_line(a: BlockMap, b: BlockMap) -> bool:
+    return (a.is_free and b.is_free) or (a.owners, a.ref_count, a.num_tokens) == (
+        b.owners, b.ref_count, b.num_tokens)
 
 
 def _bar(filled: int, block_size: int) -> str:
