@@ -61,7 +61,10 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device | str)
     targets = model.checkpoint_targets()
     loaded: set[str] = set()
     unexpected: list[str] = []
-    device_str = str(torch.device(device))
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    device_str = str(device)
     with torch.no_grad():
         for path in files:
             with safe_open(str(path), framework="pt", device=device_str) as f:

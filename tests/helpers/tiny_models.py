@@ -42,6 +42,13 @@ LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 
                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 
+def _dtype_kwarg(dtype: torch.dtype) -> dict:
+    # transformers 5 (and late 4.x) take `dtype`; older 4.x only `torch_dtype`.
+    import transformers
+
+    return {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": dtype}
+
+
 def tiny_tokenizer():
     """The test tokenizer: byte-level BPE, 300 tokens, ids 0..2 are the special tokens.
 
@@ -120,7 +127,7 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", *, seed: int = 0,
     config = _hf_config(arch, len(tokenizer), special_ids, tie_word_embeddings=tie_word_embeddings,
                         **config_overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, **_dtype_kwarg(torch.float32))
     _randomize(model, seed, std)
     if tie_word_embeddings:
         model.tie_weights()
@@ -136,7 +143,8 @@ def hf_reference_model(model_dir: str | Path, dtype: torch.dtype = torch.float32
     """The transformers model of ``model_dir`` (eager attention, eval mode) to compare against."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager",
+                                                 **_dtype_kwarg(dtype))
     return model.to(device).eval()
 
 

@@ -20,14 +20,16 @@ ROPES = {
 
 
 def hf_rope(rope: RopeConfig, head_size: int = 16, max_positions: int = 512):
-    params = {"rope_type": rope.rope_type, "rope_theta": rope.theta}
+    # transformers 4.x spelling (rope_theta + rope_scaling), which 5.x converts
+    scaling = None
     if rope.rope_type != "default":
-        params["factor"] = rope.factor
+        scaling = {"rope_type": rope.rope_type, "factor": rope.factor}
     if rope.rope_type == "llama3":
-        params.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
-                      original_max_position_embeddings=rope.original_max_position_embeddings)
+        scaling.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
+                       original_max_position_embeddings=rope.original_max_position_embeddings)
     config = LlamaConfig(hidden_size=4 * head_size, num_attention_heads=4, head_dim=head_size,
-                         max_position_embeddings=max_positions, rope_parameters=params)
+                         max_position_embeddings=max_positions, rope_theta=rope.theta,
+                         rope_scaling=scaling)
     return hf_llama.LlamaRotaryEmbedding(config)
 
 
