@@ -299,6 +299,15 @@ def test_memory_map_describes_owners_sharing_fill_and_free():
     assert m.memory_map().free_blocks == tuple(range(8))
 
 
+def test_memory_map_text_stays_short_for_long_sequences():
+    m = make(block_size=2, num_blocks=64)
+    m.add_sequence(1, 40)
+    text = str(m.memory_map())
+    assert "blocks [0 1 2 3 4 5 6 7 8 ... 18 19 (20 blocks)]" in text
+    assert "#0-#19" in text and "seq 1 (20 blocks)" in text and "#20-#63   free (44 blocks)" in text
+    assert len(text.splitlines()) == 6
+
+
 # -- the state machine -------------------------------------------------------------------------
 
 class ManagerMachine(RuleBasedStateMachine):
