@@ -21,6 +21,7 @@ then depends only on its own data (batch-invariant, deterministic).
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import triton
@@ -33,6 +34,61 @@ logger = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_SIZE = 256
+MAX_GRID_Z = 65535
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, tile, context_len, table_row, k_head, v_head, dims,
+                 dim_valid, scale_log2, stride_k_block, stride_k_token, stride_v_block,
+                 stride_v_token, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 MASK_TOKENS: tl.constexpr, MASK_DIMS: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """One KV tile of the online softmax; returns the updated (m_i, l_i, acc).
+
+    MASK_TOKENS: the tile may run past ``context_len`` (the sequence's last tile).
+    MASK_DIMS: head_size is not a power of two.
+    """
+    tokens = tile * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] positions
+    token_valid = tokens < context_len                         # [BLOCK_N]
+    if BLOCK_SIZE >= BLOCK_N:
+        # The tile lies inside one cache block (both powers of two): one table lookup.
+        block = tl.load(table_row + (tile * BLOCK_N) // BLOCK_SIZE).to(tl.int64)
+        k_rows = block * stride_k_block + (tokens % BLOCK_SIZE) * stride_k_token
+        v_rows = block * stride_v_block + (tokens % BLOCK_SIZE) * stride_v_token
+    else:
+        if MASK_TOKENS:   # table entries past the sequence's length may be garbage
+            blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_valid, other=0)
+        else:
+            blocks = tl.load(table_row + tokens // BLOCK_SIZE)
+        blocks = blocks.to(tl.int64)                           # [BLOCK_N]
+        k_rows = blocks * stride_k_block + (tokens % BLOCK_SIZE) * stride_k_token
+        v_rows = blocks * stride_v_block + (tokens % BLOCK_SIZE) * stride_v_token
+    k_ptrs = k_head + k_rows[:, None] + dims[None, :]          # [BLOCK_N, HEAD_SIZE_PADDED]
+    v_ptrs = v_head + v_rows[:, None] + dims[None, :]
+    # Unused cache slots may hold NaN: load zeros there (p = 0 times NaN would leak).
+    if MASK_TOKENS:
+        kv_valid = token_valid[:, None] & dim_valid[None, :]  # [BLOCK_N, HEAD_SIZE_PADDED]
+        k = tl.load(k_ptrs, mask=kv_valid, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_valid, other=0.0)
+    elif MASK_DIMS:
+        k = tl.load(k_ptrs, mask=dim_valid[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=dim_valid[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    # k, v: [BLOCK_N, HEAD_SIZE_PADDED]
+
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    # s: [BLOCK_H, BLOCK_N] fp32, log2 domain
+    if MASK_TOKENS:
+        s = tl.where(token_valid[None, :], s, float("-inf"))
+    # Every visited tile holds a valid token, so m_new is finite.
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))                 # [BLOCK_H]
+    alpha = tl.exp2(m_i - m_new)                               # [BLOCK_H]
+    p = tl.exp2(s - m_new[:, None])                            # [BLOCK_H, BLOCK_N]
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -48,23 +104,36 @@ def _paged_decode_kernel(
     GROUP_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EXP_ALL_MASKED: tl.constexpr, EXP_SEQ_FIRST: tl.constexpr,
 ):
-    """Grid ``(num_seqs, num_kv_heads, num_splits)``.
+    """Grid ``(num_kv_heads, num_splits, num_seqs)``: the KV heads of one sequence run side by
+    side, so the token rows of a block (all heads' K and V) are read at about the same time.
 
     SPLIT_KV: write float32 partials ``out[seq, head, split, :]`` (normalised) and
     ``lse[seq, head, split]`` to the workspace; else the final output in the query's dtype
     (and the lse when WRITE_LSE). The lse is natural-log, of the scaled scores.
     """
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
+    if EXP_SEQ_FIRST:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        num_splits = tl.num_programs(2)
+    else:
+        kv_head = tl.program_id(0)
+        split = tl.program_id(1)
+        seq = tl.program_id(2)
+        num_splits = tl.num_programs(1)
 
     context_len = tl.load(context_lens_ptr + seq)
     num_tiles = tl.cdiv(context_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+    # Tiles wholly inside the sequence need no token mask; only the last one may.
+    if EXP_ALL_MASKED:
+        full_end = tile_begin
+    else:
+        full_end = tl.maximum(tl.minimum(tile_end, context_len // BLOCK_N), tile_begin)
 
     rows = tl.arange(0, BLOCK_H)                # [BLOCK_H] query heads of the group (padded)
     dims = tl.arange(0, HEAD_SIZE_PADDED)       # [HEAD_SIZE_PADDED]
@@ -85,35 +154,16 @@ def _paged_decode_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)                      # running sum of exp2
     acc = tl.zeros([BLOCK_H, HEAD_SIZE_PADDED], tl.float32)   # running sum of p * v
 
-    for tile in range(tile_begin, tile_end):
-        tokens = tile * BLOCK_N + tl.arange(0, BLOCK_N)       # [BLOCK_N] positions
-        token_valid = tokens < context_len                     # [BLOCK_N]
-        if BLOCK_SIZE >= BLOCK_N:
-            # The tile lies inside one cache block (both powers of two): one table lookup.
-            block = tl.load(table_row + (tile * BLOCK_N) // BLOCK_SIZE).to(tl.int64)
-            k_rows = block * stride_k_block + (tokens % BLOCK_SIZE) * stride_k_token
-            v_rows = block * stride_v_block + (tokens % BLOCK_SIZE) * stride_v_token
-        else:
-            # Table entries past the sequence's length may be garbage: never follow them.
-            blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_valid, other=0)
-            blocks = blocks.to(tl.int64)                       # [BLOCK_N]
-            k_rows = blocks * stride_k_block + (tokens % BLOCK_SIZE) * stride_k_token
-            v_rows = blocks * stride_v_block + (tokens % BLOCK_SIZE) * stride_v_token
-        # Unused cache slots may hold NaN: load zeros there (p = 0 times NaN would leak).
-        kv_valid = token_valid[:, None] & dim_valid[None, :]  # [BLOCK_N, HEAD_SIZE_PADDED]
-        k = tl.load(k_head + k_rows[:, None] + dims[None, :], mask=kv_valid, other=0.0)
-        v = tl.load(v_head + v_rows[:, None] + dims[None, :], mask=kv_valid, other=0.0)
-        # k, v: [BLOCK_N, HEAD_SIZE_PADDED]
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N] fp32
-        s = tl.where(token_valid[None, :], s * scale_log2, float("-inf"))
-        # Every visited tile holds a valid token, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))             # [BLOCK_H]
-        alpha = tl.exp2(m_i - m_new)                           # [BLOCK_H]
-        p = tl.exp2(s - m_new[:, None])                        # [BLOCK_H, BLOCK_N]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    for tile in range(tile_begin, full_end):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, tile, context_len, table_row, k_head, v_head, dims, dim_valid,
+            scale_log2, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
+            BLOCK_N, BLOCK_SIZE, False, HEAD_SIZE != HEAD_SIZE_PADDED, DOT_PRECISION)
+    for tile in range(full_end, tile_end):     # at most one tile: the sequence's last
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, tile, context_len, table_row, k_head, v_head, dims, dim_valid,
+            scale_log2, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
+            BLOCK_N, BLOCK_SIZE, True, HEAD_SIZE != HEAD_SIZE_PADDED, DOT_PRECISION)
 
     has_keys = l_i > 0.0                                       # [BLOCK_H]; False: no tokens
     l_safe = tl.where(has_keys, l_i, 1.0)
@@ -123,14 +173,14 @@ def _paged_decode_kernel(
     o_ptrs = (out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head
               + dims[None, :] * stride_o_dim)
     lse_ptrs = lse_ptr + seq.to(tl.int64) * stride_lse_seq + heads * stride_lse_head
+    o_valid = row_valid[:, None] & dim_valid[None, :]         # [BLOCK_H, HEAD_SIZE_PADDED]
     if SPLIT_KV:
         # Splits without tiles write nothing; the merge counts only splits that had work.
         has_work = tile_begin < tile_end
-        tl.store(o_ptrs + split * stride_o_split, o, mask=row_valid[:, None] & dim_valid[None, :] & has_work)
+        tl.store(o_ptrs + split * stride_o_split, o, mask=o_valid & has_work)
         tl.store(lse_ptrs + split * stride_lse_split, lse, mask=row_valid & has_work)
     else:
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty),
-                 mask=row_valid[:, None] & dim_valid[None, :])
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_valid)
         if WRITE_LSE:
             tl.store(lse_ptrs, lse, mask=row_valid)
 
@@ -144,12 +194,12 @@ def _merge_splits_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS_PADDED: tl.constexpr, SPLIT_TILE: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
-    """Grid ``(num_seqs, num_q_heads)``: out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max).
+    """Grid ``(num_q_heads, num_seqs)``: out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max).
 
     Recomputes the decode kernel's split of the sequence to know which splits wrote a result.
     """
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
     num_tiles = tl.cdiv(context_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
@@ -201,6 +251,9 @@ def _check_supported(shapes: PagedShapes) -> None:
     if shapes.head_size > MAX_HEAD_SIZE:
         raise ValueError(f"query: expected head_size <= {MAX_HEAD_SIZE} for the triton "
                          f"backend, got {shapes.head_size}")
+    if shapes.num_seqs > MAX_GRID_Z:
+        raise ValueError(f"query: expected at most {MAX_GRID_Z} sequences per call (the CUDA "
+                         f"grid's z limit), got {shapes.num_seqs}")
     bs = shapes.block_size
     if bs & (bs - 1):
         raise ValueError(f"key_cache: expected a power-of-two block_size for the triton "
@@ -238,9 +291,10 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     if workspace is not None:
         max_splits = _workspace_splits(workspace, shapes, device)
         if num_splits is not None and num_splits > max(max_splits, 1):
-            raise ValueError(f"workspace: expected room for num_splits={num_splits} "
-                             f"({workspace_size(shapes.num_seqs, shapes.num_q_heads, shapes.head_size, num_splits)}"
-                             f" float32 elements), got {workspace.numel()}")
+            need = workspace_size(shapes.num_seqs, shapes.num_q_heads, shapes.head_size,
+                                  num_splits)
+            raise ValueError(f"workspace: expected room for num_splits={num_splits} ({need} "
+                             f"float32 elements), got {workspace.numel()}")
     plan = plan_decode(shapes.num_seqs, shapes.num_q_heads, shapes.num_kv_heads,
                        shapes.head_size, shapes.max_blocks_per_seq * shapes.block_size,
                        shapes.block_size, query.dtype, num_sms_of(device), num_splits,
@@ -265,7 +319,11 @@ def _launch(plan: DecodePlan, shapes: PagedShapes, query, key_cache, value_cache
     )
     cache_strides = (key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                      value_cache.stride(0), value_cache.stride(1), value_cache.stride(2))
-    grid = (shapes.num_seqs, shapes.num_kv_heads, splits)
+    experiment = os.environ.get("MPA_DECODE_EXPERIMENT", "")   # TEMPORARY: tuning only
+    common.update(EXP_ALL_MASKED="allmasked" in experiment,
+                  EXP_SEQ_FIRST="seqfirst" in experiment)
+    grid = ((shapes.num_seqs, shapes.num_kv_heads, splits) if "seqfirst" in experiment
+            else (shapes.num_kv_heads, splits, shapes.num_seqs))
     lse_arg = lse if lse is not None else out  # never written when WRITE_LSE is False
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     if splits == 1:
@@ -287,7 +345,7 @@ def _launch(plan: DecodePlan, shapes: PagedShapes, query, key_cache, value_cache
         shapes.scale * LOG2E, query.stride(0), query.stride(1), *cache_strides,
         block_tables.stride(0), *part_out.stride(), *part_lse.stride(),
         SPLIT_KV=True, WRITE_LSE=True, **common)
-    _merge_splits_kernel[(n, h)](
+    _merge_splits_kernel[(h, n)](
         part_out, part_lse, context_lens, out, lse_arg, splits,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),

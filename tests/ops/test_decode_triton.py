@@ -2,8 +2,8 @@
 
 On CPU the kernels run through the Triton interpreter with small shapes and fp16/fp32 (bf16
 ``tl.dot`` is broken there); the interpreter tiles hold 16 KV tokens, so block sizes 1 and 4
-take the per-token table lookup and 16, 32, 64 the one-lookup-per-tile path. The GPU suite
-(test_decode_gpu.py) runs full shapes.
+take the per-token table lookup and 16, 32, 64 the one-lookup-per-tile path. On a GPU the same
+tests run natively; test_decode_gpu.py adds full shapes, bf16, CUDA graphs and big pools.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from mini_paged_attn.ops.checks import check_paged_decode_args
 from mini_paged_attn.ops.decode import triton_paged_decode, workspace_size
 from mini_paged_attn.ops.dispatch import paged_decode
 from mini_paged_attn.ops.explain import DecodeTiles, explain_decode, plan_decode
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # (num_q_heads, num_kv_heads, head_size, block_size, lengths, dtype, seed_layout)
 CASES = [
@@ -41,7 +43,7 @@ def _run(batch, *, num_splits=None, workspace=None, scale=None):
 def test_matches_reference(hq, hkv, head_size, block_size, lens, dtype, seed_layout, num_splits):
     batch = make_decode_batch(lens, num_q_heads=hq, num_kv_heads=hkv, head_size=head_size,
                               block_size=block_size, dtype=dtype, seed=len(lens) + head_size,
-                              seed_layout=seed_layout)
+                              seed_layout=seed_layout, device=DEVICE)
     out, lse = _run(batch, num_splits=num_splits)
     assert_decode_matches_reference(batch, out, lse)
 
@@ -54,7 +56,7 @@ def test_auto_plan_splits_small_batches():
 
 def test_forced_splits_agree_with_each_other():
     batch = make_decode_batch([97, 40, 1], num_q_heads=4, num_kv_heads=2, head_size=64,
-                              block_size=8, dtype=torch.float32, seed=7)
+                              block_size=8, dtype=torch.float32, seed=7, device=DEVICE)
     results = [_run(batch, num_splits=s) for s in (1, 2, 4, 7, 16)]
     for out, lse in results:
         assert_decode_matches_reference(batch, out, lse)
@@ -65,7 +67,7 @@ def test_forced_splits_agree_with_each_other():
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_empty_sequence_gives_zeros_and_minus_inf(num_splits):
     batch = make_decode_batch([0, 20, 0], num_q_heads=4, num_kv_heads=2, head_size=64,
-                              block_size=16, dtype=torch.float16, seed=3)
+                              block_size=16, dtype=torch.float16, seed=3, device=DEVICE)
     out, lse = _run(batch, num_splits=num_splits)
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[2], out[0])
     assert torch.isinf(lse[[0, 2]]).all() and (lse[[0, 2]] < 0).all()
@@ -74,14 +76,14 @@ def test_empty_sequence_gives_zeros_and_minus_inf(num_splits):
 
 def test_custom_scale():
     batch = make_decode_batch([30, 9], num_q_heads=4, num_kv_heads=2, head_size=64,
-                              block_size=16, dtype=torch.float32, seed=11)
+                              block_size=16, dtype=torch.float32, seed=11, device=DEVICE)
     out, lse = _run(batch, num_splits=2, scale=0.3)
     assert_decode_matches_reference(batch, out, lse, scale=0.3)
 
 
 def test_num_splits_1_is_batch_invariant():
     batch = make_decode_batch([50, 17, 33], num_q_heads=8, num_kv_heads=2, head_size=64,
-                              block_size=16, dtype=torch.float16, seed=5)
+                              block_size=16, dtype=torch.float16, seed=5, device=DEVICE)
     out_batch, _ = _run(batch, num_splits=1)
     for i in range(3):
         q, kc, vc, bt, cl = batch.args
@@ -92,8 +94,8 @@ def test_num_splits_1_is_batch_invariant():
 
 def test_workspace_is_used_and_checked():
     batch = make_decode_batch([60, 20], num_q_heads=4, num_kv_heads=2, head_size=64,
-                              block_size=16, dtype=torch.float16, seed=13)
-    ws = torch.empty(workspace_size(2, 4, 64, 4), dtype=torch.float32)
+                              block_size=16, dtype=torch.float16, seed=13, device=DEVICE)
+    ws = torch.empty(workspace_size(2, 4, 64, 4), dtype=torch.float32, device=DEVICE)
     out, lse = _run(batch, num_splits=4, workspace=ws)
     assert_decode_matches_reference(batch, out, lse)
     out_auto, lse_auto = _run(batch, workspace=ws)   # heuristic capped to the 4 splits it holds
@@ -116,7 +118,7 @@ def test_unsupported_input_raises_before_launch(bad):
     else:
         num_splits = 0
     batch = make_decode_batch([5], num_q_heads=2, num_kv_heads=1, head_size=head_size,
-                              block_size=block_size, dtype=torch.float16, seed=1)
+                              block_size=block_size, dtype=torch.float16, seed=1, device=DEVICE)
     out = torch.zeros_like(batch.query)
     with pytest.raises(ValueError, match=bad):
         paged_decode(*batch.args, out=out, backend="triton", num_splits=num_splits)
@@ -127,10 +129,10 @@ def test_tile_override_spans_and_splits_blocks():
     # BLOCK_N 32 over block_size 16 (two lookups per tile) and over block_size 64 (part of one).
     for block_size in (16, 64):
         batch = make_decode_batch([70, 3], num_q_heads=4, num_kv_heads=4, head_size=64,
-                                  block_size=block_size, dtype=torch.float16, seed=block_size)
+                                  block_size=block_size, dtype=torch.float16, seed=block_size, device=DEVICE)
         shapes = check_paged_decode_args(*batch.args, None, None)
         out = torch.full_like(batch.query, float("nan"))
-        lse = torch.full(batch.query.shape[:2], float("nan"))
+        lse = torch.full(batch.query.shape[:2], float("nan"), device=DEVICE)
         triton_paged_decode(*batch.args, shapes, out=out, lse=lse, num_splits=2,
                             tiles=DecodeTiles(block_n=32, num_warps=4, num_stages=1))
         assert_decode_matches_reference(batch, out, lse)
@@ -152,7 +154,7 @@ def test_explain_decode_says_what_runs_and_why():
 
 def test_explain_flag_logs_the_plan(caplog):
     batch = make_decode_batch([20], num_q_heads=4, num_kv_heads=2, head_size=64,
-                              block_size=16, dtype=torch.float16, seed=2)
+                              block_size=16, dtype=torch.float16, seed=2, device=DEVICE)
     with caplog.at_level(logging.INFO, logger="mini_paged_attn.ops.decode"):
         paged_decode(*batch.args, backend="triton", num_splits=2, explain=True)
     assert "num_splits=2 was forced" in caplog.text and "kernel:" in caplog.text

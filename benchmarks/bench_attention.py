@@ -1,0 +1,408 @@
+"""Paged attention benchmark (GPU): our Triton kernels against torch's attention, one process.
+
+Decode part (issue 3): bf16, 32 query heads / 8 KV heads, head_size 128, block_size 16,
+physical blocks in random order, the manager's seed-layout pool ``(num_blocks, block_size, 2,
+H_kv, D)``; batch {1, 8, 32, 64, 128, 256} x context {1k, 4k, 16k, 64k} (skipping more than
+``--max-tokens`` tokens), plus head_size 64 and block_size 1 and 128 at batch 64 x 4k.
+Each shape is checked for correctness first, then timed (``do_bench`` median, L2 flushed):
+
+  ours          paged_decode (Triton, heuristic num_splits, preallocated workspace)
+  ours_s1       the same with num_splits=1 (batch <= 8 only: what splitting buys)
+  torch_ref     the torch reference backend (small shapes only)
+  sdpa_flash / sdpa_cudnn / sdpa_efficient
+                torch SDPA with that backend on contiguous (non-paged) K/V of the same lengths;
+                the group's query heads ride as GQA rows (q ``[B, H_kv, group, D]``), so K/V is
+                read once per KV head, as in our kernel
+  gather_sdpa   gather the paged K/V into contiguous tensors, then SDPA (default backend)
+  flex          flex_attention (compiled) on contiguous K/V, a few shapes (``--flex``)
+
+Reported: microseconds, GB/s of K+V read, and % of the device-to-device copy bandwidth (bytes
+read + written) measured at the start of the run. Small shapes are also timed under CUDA-graph
+replay (``do_bench_cudagraph``, rotating over input sets larger than L2), as the engine runs them.
+Writes ``decode.csv``, ``decode.png`` and ``decode.md`` (the table for BENCHMARKS.md) to --out.
+
+The prefill part lives in ``bench_prefill_cases.py`` (``run_prefill(args, ceilings, env,
+out_dir)``), imported when present.
+
+    PYTHONPATH=. python3 benchmarks/bench_attention.py --part decode --out /tmp/bench
+    PYTHONPATH=. python3 benchmarks/bench_attention.py --tune     # tile sweep, then exit
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (Ceilings, environment, markdown_table, measure_ceilings,  # noqa: E402
+                    plot_lines, print_table, time_graph_us, time_us, write_csv)
+
+from mini_paged_attn.ops import paged_decode  # noqa: E402
+from mini_paged_attn.ops.checks import check_paged_decode_args  # noqa: E402
+from mini_paged_attn.ops.decode import triton_paged_decode, workspace_size  # noqa: E402
+from mini_paged_attn.ops.explain import MAX_SPLITS, DecodeTiles, explain_decode  # noqa: E402
+
+SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION,
+                 "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+                 "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
+GRAPH_MAX_TOKENS = 32 * 1024         # shapes up to this many tokens are also graph-timed
+ROTATE_BYTES = 256 << 20             # graph timing rotates over >= this many bytes of inputs
+
+
+@dataclass(frozen=True)
+class DecodeCase:
+    batch: int
+    context: int
+    head_size: int = 128
+    block_size: int = 16
+    num_q_heads: int = 32
+    num_kv_heads: int = 8
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.context
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K and V the step must read."""
+        return 2 * self.tokens * self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+
+@dataclass
+class DecodeInputs:
+    query: torch.Tensor; key_cache: torch.Tensor; value_cache: torch.Tensor
+    block_tables: torch.Tensor; context_lens: torch.Tensor; workspace: torch.Tensor
+    out: torch.Tensor
+
+    @property
+    def args(self):
+        return (self.query, self.key_cache, self.value_cache, self.block_tables,
+                self.context_lens)
+
+
+def make_inputs(case: DecodeCase, seed: int) -> DecodeInputs:
+    """A seed-layout pool with exactly the blocks the batch needs, in random physical order."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    blocks_per_seq = -(-case.context // case.block_size)
+    num_blocks = case.batch * blocks_per_seq
+    pool = torch.randn((num_blocks, case.block_size, 2, case.num_kv_heads, case.head_size),
+                       generator=g, device="cuda", dtype=case.dtype)
+    tables = torch.randperm(num_blocks, generator=g, device="cuda").to(torch.int32)
+    tables = tables.view(case.batch, blocks_per_seq)
+    lens = torch.full((case.batch,), case.context, dtype=torch.int32, device="cuda")
+    query = torch.randn((case.batch, case.num_q_heads, case.head_size), generator=g,
+                        device="cuda", dtype=case.dtype)
+    ws = torch.empty(workspace_size(case.batch, case.num_q_heads, case.head_size, MAX_SPLITS),
+                     dtype=torch.float32, device="cuda")
+    return DecodeInputs(query, pool[:, :, 0], pool[:, :, 1], tables, lens, ws,
+                        torch.empty_like(query))
+
+
+def gather_contiguous(x: DecodeInputs, cache: torch.Tensor, case: DecodeCase) -> torch.Tensor:
+    """``[B, H_kv, context, D]`` contiguous K or V, gathered through the block table."""
+    blocks = cache[x.block_tables.long()]            # [B, blocks, block_size, H_kv, D]
+    flat = blocks.reshape(case.batch, -1, case.num_kv_heads, case.head_size)[:, :case.context]
+    return flat.transpose(1, 2)
+
+
+def sdpa_decode(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Decode through SDPA with the group's query heads as rows: q ``[B, H_kv, group, D]``."""
+    b, hq, d = query.shape
+    q = query.view(b, k.shape[1], hq // k.shape[1], d)
+    return F.scaled_dot_product_attention(q, k, v).reshape(b, hq, d)
+
+
+def ours(x: DecodeInputs, **kw):
+    return lambda: paged_decode(*x.args, out=x.out, workspace=x.workspace, **kw)
+
+
+def implementations(case: DecodeCase, x: DecodeInputs, k: torch.Tensor, v: torch.Tensor,
+                    flex: bool) -> dict:
+    impls = {"ours": ours(x)}
+    if case.batch <= 8:
+        impls["ours_s1"] = ours(x, num_splits=1)
+    if case.tokens <= 64 * 1024:
+        impls["torch_ref"] = lambda: paged_decode(*x.args, backend="torch")
+    for name, backend in SDPA_BACKENDS.items():
+        def run(backend=backend):
+            with sdpa_kernel(backend):
+                return sdpa_decode(x.query, k, v)
+        impls[name] = run
+    impls["gather_sdpa"] = lambda: sdpa_decode(
+        x.query, gather_contiguous(x, x.key_cache, case), gather_contiguous(x, x.value_cache, case))
+    if flex:
+        from torch.nn.attention.flex_attention import flex_attention
+        compiled = torch.compile(flex_attention, dynamic=False)
+        b, hq, d = x.query.shape
+
+        def run_flex():
+            q = x.query.view(b, case.num_kv_heads, hq // case.num_kv_heads, d)
+            return compiled(q, k, v).reshape(b, hq, d)
+        impls["flex"] = run_flex
+    return impls
+
+
+def check_and_time(case: DecodeCase, ceilings: Ceilings, flex: bool, seed: int) -> list[dict]:
+    x = make_inputs(case, seed)
+    k = gather_contiguous(x, x.key_cache, case).contiguous()
+    v = gather_contiguous(x, x.value_cache, case).contiguous()
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        expected = sdpa_decode(x.query, k, v).float()
+    rows = []
+    plan = explain_decode(case.batch, case.num_q_heads, case.num_kv_heads, case.head_size,
+                          case.context, case.block_size, case.dtype)
+    for name, fn in implementations(case, x, k, v, flex).items():
+        row = dict(impl=name, batch=case.batch, context=case.context,
+                   head_size=case.head_size, block_size=case.block_size,
+                   splits=plan.num_splits if name == "ours" else None)
+        try:
+            got = fn()
+            err = (got.float() - expected).abs().max().item()
+            if not err < 3e-2:
+                raise AssertionError(f"max abs error {err:.3g} vs flash SDPA")
+            row["max_err"] = err
+            row["us"] = time_us(fn)
+            row["gbps"] = case.kv_bytes / (row["us"] * 1e-6) / 1e9
+            row["pct_copy"] = 100 * row["gbps"] / ceilings.copy_gbps
+        except Exception as e:  # noqa: BLE001  a peer that does not run is reported, not fatal
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+            if name.startswith("ours"):
+                raise
+        rows.append(row)
+    if case.tokens <= GRAPH_MAX_TOKENS:
+        _graph_times(case, rows, seed, flex=False)
+    del x, k, v, expected
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _graph_times(case: DecodeCase, rows: list[dict], seed: int, flex: bool) -> None:
+    """Time ours / fastest SDPA / gather_sdpa under graph replay over rotating input sets."""
+    sets = max(1, min(32, math.ceil(ROTATE_BYTES / case.kv_bytes)))
+    inputs = [make_inputs(case, seed + 1000 + i) for i in range(sets)]
+    contig = [(gather_contiguous(x, x.key_cache, case).contiguous(),
+               gather_contiguous(x, x.value_cache, case).contiguous()) for x in inputs]
+    by_name = {r["impl"]: r for r in rows}
+    sdpa_ok = [n for n in SDPA_BACKENDS if by_name.get(n, {}).get("us") is not None]
+    best_sdpa = min(sdpa_ok, key=lambda n: by_name[n]["us"]) if sdpa_ok else None
+    for name in ["ours", best_sdpa, "gather_sdpa"]:
+        if name is None:
+            continue
+        fns = [implementations(case, x, k, v, flex)[name] for x, (k, v) in zip(inputs, contig)]
+        try:
+            by_name[name]["graph_us"] = time_graph_us(fns)
+        except Exception as e:  # noqa: BLE001
+            by_name[name]["graph_error"] = f"{type(e).__name__}: {str(e)[:80]}"
+
+
+def decode_cases(max_tokens: int, quick: bool) -> list[DecodeCase]:
+    batches = (1, 8, 64, 256) if quick else (1, 8, 32, 64, 128, 256)
+    contexts = (4096, 16384) if quick else (1024, 4096, 16384, 65536)
+    cases = [DecodeCase(b, c) for b in batches for c in contexts if b * c <= max_tokens]
+    cases += [DecodeCase(64, 4096, head_size=64), DecodeCase(64, 4096, block_size=1),
+              DecodeCase(64, 4096, block_size=128)]
+    return cases
+
+
+def evaluate_targets(rows: list[dict]) -> list[str]:
+    """The issue-3 targets, each with PASS/FAIL and the numbers behind it."""
+    def get(impl, **key):
+        for r in rows:
+            if r["impl"] == impl and all(r[k] == v for k, v in key.items()):
+                return r
+        return {}
+    main = [r for r in rows if r["impl"] == "ours" and r["head_size"] == 128
+            and r["block_size"] == 16]
+    out = []
+    big = [r for r in main if r["batch"] * r["context"] >= 128 * 1024]
+    worst = min(big, key=lambda r: r["pct_copy"], default=None)
+    if worst:
+        out.append(f"{'PASS' if worst['pct_copy'] >= 100 else 'FAIL'}  >=100% of copy bw at "
+                   f">=128k tokens: worst {worst['pct_copy']:.0f}% (batch {worst['batch']} x "
+                   f"{worst['context']}); all: " + ", ".join(
+                       f"{r['batch']}x{r['context'] // 1024}k {r['pct_copy']:.0f}%" for r in big))
+    for ctx in (4096, 16384, 65536):
+        r = get("ours", batch=1, context=ctx, head_size=128, block_size=16)
+        sd = [get(n, batch=1, context=ctx, head_size=128, block_size=16) for n in SDPA_BACKENDS]
+        sd = [s for s in sd if s.get("us") is not None]
+        if r and sd:
+            best = min(sd, key=lambda s: s["us"])
+            out.append(f"{'PASS' if r['us'] <= best['us'] else 'FAIL'}  batch 1 x {ctx}: ours "
+                       f"{r['us']:.1f} us vs fastest SDPA {best['impl']} {best['us']:.1f} us")
+    slower = []
+    for r in [r for r in rows if r["impl"] == "ours"]:
+        key = dict(batch=r["batch"], context=r["context"], head_size=r["head_size"],
+                   block_size=r["block_size"])
+        for peer in ("gather_sdpa", "sdpa_flash"):
+            p = get(peer, **key)
+            if p.get("us") is not None and not r["us"] < p["us"]:
+                slower.append(f"{peer} at {r['batch']}x{r['context']} D{r['head_size']} "
+                              f"bs{r['block_size']}")
+    out.append(f"{'PASS' if not slower else 'FAIL'}  faster than gather_sdpa and sdpa_flash at "
+               f"every shape" + (": slower vs " + "; ".join(slower) if slower else ""))
+    b1 = get("ours", batch=64, context=4096, head_size=128, block_size=1)
+    b16 = get("ours", batch=64, context=4096, head_size=128, block_size=16)
+    if b1 and b16:
+        ratio = b1["us"] / b16["us"]
+        out.append(f"{'PASS' if ratio <= 2 else 'FAIL'}  block_size 1 within 2x of 16: "
+                   f"{b1['us']:.1f} vs {b16['us']:.1f} us ({ratio:.2f}x)")
+    return out
+
+
+def run_decode(args, ceilings: Ceilings, env: dict, out_dir: Path) -> None:
+    rows = []
+    for i, case in enumerate(decode_cases(args.max_tokens, args.quick)):
+        flex = args.flex and (case.batch, case.context) in {(1, 4096), (64, 4096), (8, 16384)} \
+            and case.head_size == 128 and case.block_size == 16
+        rows += check_and_time(case, ceilings, flex, seed=i)
+        ours_row = next(r for r in rows[::-1] if r["impl"] == "ours")
+        print(f"  batch {case.batch:>3} ctx {case.context:>6} D {case.head_size} bs "
+              f"{case.block_size:>3}: ours {ours_row['us']:8.1f} us "
+              f"{ours_row['pct_copy']:5.0f}% of copy ({ours_row['splits']} splits)", flush=True)
+    columns = ["impl", "batch", "context", "head_size", "block_size", "splits", "us",
+               "graph_us", "gbps", "pct_copy", "max_err"]
+    write_csv(out_dir / "decode.csv", rows)
+    ok = [r for r in rows if r.get("us") is not None and r["head_size"] == 128
+          and r["block_size"] == 16]
+    plot_lines(out_dir / "decode.png", ok, panel="batch", x="context", y="gbps", line="impl",
+               title=f"paged decode, bf16, 32/8 heads, D 128, bs 16 - {env['device']}",
+               xlabel="context (tokens)", ylabel="GB/s of K+V read",
+               hline=ceilings.copy_gbps, hline_label="copy bandwidth (r+w)")
+    wide = _wide_table(rows)
+    targets = evaluate_targets(rows)
+    header = (f"device {env['device']}, torch {env['torch']}, triton {env['triton']}, CUDA "
+              f"{env['cuda']}, {env['date']}; copy {ceilings.copy_gbps:.0f} GB/s (read+write), "
+              f"bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
+    (out_dir / "decode.md").write_text(
+        header + "\n\n" + markdown_table(wide, list(wide[0])) + "\n\nTargets:\n"
+        + "\n".join(f"- {t}" for t in targets) + "\n")
+    errors = [r for r in rows if "error" in r]
+    print("\nPeers that did not run:", {f"{r['impl']}": r["error"] for r in errors} or "none")
+    print(header)
+    print_table(rows, columns)
+    print()
+    print_table(wide, list(wide[0]))
+    print("\n".join(targets))
+
+
+def _wide_table(rows: list[dict]) -> list[dict]:
+    """One line per shape: microseconds per implementation, ours' % of copy, graph times."""
+    shapes = list(dict.fromkeys((r["batch"], r["context"], r["head_size"], r["block_size"])
+                                for r in rows))
+    names = list(dict.fromkeys(r["impl"] for r in rows))
+    graphed = [n for n in names if any("graph_us" in r for r in rows if r["impl"] == n)]
+    table = []
+    for b, c, d, bs in shapes:
+        sub = {r["impl"]: r for r in rows if (r["batch"], r["context"], r["head_size"],
+                                              r["block_size"]) == (b, c, d, bs)}
+        line = {"batch": b, "ctx": c, "D": d, "bs": bs,
+                "splits": sub["ours"].get("splits"),
+                "ours %copy": sub["ours"].get("pct_copy")}
+        for n in names:
+            line[f"{n} us"] = sub.get(n, {}).get("us")
+        for n in graphed:
+            line[f"{n} graph us"] = sub.get(n, {}).get("graph_us")
+        table.append(line)
+    cols = list(dict.fromkeys(k for line in table for k in line))
+    return [{k: line.get(k) for k in cols} for line in table]
+
+
+def run_tune(args, ceilings: Ceilings) -> None:
+    """Tile sweep (block_n x num_warps x num_stages), split counts and kernel variants."""
+    full_grid = [(b, w, st) for b in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+    warps4 = [(b, 4, st) for b in (32, 64, 128) for st in (2, 3, 4)]
+    cases = [(DecodeCase(64, 4096), full_grid), (DecodeCase(1, 16384), full_grid),
+             (DecodeCase(256, 4096), warps4), (DecodeCase(8, 4096), warps4),
+             (DecodeCase(64, 4096, block_size=1), warps4),
+             (DecodeCase(64, 4096, head_size=64), warps4),
+             (DecodeCase(64, 4096, block_size=128), warps4[3:6])]
+    experiments = ("", "allmasked", "seqfirst")
+    rows = []
+
+    def record(case, fn, ref, **info):
+        try:
+            fn()
+            err = (x.out.float() - ref).abs().max().item()
+            us = time_us(fn)
+            rows.append(dict(case=f"{case.batch}x{case.context} D{case.head_size} "
+                             f"bs{case.block_size}", us=us, max_err=err,
+                             pct_copy=100 * case.kv_bytes / (us * 1e-6) / 1e9
+                             / ceilings.copy_gbps, **info))
+        except Exception as e:  # noqa: BLE001  e.g. out of shared memory
+            rows.append(dict(case=f"{case.batch}x{case.context}", error=str(e)[:60], **info))
+
+    for i, (case, grid) in enumerate(cases):
+        first = len(rows)
+        x = make_inputs(case, seed=i)
+        shapes = check_paged_decode_args(*x.args, None, x.out)
+        ref = paged_decode(*x.args, num_splits=1).float()
+        for block_n, warps, stages in grid:
+            tiles = DecodeTiles(block_n, warps, stages)
+            record(case, lambda: triton_paged_decode(*x.args, shapes, out=x.out, lse=None,
+                                                     workspace=x.workspace, tiles=tiles),
+                   ref, block_n=block_n, warps=warps, stages=stages)
+        for exp in experiments if i < 4 or case.block_size == 1 else ():
+            os.environ["MPA_DECODE_EXPERIMENT"] = exp
+            record(case, ours(x), ref, experiment=exp or "default")
+        os.environ["MPA_DECODE_EXPERIMENT"] = ""
+        for splits in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128):
+            if case.batch * case.num_kv_heads * splits > 4 * 264 or i >= 4:
+                break
+            record(case, ours(x, num_splits=splits), ref, forced_splits=splits)
+        print_table(rows[first:], ["case", "block_n", "warps", "stages", "experiment",
+                                 "forced_splits", "us", "pct_copy", "max_err", "error"])
+        print(flush=True)
+        del x
+        torch.cuda.empty_cache()
+        if args.out:
+            write_csv(Path(args.out) / "tune.csv", rows)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--part", choices=("decode", "prefill", "all"), default="all")
+    p.add_argument("--out", default="bench_out", help="directory for CSV, PNG and markdown")
+    p.add_argument("--max-tokens", type=int, default=4 << 20,
+                   help="skip decode shapes with more batch x context tokens")
+    p.add_argument("--quick", action="store_true", help="fewer shapes")
+    p.add_argument("--flex", action="store_true", help="also time flex_attention (compiles)")
+    p.add_argument("--tune", action="store_true", help="run the decode tile sweep and exit")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py needs a CUDA GPU")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    ceilings = measure_ceilings()
+    print(f"{env}\nceilings: copy {ceilings.copy_gbps:.0f} GB/s (read+write), "
+          f"bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s", flush=True)
+    if args.tune:
+        run_tune(args, ceilings)
+        return
+    if args.part in ("decode", "all"):
+        run_decode(args, ceilings, env, out_dir)
+    if args.part in ("prefill", "all"):
+        path = Path(__file__).resolve().parent / "bench_prefill_cases.py"
+        if path.exists():
+            spec = importlib.util.spec_from_file_location("bench_prefill_cases", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            module.run_prefill(args, ceilings, env, out_dir)
+        elif args.part == "prefill":
+            sys.exit("benchmarks/bench_prefill_cases.py is not there yet")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Shared benchmark infrastructure: ceilings, timing, tables, CSV and plots (GPU only).
+
+- :func:`measure_ceilings`: the run's own device-to-device copy bandwidth (bytes read +
+  written) and bf16 matmul rate, the yardsticks every result is reported against.
+- :func:`time_us` (``triton.testing.do_bench``, median, L2 flushed before each call) and
+  :func:`time_graph_us` (``do_bench_cudagraph``, median of replays; pass several input sets to
+  rotate through so small problems are not served from L2).
+- :func:`print_table`, :func:`markdown_table`, :func:`write_csv`, :func:`plot_lines`.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench, do_bench_cudagraph
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    copy_gbps: float       # device-to-device copy, bytes read + written per second / 1e9
+    matmul_tflops: float   # 8192^3 bf16 matmul
+
+
+def environment() -> dict[str, str]:
+    """Device, versions and date, for the report header."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {
+        "device": f"{props.name} ({props.multi_processor_count} SMs, "
+                  f"{props.total_memory / 2**30:.0f} GiB)",
+        "torch": torch.__version__, "triton": triton.__version__,
+        "cuda": str(torch.version.cuda),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def time_us(fn: Callable[[], object], warmup_ms: int = 10, rep_ms: int = 60) -> float:
+    """Median microseconds of ``fn`` (events around each call, L2 flushed before each)."""
+    return 1e3 * do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def time_graph_us(fns: Sequence[Callable[[], object]], rep_ms: int = 40) -> float:
+    """Median microseconds per call under CUDA-graph replay, rotating through ``fns`` (the same
+    op on different input sets, so consecutive replays do not hit in L2)."""
+    cycle = itertools.cycle(fns)
+    return 1e3 * do_bench_cudagraph(lambda: next(cycle)(), rep=rep_ms, return_mode="median")
+
+
+def measure_ceilings(copy_bytes: int = 2 << 30, matmul_n: int = 8192) -> Ceilings:
+    """This run's copy bandwidth and bf16 matmul rate (random data, medians)."""
+    src = torch.randn(copy_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    t = time_us(lambda: dst.copy_(src), rep_ms=200)
+    copy_gbps = 2 * copy_bytes / (t * 1e-6) / 1e9
+    del src, dst
+    a = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn_like(a)
+    t = time_us(lambda: a @ b, rep_ms=200)
+    tflops = 2 * matmul_n ** 3 / (t * 1e-6) / 1e12
+    return Ceilings(copy_gbps, tflops)
+
+
+def _fmt(v: object) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.1f}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+def _cells(rows: Sequence[dict], columns: Sequence[str]) -> list[list[str]]:
+    return [[_fmt(r.get(c)) for c in columns] for r in rows]
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[str]) -> None:
+    """A fixed-width text table of ``rows`` (dicts) restricted to ``columns``."""
+    cells = _cells(rows, columns)
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for r in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---:|" * len(columns)]
+    lines += ["| " + " | ".join(r) + " |" for r in _cells(rows, columns)]
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, rows: Sequence[dict]) -> None:
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot_lines(path: Path, rows: Sequence[dict], *, panel: str, x: str, y: str, line: str,
+               title: str, xlabel: str, ylabel: str, hline: float | None = None,
+               hline_label: str = "") -> None:
+    """One panel per value of ``panel``; in each, ``y`` against ``x`` with one line per value
+    of ``line`` (log2 x axis). ``hline``: a reference level drawn in every panel."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys(r[panel] for r in rows))
+    ncols = min(3, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.6 * nrows), squeeze=False)
+    for ax, p in zip(axes.flat, panels):
+        sub = [r for r in rows if r[panel] == p and r.get(y) is not None]
+        for name in dict.fromkeys(r[line] for r in sub):
+            pts = sorted((r[x], r[y]) for r in sub if r[line] == name)
+            ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=name)
+        if hline is not None:
+            ax.axhline(hline, color="gray", linestyle="--", label=hline_label)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{panel} {p}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
