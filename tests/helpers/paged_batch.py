@@ -18,15 +18,24 @@ from mini_paged_attn.models.config import ModelConfig
 class PagedBatchBuilder:
     def __init__(self, config: ModelConfig, *, num_blocks: int = 64, block_size: int = 4,
                  max_blocks_per_seq: int = 16, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", seed: int = 0):
+                 device: str | torch.device = "cpu", seed: int = 0, interleaved: bool = False):
+        """``interleaved``: each layer's caches are the strided K and V views of one
+        ``[num_blocks, block_size, 2, num_kv_heads, head_size]`` pool (PagedAttentionManager's
+        layout) instead of two contiguous tensors."""
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = torch.device(device)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_size)
         # NaN everywhere no token was written: a kernel that reads an unused slot poisons the output.
-        self.kv_caches = [(torch.full(shape, float("nan"), dtype=dtype, device=device),
-                           torch.full(shape, float("nan"), dtype=dtype, device=device))
-                          for _ in range(config.num_layers)]
+        self.kv_caches = []
+        for _ in range(config.num_layers):
+            if interleaved:
+                pool = torch.full((num_blocks, block_size, 2, *shape[2:]), float("nan"), dtype=dtype,
+                                  device=device)
+                self.kv_caches.append((pool[:, :, 0], pool[:, :, 1]))
+            else:
+                self.kv_caches.append((torch.full(shape, float("nan"), dtype=dtype, device=device),
+                                       torch.full(shape, float("nan"), dtype=dtype, device=device)))
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.blocks: dict[object, list[int]] = {}

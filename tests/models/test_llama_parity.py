@@ -73,11 +73,12 @@ def test_prefill_then_decode_match_transformers(models):
 
 @torch.inference_mode()
 def test_chunked_prefill_prefix_hit_and_decode_in_one_step(models):
-    """One varlen step mixing a prompt's second chunk, a decode, and a prefix-cache hit."""
+    """One varlen step mixing a prompt's second chunk, a decode, and a prefix-cache hit
+    (caches: strided K/V views of one interleaved pool)."""
     model, config, hf = models
     a, b = random_prompts(config.vocab_size, (10, 6), seed=1)
     c_tail = random_prompts(config.vocab_size, (3,), seed=2)[0]
-    batch = PagedBatchBuilder(config, block_size=BLOCK_SIZE, seed=3)
+    batch = PagedBatchBuilder(config, block_size=BLOCK_SIZE, seed=3, interleaved=True)
     ids, pos, meta = batch.step({"a": a[:6], "b": b})             # a's first chunk, b whole
     logits = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
     b_next = int(logits[-1].argmax())
@@ -109,3 +110,19 @@ def test_padding_rows_are_inert(models):
     for (k0, v0), (k1, v1) in zip(plain.kv_caches, padded.kv_caches):
         torch.testing.assert_close(k1, k0, atol=1e-5, rtol=0, equal_nan=True)
         torch.testing.assert_close(v1, v0, atol=1e-5, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@torch.inference_mode()
+def test_bf16_error_is_within_transformers_bf16_noise(tiny_model_factory, arch):
+    """bf16 cannot match fp32 exactly; it must be as close to it as transformers' own bf16 is."""
+    model_dir = tiny_model_factory(arch)
+    model, config = load_model(model_dir, dtype=torch.bfloat16)
+    prompt = random_prompts(config.vocab_size, (40,), seed=6)[0]
+    batch = PagedBatchBuilder(config, block_size=16, dtype=torch.bfloat16)
+    ids, pos, meta = batch.step({0: prompt})
+    ours = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
+    exact = hf_logits(hf_reference_model(model_dir), prompt)
+    hf_bf16 = hf_logits(hf_reference_model(model_dir, dtype=torch.bfloat16), prompt)
+    noise = (hf_bf16 - exact).abs().max().item()
+    assert 0 < (ours - exact).abs().max().item() <= 1.5 * noise
