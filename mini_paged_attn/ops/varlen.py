@@ -110,6 +110,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          f"got {tuple(cu_seqlens_k.shape)}")
     if not isinstance(causal, bool):
         raise ValueError(f"causal: expected a bool, got {causal!r}")
+    try:
+        scale = check_scale(softmax_scale, q.shape[-1])
+    except ValueError:
+        raise ValueError(f"softmax_scale: expected a positive float or None, "
+                         f"got {softmax_scale!r}") from None
 
     if block_table is not None:
         # Paged K/V: FlashAttention's per-sequence K length is the difference of cu_seqlens_k.
@@ -122,7 +127,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                              max_seqlen_q)
         context_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
         return paged_prefill(q, k, v, block_table, cu_seqlens_q, context_lens, causal=causal,
-                             scale=softmax_scale, backend=backend, max_seqlen_q=max_seqlen_q)
+                             scale=scale, backend=backend, max_seqlen_q=max_seqlen_q)
 
     if q.stride(-1) != 1:
         raise ValueError(f"q: expected a contiguous last dimension (stride 1), "
@@ -137,7 +142,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if k.shape[1] < 1 or num_q_heads % k.shape[1] != 0:
         raise ValueError(f"q: expected num_q_heads divisible by num_kv_heads={k.shape[1]} "
                          f"(k's heads), got num_q_heads={num_q_heads}")
-    scale = check_scale(softmax_scale, head_size)
     chosen = resolve_backend(backend, q.device)
     if chosen == "torch":
         _check_cu_values("cu_seqlens_q", cu_seqlens_q, total_q, True, "max_seqlen_q",
