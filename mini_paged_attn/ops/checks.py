@@ -102,22 +102,35 @@ def check_out(out: torch.Tensor | None, like: torch.Tensor) -> None:
         raise _fail("out", f"shape {tuple(like.shape)} (the query's)", tuple(out.shape))
 
 
-def check_paged_decode_args(query, key_cache, value_cache, block_tables, context_lens,
-                            scale, out) -> PagedShapes:
-    """Validate a ``paged_decode`` call (shapes, dtypes, devices) and return its sizes."""
+def _check_query_and_caches(query, key_cache, value_cache) -> tuple[int, int, int, int, int]:
+    """Checks common to decode and prefill; returns
+    (num_q_heads, head_size, num_blocks, block_size, num_kv_heads)."""
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
     if query.stride(-1) != 1:
         raise _fail("query", "a contiguous last dimension (stride 1)", f"stride {query.stride()}")
-    num_seqs, num_q_heads, head_size = query.shape
+    _, num_q_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, kv_head_size = check_cache_pair(
         key_cache, value_cache, query.dtype, query.device)
     check_heads(num_q_heads, num_kv_heads, head_size, kv_head_size)
-    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=query.device)
+    return num_q_heads, head_size, num_blocks, block_size, num_kv_heads
+
+
+def _check_table_rows(block_tables, num_seqs: int, source: str, device: torch.device) -> None:
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=device)
     if block_tables.shape[0] != num_seqs:
-        raise _fail("block_tables", f"{num_seqs} rows (num_seqs of the query)",
+        raise _fail("block_tables", f"{num_seqs} rows (num_seqs of {source})",
                     f"shape {tuple(block_tables.shape)}")
     if block_tables.stride(-1) != 1:
         raise _fail("block_tables", "a contiguous last dimension", f"stride {block_tables.stride()}")
+
+
+def check_paged_decode_args(query, key_cache, value_cache, block_tables, context_lens,
+                            scale, out) -> PagedShapes:
+    """Validate a ``paged_decode`` call (shapes, dtypes, devices) and return its sizes."""
+    num_q_heads, head_size, num_blocks, block_size, num_kv_heads = _check_query_and_caches(
+        query, key_cache, value_cache)
+    num_seqs = query.shape[0]
+    _check_table_rows(block_tables, num_seqs, "the query", query.device)
     check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,), device=query.device)
     if context_lens.shape[0] != num_seqs:
         raise _fail("context_lens", f"shape ({num_seqs},)", tuple(context_lens.shape))
@@ -132,25 +145,15 @@ def check_paged_prefill_args(query, key_cache, value_cache, block_tables, cu_seq
 
     ``num_seqs`` is taken from ``context_lens``; ``query`` is ``[total_q, num_q_heads, head_size]``.
     """
-    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
-    if query.stride(-1) != 1:
-        raise _fail("query", "a contiguous last dimension (stride 1)", f"stride {query.stride()}")
-    _, num_q_heads, head_size = query.shape
-    num_blocks, block_size, num_kv_heads, kv_head_size = check_cache_pair(
-        key_cache, value_cache, query.dtype, query.device)
-    check_heads(num_q_heads, num_kv_heads, head_size, kv_head_size)
+    num_q_heads, head_size, num_blocks, block_size, num_kv_heads = _check_query_and_caches(
+        query, key_cache, value_cache)
     check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,), device=query.device)
     num_seqs = context_lens.shape[0]
     check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=query.device)
     if cu_seqlens_q.shape[0] != num_seqs + 1:
         raise _fail("cu_seqlens_q", f"shape ({num_seqs + 1},) (num_seqs + 1)",
                     tuple(cu_seqlens_q.shape))
-    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=query.device)
-    if block_tables.shape[0] != num_seqs:
-        raise _fail("block_tables", f"{num_seqs} rows (num_seqs of context_lens)",
-                    f"shape {tuple(block_tables.shape)}")
-    if block_tables.stride(-1) != 1:
-        raise _fail("block_tables", "a contiguous last dimension", f"stride {block_tables.stride()}")
+    _check_table_rows(block_tables, num_seqs, "context_lens", query.device)
     check_out(out, query)
     return PagedShapes(num_seqs, num_q_heads, num_kv_heads, head_size, num_blocks, block_size,
                        block_tables.shape[1], check_scale(scale, head_size))

@@ -16,8 +16,8 @@ import logging
 import torch
 
 from . import reference
-from .checks import (FLOAT_DTYPES, PagedShapes, check_cache_pair, check_paged_decode_args, check_paged_prefill_args,
-                     check_paged_values, check_tensor)
+from .checks import (FLOAT_DTYPES, PagedShapes, check_cache_pair, check_paged_decode_args,
+                     check_paged_prefill_args, check_paged_values, check_tensor)
 
 logger = logging.getLogger(__name__)
 
