@@ -1,0 +1,19 @@
+"""Llama 2/3.x, Qwen2/2.5 and Qwen3 over the paged KV cache, read from local Hugging Face dirs.
+
+- :func:`load_model` (``loader.py``): config.json + safetensors -> ``(CausalLM, ModelConfig)``.
+- :class:`CausalLM` (``llama.py``): ``forward(input_ids, positions, kv_caches, meta)`` and
+  ``compute_logits(hidden)``; :class:`AttentionMetadata` (``attention.py``) is one step's input.
+- :func:`load_tokenizer` (``tokenizer.py``): :class:`Tokenizer`, :class:`IncrementalDetokenizer`.
+- :func:`tiny_llama` / :func:`write_tiny_llama` (``tiny.py``): the embedded RANDOM tiny Llama.
+"""
+
+from .attention import AttentionMetadata
+from .config import ModelConfig, RopeConfig, resolve_dtype
+from .llama import CausalLM, init_empty_model
+from .loader import load_model
+from .tiny import tiny_llama, write_tiny_llama
+from .tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+
+__all__ = ["AttentionMetadata", "CausalLM", "IncrementalDetokenizer", "ModelConfig", "RopeConfig",
+           "Tokenizer", "init_empty_model", "load_model", "load_tokenizer", "resolve_dtype",
+           "tiny_llama", "write_tiny_llama"]
