@@ -37,9 +37,8 @@ DTYPE = torch.bfloat16
 DEVICE = "cuda"  # a module constant so the case builders can be smoke-tested on CPU
 COLUMNS = ["case", "config", "us", "tflops", "flash_tflops", "cudnn_tflops", "vs_flash",
            "vs_cudnn", "pct_matmul", "note"]
-SWEEP = [PrefillConfig(128, 128, 8, 3),
-         PrefillConfig(128, 64, 4, 3), PrefillConfig(128, 64, 8, 4),
-         PrefillConfig(128, 128, 8, 2), PrefillConfig(64, 64, 4, 3)]
+SWEEP = [PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 4, 3),
+         PrefillConfig(64, 64, 4, 3)]
 
 
 @dataclass(frozen=True)
@@ -47,6 +46,7 @@ class Case:
     name: str
     q_lens: tuple[int, ...]
     prefix_lens: tuple[int, ...]
+    head_size: int = D
 
     @property
     def pairs(self) -> float:
@@ -55,7 +55,7 @@ class Case:
 
     @property
     def flops(self) -> float:
-        return 4.0 * HQ * D * self.pairs
+        return 4.0 * HQ * self.head_size * self.pairs
 
 
 CASES = [
@@ -64,7 +64,15 @@ CASES = [
     Case("causal 1x16k", (16384,), (0,)),
     Case("chunk 512 on 8k x8", (512,) * 8, (8192,) * 8),
 ]
-MIXED = Case("mixed 60 dec@4k + 4x1k", (1,) * 60 + (1024,) * 4, (4095,) * 60 + (0,) * 4)
+# Other head sizes, with the tile configs worth trying for them (--sweep only).
+HEAD_SIZE_SWEEP = {
+    Case("causal 4x4k d64", (4096,) * 4, (0,) * 4, 64): [
+        PrefillConfig(128, 64, 4, 3), PrefillConfig(128, 128, 4, 3)],
+    Case("causal 4x4k d256", (4096,) * 4, (0,) * 4, 256): [
+        PrefillConfig(128, 64, 8, 2), PrefillConfig(64, 32, 4, 3), PrefillConfig(64, 64, 8, 2)],
+}
+MIXED = [Case("mixed 60 dec@4k + 4x1k", (1,) * 60 + (1024,) * 4, (4095,) * 60 + (0,) * 4),
+         Case("mixed 4x1k + 60 dec@4k", (1024,) * 4 + (1,) * 60, (0,) * 4 + (4095,) * 60)]
 
 
 def paged_batch(case: Case, seed: int = 0):
@@ -79,12 +87,12 @@ def paged_batch(case: Case, seed: int = 0):
     for i, n in enumerate(nblk.tolist()):
         tables[i, :n] = perm[start:start + n]
         start += n
-    shape = (num_blocks, BLOCK_SIZE, HKV, D)
+    shape = (num_blocks, BLOCK_SIZE, HKV, case.head_size)
     kc = torch.randn(shape, device=DEVICE, dtype=DTYPE, generator=gen)
     vc = torch.randn(shape, device=DEVICE, dtype=DTYPE, generator=gen)
     cu = torch.zeros(len(ctx) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(case.q_lens), 0)
-    q = torch.randn(int(cu[-1]), HQ, D, device=DEVICE, dtype=DTYPE, generator=gen)
+    q = torch.randn(int(cu[-1]), HQ, case.head_size, device=DEVICE, dtype=DTYPE, generator=gen)
     return q, kc, vc, tables, cu.to(DEVICE), ctx.to(torch.int32).to(DEVICE)
 
 
@@ -104,8 +112,8 @@ def sdpa_tflops(case: Case, backend) -> float | None:
     if len(set(case.q_lens)) != 1 or len(set(case.prefix_lens)) != 1:
         return None
     b, lq, lk = len(case.q_lens), case.q_lens[0], case.q_lens[0] + case.prefix_lens[0]
-    q = torch.randn(b, HQ, lq, D, device=DEVICE, dtype=DTYPE)
-    k = torch.randn(b, HKV, lk, D, device=DEVICE, dtype=DTYPE)
+    q = torch.randn(b, HQ, lq, case.head_size, device=DEVICE, dtype=DTYPE)
+    k = torch.randn(b, HKV, lk, case.head_size, device=DEVICE, dtype=DTYPE)
     v = torch.randn_like(k)
     k, v = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
     kwargs = {"is_causal": True} if lq == lk else {"attn_mask": causal_lower_right(lq, lk)}
@@ -127,50 +135,80 @@ def decode_fn(batch):
     return lambda: triton_paged_decode(q, kc, vc, tables, ctx, shapes, out=out, lse=None)
 
 
-def mixed_rows(config: PrefillConfig | None) -> list[dict]:
-    batch = paged_batch(MIXED)
+def config_name(config: PrefillConfig | None) -> str:
+    if config is None:
+        return "default"
+    return f"{config.block_m}x{config.block_n}/w{config.num_warps}/s{config.num_stages}"
+
+
+def seq_range(case: Case, batch, a: int, b: int):
+    """Sequences a..b-1 of a paged batch as a batch of their own (same caches)."""
     q, kc, vc, tables, cu, ctx = batch
-    n_dec = MIXED.q_lens.count(1)
+    qa, qb = sum(case.q_lens[:a]), sum(case.q_lens[:b])
+    return q[qa:qb], kc, vc, tables[a:b], (cu[a:b + 1] - qa).contiguous(), ctx[a:b]
+
+
+def mixed_rows(case: Case, config: PrefillConfig | None) -> list[dict]:
+    """One launch over the whole mixed batch against prefill on its prompts + paged_decode on
+    its decode rows (decode rows are the sequences with q_len 1, at one end of the batch)."""
+    batch = paged_batch(case)
+    n = len(case.q_lens)
+    n_dec = case.q_lens.count(1)
+    dec_first = case.q_lens[0] == 1
+    dec_range, pre_range = ((0, n_dec), (n_dec, n)) if dec_first else ((n - n_dec, n), (0, n - n_dec))
+    decodes = seq_range(case, batch, *dec_range)
     one = prefill_fn(batch, config)
-    prompts = (q[n_dec:], kc, vc, tables[n_dec:], (cu[n_dec:] - n_dec).contiguous(), ctx[n_dec:])
-    pre = prefill_fn(prompts, config)
-    dec = decode_fn((q[:n_dec], kc, vc, tables[:n_dec], ctx[:n_dec]))
-    t_one, t_pre, t_dec = time_us(one), time_us(pre), time_us(dec)
+    pre = prefill_fn(seq_range(case, batch, *pre_range), config)
+    ours_dec = prefill_fn(decodes, config)
+    q, kc, vc, tables, _, ctx = decodes
+    dec = decode_fn((q, kc, vc, tables, ctx))
+    t_one, t_pre, t_dec, t_ours_dec = time_us(one), time_us(pre), time_us(dec), time_us(ours_dec)
     t_sep = time_us(lambda: (pre(), dec()))
-    name = lambda c: f"{c.block_m}x{c.block_n}/w{c.num_warps}/s{c.num_stages}" if c else "default"  # noqa: E731
-    return [{"case": MIXED.name + " (one launch)", "config": name(config), "us": t_one,
-             "tflops": MIXED.flops / (t_one * 1e-6) / 1e12,
-             "note": f"separate {t_sep:.0f} us (prefill {t_pre:.0f} + decode {t_dec:.0f}); "
-                     f"speed-up {t_sep / t_one:.2f}x"}]
+    return [{"case": case.name + " (one launch)", "config": config_name(config), "us": t_one,
+             "tflops": case.flops / (t_one * 1e-6) / 1e12,
+             "note": f"separate {t_sep:.0f} us (prefill {t_pre:.0f} + paged_decode {t_dec:.0f});"
+                     f" speed-up {t_sep / t_one:.2f}x; this kernel on the decode rows alone "
+                     f"{t_ours_dec:.0f} us"}]
 
 
-def run_prefill_cases(ceilings: Ceilings, configs=(None,), with_sdpa: bool = True) -> list[dict]:
-    """Time every case (per config); rows for :func:`common.print_table` with COLUMNS."""
+def case_rows(case: Case, configs, ceilings: Ceilings, with_sdpa: bool) -> list[dict]:
     from torch.nn.attention import SDPBackend
+    batch = paged_batch(case)
+    flash = sdpa_tflops(case, SDPBackend.FLASH_ATTENTION) if with_sdpa else None
+    cudnn = sdpa_tflops(case, SDPBackend.CUDNN_ATTENTION) if with_sdpa else None
+    rows = []
+    for config in configs:
+        row = {"case": case.name, "config": config_name(config), "flash_tflops": flash,
+               "cudnn_tflops": cudnn}
+        try:
+            t = time_us(prefill_fn(batch, config))
+        except Exception as exc:  # a sweep config that does not fit (shared memory)
+            rows.append({**row, "note": f"{type(exc).__name__}: {str(exc)[:60]}"})
+            continue
+        tflops = case.flops / (t * 1e-6) / 1e12
+        rows.append({**row, "us": t, "tflops": tflops,
+                     "vs_flash": tflops / flash if flash else None,
+                     "vs_cudnn": tflops / cudnn if cudnn else None,
+                     "pct_matmul": 100 * tflops / ceilings.matmul_tflops})
+    return rows
+
+
+def run_prefill_cases(ceilings: Ceilings, configs=(None,), with_sdpa: bool = True,
+                      head_size_sweep: bool = False) -> list[dict]:
+    """Time every case (per config); rows for :func:`common.print_table` with COLUMNS."""
     rows = []
     for case in CASES:
-        batch = paged_batch(case)
-        flash = sdpa_tflops(case, SDPBackend.FLASH_ATTENTION) if with_sdpa else None
-        cudnn = sdpa_tflops(case, SDPBackend.CUDNN_ATTENTION) if with_sdpa else None
-        for config in configs:
-            t = time_us(prefill_fn(batch, config))
-            tflops = case.flops / (t * 1e-6) / 1e12
-            rows.append({
-                "case": case.name, "us": t, "tflops": tflops, "flash_tflops": flash,
-                "cudnn_tflops": cudnn,
-                "config": (f"{config.block_m}x{config.block_n}/w{config.num_warps}"
-                           f"/s{config.num_stages}" if config else "default"),
-                "vs_flash": tflops / flash if flash else None,
-                "vs_cudnn": tflops / cudnn if cudnn else None,
-                "pct_matmul": 100 * tflops / ceilings.matmul_tflops,
-            })
-        del batch
-    whole = {r["config"]: r["tflops"] for r in rows if r["case"] == "causal 4x4k"}
+        rows += case_rows(case, configs, ceilings, with_sdpa)
+    whole = {r["config"]: r.get("tflops") for r in rows if r["case"] == "causal 4x4k"}
     for r in rows:
-        if r["case"].startswith("chunk"):
+        if r["case"].startswith("chunk") and r.get("tflops") and whole.get(r["config"]):
             r["note"] = f"{100 * r['tflops'] / whole[r['config']]:.0f}% of causal 4x4k"
+    if head_size_sweep:
+        for case, extra in HEAD_SIZE_SWEEP.items():
+            rows += case_rows(case, [None, *extra], ceilings, with_sdpa)
     for config in configs:
-        rows += mixed_rows(config)
+        rows += mixed_rows(MIXED[0], config)
+    rows += mixed_rows(MIXED[1], configs[0])  # the other order of the same batch
     return rows
 
 
@@ -184,7 +222,8 @@ def main() -> None:
     ceilings = measure_ceilings()
     print(f"ceilings: copy {ceilings.copy_gbps:.0f} GB/s, bf16 matmul "
           f"{ceilings.matmul_tflops:.0f} TFLOP/s")
-    rows = run_prefill_cases(ceilings, configs=[None, *SWEEP] if args.sweep else [None])
+    rows = run_prefill_cases(ceilings, configs=[None, *SWEEP] if args.sweep else [None],
+                             head_size_sweep=args.sweep)
     if args.csv:
         write_csv(args.csv, rows)
     print_table(rows, COLUMNS)

@@ -90,22 +90,88 @@ def _attend_kv_tile(acc, l_i, m_i, q, start_n, last_visible, kv_len, qk_scale,
 
 
 @triton.jit
+def _attend_q_tile(q_ptr, out_ptr, lse_ptr, k_base, v_base, table_row, kv_row0, kv_len,
+                   q_start, q_len, first_tok, kv_head, head_chunk, qk_scale,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
+                   stride_kb, stride_kt, stride_vb, stride_vt,
+                   ROWS: tl.constexpr, TOKENS: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
+                   GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr,
+                   HEAD_SIZE_PADDED: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr,
+                   WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Query tokens first_tok .. first_tok + TOKENS - 1 of one sequence, ROWS rows."""
+    rows = tl.arange(0, ROWS)                        # [ROWS] row = token-major (token, head)
+    tok = first_tok + rows // HEADS_PER_TILE
+    head_in_group = head_chunk * HEADS_PER_TILE + rows % HEADS_PER_TILE
+    row_valid = (rows < TOKENS * HEADS_PER_TILE) & (tok < q_len) & (head_in_group < GROUP)
+    head = kv_head * GROUP + head_in_group           # [ROWS] query head of each row
+    offs_d = tl.arange(0, HEAD_SIZE_PADDED)          # [HEAD_SIZE_PADDED]
+    d_valid = offs_d < HEAD_SIZE
+
+    q_rows = (q_start + tok).to(tl.int64)            # [ROWS]
+    q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    # [ROWS, HEAD_SIZE_PADDED]
+
+    # Keys every row may see: up to its own position (causal) or the whole sequence.
+    if CAUSAL:
+        q_offset = kv_len - q_len  # bottom-right alignment
+        last_visible = tl.minimum(q_offset + tok, kv_len - 1)   # [ROWS]
+        kv_end = q_offset + tl.minimum(first_tok + TOKENS, q_len)
+        unmasked_end = tl.maximum(q_offset + first_tok + 1, 0) // BLOCK_N * BLOCK_N
+    else:
+        last_visible = tl.zeros([ROWS], dtype=tl.int32) + (kv_len - 1)
+        kv_end = kv_len
+        unmasked_end = kv_len // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_SIZE_PADDED], dtype=tl.float32)
+    for start_n in range(0, unmasked_end, BLOCK_N):
+        acc, l_i, m_i = _attend_kv_tile(
+            acc, l_i, m_i, q, start_n, last_visible, kv_len, qk_scale, k_base, v_base,
+            table_row, kv_row0, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
+            HEAD_SIZE, HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION)
+    for start_n in range(unmasked_end, kv_end, BLOCK_N):
+        acc, l_i, m_i = _attend_kv_tile(
+            acc, l_i, m_i, q, start_n, last_visible, kv_len, qk_scale, k_base, v_base,
+            table_row, kv_row0, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
+            HEAD_SIZE, HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION)
+
+    # Rows that saw no key (only possible for contiguous K/V shorter than Q) give 0 and -inf.
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)               # [ROWS]
+    out = acc / l_safe[:, None]                     # [ROWS, HEAD_SIZE_PADDED]
+    o_ptrs = (out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh
+              + offs_d[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
+             mask=row_valid[:, None] & d_valid[None, :])
+    if WRITE_LSE:
+        lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+        tl.store(lse_ptr + q_rows * stride_lt + head * stride_lh, lse, mask=row_valid)
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     block_tables_ptr, cu_seqlens_q_ptr, kv_lens_ptr,
-    num_seqs, qk_scale,
+    num_seqs, num_slots, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
-    TOKENS_PER_TILE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
+    HEAD_CHUNKS: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, SMALL_ROWS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # program = (tile slot, kv head, head chunk), slot-major so that programs launch in slot
-    # order (see prefill_plan for the slot layout).
+    # program = (launch step, kv head, head chunk), step-major. Steps take tile slots from the
+    # two ends of the slot range in turn (0, N-1, 1, N-2, ...): heavy tiles pair with light
+    # ones, and a batch's decode rows (at one end) run beside prompt tiles, their memory
+    # traffic overlapping the prompts' arithmetic. See prefill_plan for the slot layout.
     pid = tl.program_id(0)
-    slot = pid // (NUM_KV_HEADS * HEAD_CHUNKS)
+    step = pid // (NUM_KV_HEADS * HEAD_CHUNKS)
+    slot = tl.where(step % 2 == 0, step // 2, num_slots - 1 - step // 2)
     kv_head = pid % (NUM_KV_HEADS * HEAD_CHUNKS) // HEAD_CHUNKS
     head_chunk = pid % HEAD_CHUNKS
 
@@ -133,60 +199,26 @@ def _prefill_kernel(
         kv_row0 = tl.load(kv_lens_ptr + seq)
         kv_len = tl.load(kv_lens_ptr + seq + 1) - kv_row0
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-
-    rows = tl.arange(0, BLOCK_M)                     # [BLOCK_M] row = token-major (token, head)
-    tok = tile * TOKENS_PER_TILE + rows // HEADS_PER_TILE
-    head_in_group = head_chunk * HEADS_PER_TILE + rows % HEADS_PER_TILE
-    row_valid = ((rows < TOKENS_PER_TILE * HEADS_PER_TILE) & (tok < q_len)
-                 & (head_in_group < GROUP))
-    head = kv_head * GROUP + head_in_group           # [BLOCK_M] query head of each row
-    offs_d = tl.arange(0, HEAD_SIZE_PADDED)          # [HEAD_SIZE_PADDED]
-    d_valid = offs_d < HEAD_SIZE
-
-    q_rows = (q_start + tok).to(tl.int64)            # [BLOCK_M]
-    q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
-    # [BLOCK_M, HEAD_SIZE_PADDED]
-
-    # Keys every row may see: up to its own position (causal) or the whole sequence.
-    first_tok = tile * TOKENS_PER_TILE
-    if CAUSAL:
-        q_offset = kv_len - q_len  # bottom-right alignment
-        last_visible = tl.minimum(q_offset + tok, kv_len - 1)   # [BLOCK_M]
-        kv_end = q_offset + tl.minimum(first_tok + TOKENS_PER_TILE, q_len)
-        unmasked_end = tl.maximum(q_offset + first_tok + 1, 0) // BLOCK_N * BLOCK_N
-    else:
-        last_visible = tl.zeros([BLOCK_M], dtype=tl.int32) + (kv_len - 1)
-        kv_end = kv_len
-        unmasked_end = kv_len // BLOCK_N * BLOCK_N
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
-    for start_n in range(0, unmasked_end, BLOCK_N):
-        acc, l_i, m_i = _attend_kv_tile(
-            acc, l_i, m_i, q, start_n, last_visible, kv_len, qk_scale, k_base, v_base,
-            table_row, kv_row0, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
-            HEAD_SIZE, HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION)
-    for start_n in range(unmasked_end, kv_end, BLOCK_N):
-        acc, l_i, m_i = _attend_kv_tile(
-            acc, l_i, m_i, q, start_n, last_visible, kv_len, qk_scale, k_base, v_base,
-            table_row, kv_row0, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
-            HEAD_SIZE, HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION)
-
-    # Rows that saw no key (only possible for contiguous K/V shorter than Q) give 0 and -inf.
-    seen = l_i > 0.0
-    l_safe = tl.where(seen, l_i, 1.0)               # [BLOCK_M]
-    out = acc / l_safe[:, None]                     # [BLOCK_M, HEAD_SIZE_PADDED]
-    o_ptrs = (out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh
-              + offs_d[None, :] * stride_od)
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
-             mask=row_valid[:, None] & d_valid[None, :])
-    if WRITE_LSE:
-        lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) / 1.4426950408889634, float("-inf"))
-        tl.store(lse_ptr + q_rows * stride_lt + head * stride_lh, lse, mask=row_valid)
+    if SMALL_ROWS > 0 and q_len * HEADS_PER_TILE <= SMALL_ROWS:
+        # Decode rows and other short sequences: a tile of SMALL_ROWS rows instead of BLOCK_M,
+        # so a memory-bound walk over a long context wastes no tensor-core work on empty rows.
+        _attend_q_tile(
+            q_ptr, out_ptr, lse_ptr, k_base, v_base, table_row, kv_row0, kv_len, q_start, q_len,
+            0, kv_head, head_chunk, qk_scale,
+            stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
+            stride_kb, stride_kt, stride_vb, stride_vt,
+            SMALL_ROWS, SMALL_ROWS // HEADS_PER_TILE, HEADS_PER_TILE, GROUP, HEAD_SIZE,
+            HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, CAUSAL, WRITE_LSE, DOT_PRECISION)
+    else:
+        _attend_q_tile(
+            q_ptr, out_ptr, lse_ptr, k_base, v_base, table_row, kv_row0, kv_len, q_start, q_len,
+            tile * TOKENS_PER_TILE, kv_head, head_chunk, qk_scale,
+            stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
+            stride_kb, stride_kt, stride_vb, stride_vt,
+            BLOCK_M, TOKENS_PER_TILE, HEADS_PER_TILE, GROUP, HEAD_SIZE,
+            HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, CAUSAL, WRITE_LSE, DOT_PRECISION)
 
 
 def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs: int,
@@ -202,13 +234,14 @@ def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs:
     grid = plan.grid(total_q, num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q, k, v, out, lse_arg, block_tables, cu_seqlens_q, kv_lens,
-        num_seqs, scale * LOG2E,
+        num_seqs, grid[0] // (num_kv_heads * plan.head_chunks), scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), out.stride(2), *lse_strides,
         *(k.stride()[:3] if paged else (0, *k.stride()[:2])),
         *(v.stride()[:3] if paged else (0, *v.stride()[:2])),
         block_tables.stride(0) if paged else 0,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEADS_PER_TILE=plan.heads_per_tile, HEAD_CHUNKS=plan.head_chunks,
-        TOKENS_PER_TILE=plan.tokens_per_tile, HEAD_SIZE=head_size,
+        TOKENS_PER_TILE=plan.tokens_per_tile, SMALL_ROWS=plan.small_rows,
+        HEAD_SIZE=head_size,
         HEAD_SIZE_PADDED=plan.head_size_padded, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_SIZE=block_size if paged else 1, PAGED=paged,
         CAUSAL=causal, WRITE_LSE=lse is not None,

@@ -20,6 +20,13 @@ from dataclasses import dataclass
 import torch
 
 
+# A sequence with q_len * group_size <= SMALL_ROWS (decode rows, short chunks) runs a tile of
+# SMALL_ROWS rows (the smallest tl.dot M) instead of block_m: a decode row walking a long
+# context is memory-bound, and a 128-row tile would spend most of its tensor-core work on
+# empty rows.
+SMALL_ROWS = 16
+
+
 def _is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
@@ -57,6 +64,7 @@ class PrefillTiling:
     head_chunks: int       # tiles needed to cover a whole GQA group (1 unless group > block_m)
     tokens_per_tile: int   # query tokens per tile
     head_size_padded: int  # head_size rounded up to a power of two (>= 16 for tl.dot)
+    small_rows: int        # rows of the tile for short sequences (decode rows); 0: none
 
     def grid(self, total_q: int, num_seqs: int, num_kv_heads: int) -> tuple[int]:
         """Programs = tile slots x kv heads x head chunks, flattened slot-major into one axis
@@ -73,6 +81,7 @@ def tiling(config: PrefillConfig, group_size: int, head_size: int) -> PrefillTil
         head_chunks=-(-group_size // heads_per_tile),
         tokens_per_tile=config.block_m // heads_per_tile,
         head_size_padded=max(16, 1 << (head_size - 1).bit_length()),
+        small_rows=SMALL_ROWS if config.block_m > SMALL_ROWS >= heads_per_tile else 0,
     )
 
 
@@ -80,7 +89,8 @@ def default_config(head_size: int, dtype: torch.dtype, device: torch.device) -> 
     """Tile sizes for a head size and dtype (H100/H200 numbers; small tiles in the interpreter).
 
     The interpreter (no CUDA) runs every program in numpy, where small tiles keep tests quick.
-    On the GPU: 128 x 64 tiles with 8 warps fill the tensor cores for head sizes up to 128;
+    On the GPU: 128 x 128 tiles with 8 warps fill the tensor cores for head sizes up to 128
+    (measured on an H100 against 128 x 64 and 64 x 64, see BENCHMARKS.md);
     at head_size 256 (or fp32, twice the bytes) the Q tile plus pipelined K/V tiles must still
     fit in shared memory, so the tiles shrink.
     """
@@ -89,8 +99,6 @@ def default_config(head_size: int, dtype: torch.dtype, device: torch.device) -> 
     padded = max(16, 1 << (head_size - 1).bit_length())
     if dtype == torch.float32:
         return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    if padded <= 64:
-        return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
     if padded <= 128:
-        return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+        return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
     return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)

@@ -133,3 +133,15 @@ def test_default_config_and_kv_tile_larger_than_sequence():
     check_against_reference(batch, causal=False, config=None)
     check_against_reference(batch, causal=True,
                             config=PrefillConfig(block_m=64, block_n=64, num_stages=1))
+
+
+@pytest.mark.parametrize("heads, block_m", [((8, 2), 64), ((16, 2), 32), ((3, 3), 32)],
+                         ids=["gqa4-m64", "gqa8-m32", "mha-m32"])
+def test_short_sequences_take_the_small_tile(heads, block_m):
+    # q_len * group <= 16 runs a 16-row tile instead of block_m rows; longer ones the big tile.
+    q_lens = [1, 2, 4, 5, 1, 3, 6, 40]
+    prefix = [60, 0, 17, 3, 1, 32, 0, 8]
+    batch = make_paged_batch(q_lens, prefix, num_q_heads=heads[0], num_kv_heads=heads[1],
+                             head_size=32, block_size=8, dtype=torch.float16, seed=block_m)
+    check_against_reference(batch, causal=True,
+                            config=PrefillConfig(block_m=block_m, block_n=16, num_stages=1))
