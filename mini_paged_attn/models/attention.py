@@ -143,11 +143,12 @@ class Attention(nn.Module):
         """hidden: ``[num_tokens, hidden_size]``; cos, sin: ``[num_tokens, head_size // 2]``
         -> ``[num_tokens, hidden_size]``, hidden's dtype."""
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_size)
+        qkv = self.qkv_proj(hidden).view(num_tokens, self.num_q_heads + 2 * self.num_kv_heads,
+                                         self.head_size)
         q, k, v = qkv.split([self.num_q_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.view(num_tokens, -1))
+        return self.o_proj(out.view(num_tokens, self.num_q_heads * self.head_size))
