@@ -103,6 +103,7 @@ class Request:
     # Wall-clock times (time.time()) for the request's metrics, set by the scheduler/engine.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
 
     def __post_init__(self) -> None:

@@ -56,8 +56,9 @@ class SchedulerOutput:
     # preempted): the model runner drops their state.
     released_seq_ids: list[int] = field(default_factory=list)
     num_batched_tokens: int = 0
-    # Sequences still computing their prompt (before this step) and plain decodes, for display.
+    # Sequences still computing their prompt (before this step), and their tokens this step.
     num_prefill_seqs: int = 0
+    num_prefill_tokens: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -207,6 +208,7 @@ class Scheduler:
         out.num_batched_tokens += n
         if seq.num_computed_tokens < seq.num_prompt_tokens:
             out.num_prefill_seqs += 1
+            out.num_prefill_tokens += n
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.kv.free(seq)
@@ -231,7 +233,7 @@ class Scheduler:
         Returns:
             The sequences that got a new token (forked children included), in batch order.
         """
-        now = None
+        now = time.time()
         grew: list[Sequence] = []
         max_model_len = self.config.max_model_len
         for i, seq in enumerate(out.seqs):
@@ -241,7 +243,8 @@ class Scheduler:
                 continue
             request = seq.request
             if request.first_token_time is None:
-                request.first_token_time = now = now or time.time()
+                request.first_token_time = now
+            request.last_token_time = now
             targets = [seq]
             if len(tokens) > 1:
                 targets = self._fork(seq, len(tokens) - 1)

@@ -5,7 +5,11 @@ which drives ``core.Scheduler`` and the ``ModelRunner`` (KV cache, metadata, CUD
 sampling on the device).
 """
 
+from .config import EngineConfig
+from .llm import LLM
+from .llm_engine import LLMEngine
 from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["CompletionOutput", "EngineStats", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["CompletionOutput", "EngineConfig", "EngineStats", "LLM", "LLMEngine", "RequestMetrics",
+           "RequestOutput", "SamplingParams"]

@@ -1,0 +1,71 @@
+"""EngineConfig: the engine's knobs (pool sizing, batch limits, caching, CUDA graphs), validated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ops.dispatch import BACKENDS
+
+# KV cache budget on CPU, where there is no free-memory query worth trusting.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine sizes its KV pool and batches.
+
+    Args:
+        block_size: tokens per KV block (a power of two for the Triton kernels).
+        num_kv_blocks: the pool's size in blocks; None sizes it automatically: on CUDA from the
+            free GPU memory (``gpu_memory_utilization`` of the total, minus what the weights
+            and a profiled step take), on CPU from ``cpu_kv_cache_bytes``.
+        gpu_memory_utilization: share of the GPU's memory this engine may use, in (0, 1].
+        cpu_kv_cache_bytes: the KV budget on CPU (default 1 GiB).
+        max_num_seqs: sequences in one step at most (also the largest CUDA-graph batch).
+        max_num_batched_tokens: tokens in one step at most (the scheduler's budget).
+        max_model_len: prompt + generated tokens of one sequence at most; None: the model's
+            max_position_embeddings.
+        enable_prefix_caching: reuse the KV blocks of earlier prompts with the same prefix.
+        enforce_eager: never use CUDA graphs.
+        seed: seeds the sampling of requests without their own seed.
+        backend: paged attention backend, "auto" | "torch" | "triton".
+        log_stats_interval_s: log a stats line at INFO at most this often while busy.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+    backend: str = "auto"
+    log_stats_interval_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_bytes"):
+            _positive_int(name, getattr(self, name))
+        for name in ("num_kv_blocks", "max_model_len"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        u = self.gpu_memory_utilization
+        if not isinstance(u, (int, float)) or isinstance(u, bool) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {u!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed: expected an int, got {self.seed!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+
+
+__all__ = ["DEFAULT_CPU_KV_CACHE_BYTES", "EngineConfig"]

@@ -1,0 +1,280 @@
+"""LLMEngine: requests in, one scheduler step at a time, RequestOutputs out.
+
+``add_request`` and ``abort_request`` may be called from any thread: they validate at once
+(errors reach the caller, nothing is queued then) and queue the change under a lock; ``step()``
+(one thread) applies the queued changes at its start, so the scheduler, the KV cache manager and
+the model runner are only ever touched by the stepping thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from ..core.block_manager import BlockManager
+from ..core.kv_cache_manager import KVCacheManager
+from ..core.request import FinishReason, Request
+from ..core.scheduler import Scheduler, SchedulerConfig
+from ..models.config import ModelConfig
+from ..models.tokenizer import Tokenizer
+from .config import EngineConfig
+from .model_runner import ModelRunner
+from .output_processor import OutputProcessor, RequestState
+from .outputs import EngineStats, RequestOutput
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Name of the embedded random tiny model (models/tiny.py) where a model directory is expected.
+TINY_MODEL = "tiny"
+# Seconds of recent steps over which generation_tokens_per_s is measured.
+RATE_WINDOW_S = 10.0
+
+
+def load_model_and_tokenizer(model: str | Path, *, dtype="auto", device=None):
+    """``(CausalLM, ModelConfig, Tokenizer)`` from a local Hugging Face directory, or the
+    embedded tiny random Llama for ``model="tiny"``."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if str(model) == TINY_MODEL:
+        from ..models.tiny import tiny_llama
+        from ..models.config import parse_dtype
+        return tiny_llama(device, torch.float32 if dtype in (None, "auto") else parse_dtype(dtype))
+    from ..models.loader import load_model
+    from ..models.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(model)
+    net, config = load_model(model, dtype=dtype, device=device)
+    return net, config, tokenizer
+
+
+class LLMEngine:
+    """Continuous-batching engine over the paged KV cache (see the module doc for threads).
+
+    Args:
+        model: a ``CausalLM`` (models/) on its device.
+        tokenizer: its :class:`~mini_paged_attn.models.tokenizer.Tokenizer`.
+        model_config: its :class:`ModelConfig`.
+        config: the :class:`EngineConfig`.
+    """
+
+    def __init__(self, model, tokenizer: Tokenizer, model_config: ModelConfig,
+                 config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        max_len = config.max_model_len or model_config.max_position_embeddings
+        if max_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len: expected <= the model's max_position_embeddings "
+                             f"({model_config.max_position_embeddings}), got {max_len}")
+        self.max_model_len = max_len
+        self.runner = ModelRunner(model, model_config, config, max_len)
+        self.kv_manager = KVCacheManager(BlockManager(self.runner.num_blocks), config.block_size,
+                                         config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
+            self.kv_manager)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
+        self._lock = threading.Lock()
+        self._pending_adds: list[RequestState] = []
+        self._pending_aborts: list[str] = []
+        self._live: set[str] = set()          # request ids pending or in the scheduler
+        self._states: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+        # Statistics.
+        self._num_steps = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._finished = 0
+        self._recent: deque[tuple[float, float, int]] = deque()   # (start, end, tokens)
+        self._last_log = time.monotonic()
+
+    @classmethod
+    def from_model(cls, model: str | Path, *, dtype="auto", device=None,
+                   config: EngineConfig | None = None) -> LLMEngine:
+        """Load a local Hugging Face model directory (or ``"tiny"``) and build the engine."""
+        net, model_config, tokenizer = load_model_and_tokenizer(model, dtype=dtype, device=device)
+        return cls(net, tokenizer, model_config, config)
+
+    # ---- requests (any thread) ----------------------------------------------------------------
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        elif isinstance(prompt, (list, tuple)):
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                       for t in prompt):
+                raise ValueError(f"prompt: expected token ids in [0, {vocab}), got {prompt!r:.200}")
+            ids, text = list(prompt), None
+        else:
+            raise ValueError(f"prompt: expected a str or a list of token ids, "
+                             f"got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt: expected at least one token, got an empty prompt")
+        return text, ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, *, final_only: bool = False) -> str:
+        """Queue a request; returns its id. Thread-safe.
+
+        ``final_only``: ``step()`` reports the request only when it finishes (no text is
+        produced before; what ``LLM.generate`` uses).
+
+        Raises:
+            ValueError: a bad prompt or params, a request id in use, or a request that can
+                never fit (prompt + max_tokens over max_model_len or over the whole KV pool).
+        """
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: expected SamplingParams or None, got {type(params).__name__}")
+        text, ids = self._prompt_ids(prompt)
+        need = len(ids) + params.max_tokens
+        if need > self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
+                             f"= {need} exceeds max_model_len={self.max_model_len}")
+        # The last sampled token's K/V is never computed.
+        blocks = self.kv_manager.blocks_for(need - 1)
+        if blocks > self.kv_manager.num_blocks:
+            raise ValueError(f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
+                             f"need {blocks} KV blocks, more than the whole pool "
+                             f"({self.kv_manager.num_blocks} blocks of {self.config.block_size})")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"params.n: expected <= max_num_seqs={self.config.max_num_seqs}, "
+                             f"got {params.n}")
+        stop_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        with self._lock:
+            if request_id is None:
+                request_id = f"req-{next(self._ids)}"
+                while request_id in self._live:
+                    request_id = f"req-{next(self._ids)}"
+            elif not isinstance(request_id, str) or request_id in self._live:
+                raise ValueError(f"request_id: expected a new str id, got {request_id!r}")
+            request = Request(request_id, ids, params.max_tokens, stop_ids, params.n, params,
+                              arrival_time=time.time())
+            self._pending_adds.append(RequestState(request, text, final_only, params.stop))
+            self._live.add(request_id)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request in any state; its blocks are freed at the next step's start.
+
+        Returns whether the request was known and unfinished. Thread-safe.
+        """
+        with self._lock:
+            if request_id not in self._live:
+                return False
+            self._pending_aborts.append(request_id)
+            return True
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return bool(self._live)
+
+    # ---- stepping (one thread) -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; an output for every request that got tokens or finished."""
+        start = time.perf_counter()
+        with self._lock:
+            adds, self._pending_adds = self._pending_adds, []
+            aborts, self._pending_aborts = self._pending_aborts, []
+        touched: dict[str, RequestState] = {}
+        for state in adds:
+            self._states[state.request.request_id] = state
+            self.scheduler.add_request(state.request)
+        for request_id in aborts:
+            if self.scheduler.abort_request(request_id) is not None:
+                touched[request_id] = self._states[request_id]
+
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            for seq_id in out.released_seq_ids:
+                self.runner.release(seq_id)
+        else:
+            result = self.runner.execute(out)
+            sampled, logprobs = [], None
+            if result is not None:
+                ids, lps = result.token_ids, result.logprobs
+                logprobs = [] if lps is not None else None
+                at = 0
+                for k in out.num_samples:
+                    sampled.append(ids[at:at + k])
+                    if logprobs is not None:
+                        logprobs.append(lps[at:at + k] if k and lps[at] is not None else None)
+                    at += k
+            else:
+                sampled = [[] for _ in out.seqs]
+            grew = self.scheduler.update(out, sampled, logprobs)
+            for seq in grew:
+                state = self._states[seq.request.request_id]
+                if self.output_processor.process(state, seq):
+                    self.scheduler.finish_sequence(seq, FinishReason.STOP)
+                touched[seq.request.request_id] = state
+            self._count(out, len(grew), start)
+
+        outputs = []
+        finished_ids = []
+        for request_id, state in touched.items():
+            request = state.request
+            if request.is_finished:
+                finished_ids.append(request_id)
+                for seq in request.sequences:
+                    self.output_processor.process(state, seq)   # flush held-back text
+            elif state.final_only:
+                continue
+            outputs.append(self.output_processor.make_output(state))
+        if finished_ids:
+            with self._lock:
+                self._live.difference_update(finished_ids)
+            for request_id in finished_ids:
+                del self._states[request_id]
+                self.runner.sampler.release(request_id)
+            self._finished += len(finished_ids)
+        self._maybe_log()
+        return outputs
+
+    # ---- statistics ---------------------------------------------------------------------------
+    def _count(self, out, num_generated: int, start: float) -> None:
+        end = time.perf_counter()
+        self._num_steps += 1
+        self._prompt_tokens += out.num_prefill_tokens
+        self._generation_tokens += num_generated
+        self._recent.append((start, end, num_generated))
+        while self._recent and self._recent[0][1] < end - RATE_WINDOW_S:
+            self._recent.popleft()
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the pool, the queues and the throughput (cheap; any thread)."""
+        recent = list(self._recent)
+        rate = 0.0
+        if recent and recent[-1][1] > time.perf_counter() - RATE_WINDOW_S:
+            span = recent[-1][1] - recent[0][0]
+            rate = sum(r[2] for r in recent) / span if span > 0 else 0.0
+        kv = self.kv_manager
+        with self._lock:
+            pending = len(self._pending_adds)
+        return EngineStats(
+            kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks(),
+            kv_blocks_cached=kv.prefix_cache.num_cached_blocks, block_size=kv.block_size,
+            prefix_cache_hit_rate=kv.hit_rate, num_preemptions=self.scheduler.num_preemptions,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting + pending, num_steps=self._num_steps,
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens, generation_tokens_per_s=rate,
+            requests_finished=self._finished, window_s=RATE_WINDOW_S)
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= self.config.log_stats_interval_s:
+            self._last_log = now
+            logger.info("engine: %s", self.stats().summary())
+
+
+__all__ = ["LLMEngine", "TINY_MODEL", "load_model_and_tokenizer"]

@@ -1,0 +1,199 @@
+"""ModelRunner: the KV cache on the device, one forward per step, sampling.
+
+Per step: copy-on-write block copies (all layers at once), the inputs (built once, vectorised,
+see ``input_batch``), the forward (a captured CUDA graph for decode-only batches on CUDA, else
+eager), logits for the rows that sample, and the sampler. The only host sync is reading the
+sampled token ids.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..core.scheduler import SchedulerOutput
+from ..models.attention import AttentionMetadata
+from ..models.config import ModelConfig
+from ..ops.dispatch import resolve_backend
+from .config import EngineConfig
+from .cuda_graphs import DecodeGraphs
+from .input_batch import InputBuilder
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Left free for the CUDA graphs' memory pool and allocator fragmentation when sizing the pool.
+GRAPH_MEMORY_RESERVE = 512 << 20
+# Split-KV partial results the decode workspace holds per sequence (more for smaller batches).
+WORKSPACE_SPLITS_PER_SEQ = 16
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block over all layers (K and V)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_size * elem
+
+
+class ModelRunner:
+    """Owns the KV cache tensors and runs the model for scheduled steps.
+
+    Args:
+        model: a ``CausalLM`` on ``device`` (see models/).
+        model_config: its config.
+        config: engine config (block size, limits, pool sizing, CUDA graphs).
+        max_model_len: the resolved maximum sequence length.
+    """
+
+    def __init__(self, model, model_config: ModelConfig, config: EngineConfig,
+                 max_model_len: int) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.config = config
+        self.device = device = model.device
+        self.dtype = model.dtype
+        self.block_size = bs = config.block_size
+        self.backend = resolve_backend(config.backend, device)
+        if self.backend == "triton" and bs & (bs - 1):
+            raise ValueError(f"block_size: expected a power of two for the triton kernels, "
+                             f"got {bs}")
+        self.max_blocks_per_seq = -(-max_model_len // bs)
+        self.max_num_seqs = config.max_num_seqs
+        # A decode graph pads the batch to its bucket: room for max_num_seqs tokens at least.
+        max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.inputs = InputBuilder(max_num_seqs=config.max_num_seqs, max_num_tokens=max_num_tokens,
+                                   max_blocks_per_seq=self.max_blocks_per_seq, block_size=bs,
+                                   device=device)
+        self.sampler = Sampler(device, config.seed)
+        self.workspace = None
+        if self.backend == "triton":
+            from ..ops.decode import workspace_size
+            size = workspace_size(config.max_num_seqs, model_config.num_q_heads,
+                                  model_config.head_size, WORKSPACE_SPLITS_PER_SEQ)
+            self.workspace = torch.empty(size, dtype=torch.float32, device=device)
+
+        self.num_blocks = config.num_kv_blocks or self._auto_num_blocks(max_model_len)
+        shape = (model_config.num_layers, 2, self.num_blocks, bs, model_config.num_kv_heads,
+                 model_config.head_size)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1])
+                          for i in range(model_config.num_layers)]
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", self.num_blocks, bs,
+                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, device)
+
+        self.graphs = None
+        if device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(model, self.kv_caches, self.inputs,
+                                       max_batch=config.max_num_seqs, backend=self.backend,
+                                       decode_workspace=self.workspace)
+            self.graphs.capture()
+
+    # ---- pool sizing -------------------------------------------------------------------------
+    def _auto_num_blocks(self, max_model_len: int) -> int:
+        per_block = kv_block_bytes(self.model_config, self.block_size, self.dtype)
+        if self.device.type != "cuda":
+            budget = self.config.cpu_kv_cache_bytes
+            # More than every sequence at full length is never needed.
+            cap = self.config.max_num_seqs * self.max_blocks_per_seq
+            num_blocks = min(budget // per_block, cap)
+            where = f"the CPU budget of {budget / 2**30:.2f} GiB"
+        else:
+            peak = self._profile_step_memory(max_model_len)
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserve = 0 if self.config.enforce_eager else GRAPH_MEMORY_RESERVE
+            budget = int(total * self.config.gpu_memory_utilization) - (total - free) - peak - reserve
+            num_blocks = max(0, budget) // per_block
+            where = (f"{self.config.gpu_memory_utilization:.0%} of {total / 2**30:.1f} GiB, less "
+                     f"{(total - free) / 2**30:.2f} GiB in use and a {peak / 2**30:.2f} GiB step peak")
+        if num_blocks < 1:
+            raise ValueError(f"num_kv_blocks: no room for a single KV block of {per_block} bytes "
+                             f"in {where}; raise gpu_memory_utilization or pass num_kv_blocks")
+        logger.info("KV pool sized to %d blocks from %s", num_blocks, where)
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_step_memory(self, max_model_len: int) -> int:
+        """Peak bytes a full step takes beyond what is allocated now: a forward over
+        max_num_batched_tokens tokens, logits and sampling for max_num_seqs rows."""
+        cfg, mc = self.config, self.model_config
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        num_tokens = cfg.max_num_batched_tokens
+        lens = [min(max_model_len, num_tokens - i) for i in range(0, num_tokens, max_model_len)]
+        # One scratch block that every table entry points at; nothing is written (slot -1).
+        scratch = torch.zeros((2, 1, self.block_size, mc.num_kv_heads, mc.head_size),
+                              dtype=self.dtype, device=self.device)
+        kv = [(scratch[0], scratch[1])] * mc.num_layers
+        dev = dict(device=self.device)
+        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, **dev),
+            cu_seqlens_q=cu.to(self.device),
+            context_lens=torch.tensor(lens, dtype=torch.int32, **dev),
+            block_tables=torch.zeros(len(lens), self.max_blocks_per_seq, dtype=torch.int32, **dev),
+            max_seqlen_q=max(lens), decode_only=False, backend=self.backend)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, **dev)
+        positions = torch.cat([torch.arange(n, **dev) for n in lens])
+        hidden = self.model(ids, positions, kv, meta)
+        rows = min(cfg.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:rows])
+        params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=50)] * rows
+        self.sampler(logits, params, [None] * rows)
+        del hidden, logits
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - base
+
+    # ---- one step -----------------------------------------------------------------------------
+    def release(self, seq_id: int) -> None:
+        self.inputs.release(seq_id)
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block ``dst`` := block ``src`` in every layer's K and V."""
+        src = torch.tensor([c[0] for c in copies], dtype=torch.int64).to(self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.int64).to(self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput):
+        """Run one scheduled step; returns the :class:`~.sampler.SamplerOutput` of its sample
+        rows (``sum(out.num_samples)`` of them, in batch order), or None if none samples."""
+        for seq_id in out.released_seq_ids:
+            self.release(seq_id)
+        if out.block_copies:
+            self.copy_blocks(out.block_copies)
+        n = out.num_seqs
+        bucket = None
+        if self.graphs is not None and out.decode_only:
+            bucket = self.graphs.bucket_for(n)
+        step = self.inputs.build(out, pad_to=bucket)
+        if bucket is not None:
+            hidden = self.graphs.replay(n, step.block_tables)
+        else:
+            meta = AttentionMetadata(
+                slot_mapping=step.slot_mapping, cu_seqlens_q=step.cu_seqlens_q,
+                context_lens=step.context_lens, block_tables=step.block_tables,
+                max_seqlen_q=step.max_seqlen_q, decode_only=out.decode_only,
+                backend=self.backend,
+                decode_workspace=self.workspace if out.decode_only else None)
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
+        if step.num_sample_rows == 0:
+            return None
+        hidden = hidden[:n] if step.sample_rows is None else hidden.index_select(0, step.sample_rows)
+        logits = self.model.compute_logits(hidden)
+        params, seeds = [], []
+        for seq, k in zip(out.seqs, out.num_samples):
+            if not k:
+                continue
+            p = seq.request.params
+            for j in range(k):
+                params.append(p)
+                seeds.append(None if p.seed is None else
+                             (seq.request.request_id, seq.index if k == 1 else j))
+        return self.sampler(logits, params, seeds)
+
+
+__all__ = ["ModelRunner", "kv_block_bytes"]

@@ -1,0 +1,123 @@
+"""From sampled tokens to RequestOutputs: incremental detokenization, stop strings, outputs.
+
+Text is produced incrementally only where someone needs it while the request runs (streaming
+outputs, or stop strings to look for); a request that only wants its final output is decoded
+once, when it finishes. While stop strings may still match, the last ``len(longest stop) - 1``
+characters are held back, so the text of successive outputs only ever grows and never shows
+the start of a stop string that later matches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..core.request import FinishReason, Request, Sequence
+from ..models.tokenizer import IncrementalDetokenizer, Tokenizer
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+
+@dataclass
+class _SampleText:
+    detokenizer: IncrementalDetokenizer
+    num_fed: int = 0               # generated tokens given to the detokenizer
+    searched: int = 0              # text before this offset holds no stop string
+    final_text: str | None = None  # set when the sample finishes
+
+
+@dataclass
+class RequestState:
+    """The engine's side of a request: its prompt text and per-sample text state."""
+
+    request: Request
+    prompt: str | None
+    final_only: bool                # only the finished output is wanted (LLM.generate)
+    stop: tuple[str, ...] = ()
+    texts: dict[int, _SampleText] = field(default_factory=dict)
+
+    @property
+    def incremental(self) -> bool:
+        return not self.final_only or bool(self.stop)
+
+    @property
+    def hold(self) -> int:
+        return max(map(len, self.stop)) - 1 if self.stop else 0
+
+
+class OutputProcessor:
+    """Turns the sequences that grew in a step into text and outputs (engine thread only)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def _ids_to_decode(self, seq: Sequence) -> list[int]:
+        """Generated ids whose text counts: a stop token ends the text without appearing in it."""
+        ids = seq.output_token_ids
+        if (seq.finish_reason is FinishReason.STOP and ids
+                and ids[-1] in seq.request.stop_token_ids):
+            ids = ids[:-1]
+        return ids
+
+    def process(self, state: RequestState, seq: Sequence) -> bool:
+        """Detokenize what ``seq`` gained; returns True if a stop string matched (the caller
+        then finishes the sequence with reason "stop")."""
+        if not state.incremental:
+            return False
+        text = state.texts.get(seq.index)
+        if text is None:
+            det = self.tokenizer.detokenizer(seq.request.prompt_token_ids)
+            text = state.texts[seq.index] = _SampleText(det)
+        ids = self._ids_to_decode(seq)
+        if len(ids) > text.num_fed:
+            text.detokenizer.add(ids[text.num_fed:])
+            text.num_fed = len(ids)
+        if seq.is_finished:
+            text.detokenizer.flush()
+        full = text.detokenizer.text
+        for stop in state.stop:
+            at = full.find(stop, max(0, text.searched - len(stop) + 1))
+            if at != -1:
+                text.final_text = full[:at]
+                return True
+        text.searched = len(full)
+        return False
+
+    def _text_of(self, state: RequestState, seq: Sequence) -> str:
+        text = state.texts.get(seq.index)
+        if text is None:
+            if not seq.is_finished:
+                return ""
+            return self.tokenizer.decode(self._ids_to_decode(seq))
+        if text.final_text is not None:
+            return text.final_text
+        full = text.detokenizer.text
+        if seq.is_finished or not state.hold:
+            return full
+        return full[:max(0, len(full) - state.hold)]
+
+    def make_output(self, state: RequestState) -> RequestOutput:
+        request = state.request
+        completions = []
+        for seq in sorted(request.sequences, key=lambda s: s.index):
+            wants_logprobs = request.params.logprobs is not None
+            completions.append(CompletionOutput(
+                index=seq.index, text=self._text_of(state, seq),
+                token_ids=seq.output_token_ids,
+                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+                logprobs=list(seq.logprobs or []) if wants_logprobs else None))
+        first = request.sequences[0]
+        metrics = RequestMetrics(
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            finished_time=request.finished_time,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=first.num_cached_tokens,
+            num_generation_tokens=sum(s.num_output_tokens for s in request.sequences),
+            last_token_time=request.last_token_time)
+        return RequestOutput(request_id=request.request_id, prompt=state.prompt,
+                             prompt_token_ids=list(request.prompt_token_ids),
+                             outputs=completions, finished=request.is_finished, metrics=metrics)
+
+
+__all__ = ["OutputProcessor", "RequestState"]
