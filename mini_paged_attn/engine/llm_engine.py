@@ -20,7 +20,7 @@ import torch
 from ..core.block_manager import BlockManager
 from ..core.kv_cache_manager import KVCacheManager
 from ..core.request import FinishReason, Request
-from ..core.scheduler import Scheduler, SchedulerConfig
+from ..core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ..models.config import ModelConfig
 from ..models.tokenizer import Tokenizer
 from .config import EngineConfig
@@ -93,6 +93,8 @@ class LLMEngine:
         self._finished = 0
         self._recent: deque[tuple[float, float, int]] = deque()   # (start, end, tokens)
         self._last_log = time.monotonic()
+        # What the latest step computed (batch composition), for people watching the engine.
+        self.last_schedule: SchedulerOutput | None = None
 
     @classmethod
     def from_model(cls, model: str | Path, *, dtype="auto", device=None,
@@ -194,6 +196,7 @@ class LLMEngine:
                 touched[request_id] = self._states[request_id]
 
         out = self.scheduler.schedule()
+        self.last_schedule = out
         if out.is_empty:
             for seq_id in out.released_seq_ids:
                 self.runner.release(seq_id)
