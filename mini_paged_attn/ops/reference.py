@@ -91,7 +91,8 @@ def _attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_visible: 
     row_max = torch.where(row_max == _NEG_INF, 0.0, row_max)
     p = torch.exp(scores - row_max)
     row_sum = p.sum(dim=-1)  # [S, Hkv, G, Lq]
-    out = torch.einsum("skgql,slkd->skgqd", p, v) / torch.where(row_sum > 0, row_sum, 1.0)[..., None]
+    safe_sum = torch.where(row_sum > 0, row_sum, 1.0)
+    out = torch.einsum("skgql,slkd->skgqd", p, v) / safe_sum[..., None]  # [S, Hkv, G, Lq, D]
     lse = row_max[..., 0] + torch.log(row_sum)  # log(0) = -inf for empty rows
     return (out.permute(0, 3, 1, 2, 4).reshape(s_, lq, hq, d),
             lse.permute(0, 3, 1, 2).reshape(s_, lq, hq))
@@ -99,7 +100,8 @@ def _attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_visible: 
 
 def _attend_blockwise(q: torch.Tensor, seq: torch.Tensor, n_visible: torch.Tensor,
                       key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      block_tables: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      block_tables: torch.Tensor,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Online softmax over the paged blocks, float32.
 
     q ``[R, Hq, D]``, one row per query token; seq int64 ``[R]``, its sequence; n_visible int64
@@ -272,6 +274,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     """Write K/V by slot (``block * block_size + offset``; -1 skips), in place.
 
     key, value ``[num_tokens, num_kv_heads, head_size]``; caches
-    ``[num_blocks, block_size, num_kv_heads, head_size]``; slot_mapping int32/int64 ``[num_tokens]``.
+    ``[num_blocks, block_size, num_kv_heads, head_size]``; slot_mapping int32 or int64
+    ``[num_tokens]``. Arguments are checked by ``dispatch.store_kv``.
     """
     write_slots(key, value, key_cache, value_cache, slot_mapping)
