@@ -70,6 +70,11 @@ def _check_cu_values(name: str, cu: torch.Tensor, total: int, exact: bool,
                          f"({int(lens.max())}), got {max_seqlen}")
 
 
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    # FlashAttention copies an input whose last dim is strided rather than refusing it; so do we.
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
@@ -77,7 +82,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """Attention over a varlen batch, FlashAttention's ``flash_attn_varlen_func`` (forward only).
 
     Args:
-        q: ``[total_q, num_q_heads, head_size]``, fp16 / bf16 / fp32, last dim contiguous.
+        q: ``[total_q, num_q_heads, head_size]``, fp16 / bf16 / fp32 (a strided last dim is
+            copied, as FlashAttention does; so are contiguous-layout k and v).
         k, v: contiguous ``[total_k, num_kv_heads, head_size]``, or with ``block_table`` the paged
             caches ``[num_blocks, block_size, num_kv_heads, head_size]``; q's dtype and device.
         cu_seqlens_q, cu_seqlens_k: int32 ``[num_seqs + 1]``, cumulative lengths from 0.
@@ -110,6 +116,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          f"got {tuple(cu_seqlens_k.shape)}")
     if not isinstance(causal, bool):
         raise ValueError(f"causal: expected a bool, got {causal!r}")
+    q = _last_dim_contiguous(q)
     try:
         scale = check_scale(softmax_scale, q.shape[-1])
     except ValueError:
@@ -129,11 +136,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return paged_prefill(q, k, v, block_table, cu_seqlens_q, context_lens, causal=causal,
                              scale=scale, backend=backend, max_seqlen_q=max_seqlen_q)
 
-    if q.stride(-1) != 1:
-        raise ValueError(f"q: expected a contiguous last dimension (stride 1), "
-                         f"got stride {q.stride()}")
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=q.device)
     check_tensor("v", v, ndim=3, dtypes=(q.dtype,), device=q.device)
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     if v.shape != k.shape:
         raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
     total_q, num_q_heads, head_size = q.shape

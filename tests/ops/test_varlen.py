@@ -83,6 +83,16 @@ def test_default_scale_and_all_positional_arguments():
     torch.testing.assert_close(out, want, **OUT_TOL[torch.float32])
 
 
+def test_strided_last_dim_is_copied_like_flash_attention():
+    q_lens, k_lens = [4, 2], [6, 2]
+    q, k, v, cu_q, cu_k = make_varlen(q_lens, k_lens)
+    strided = [torch.stack([x, x], dim=-1)[..., 0] for x in (q, k, v)]  # stride 2 in head_size
+    assert all(x.stride(-1) == 2 for x in strided)
+    out = flash_attn_varlen_func(*strided, cu_q, cu_k, 4, 6, causal=True, backend="torch")
+    want = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 6, causal=True, backend="torch")
+    assert torch.equal(out, want)
+
+
 def to_paged(k, v, k_lens, block_size, seed=0):
     """Contiguous varlen K/V -> shuffled paged caches (NaN elsewhere) and a block table."""
     gen = torch.Generator().manual_seed(seed)
