@@ -122,13 +122,19 @@ class KVCacheManager:
         bs = self.block_size
         num_computed = hit.num_tokens if hit.block_ids else seq.num_computed_tokens
         held = len(seq.block_ids) + len(hit.block_ids)
-        num_new_blocks = max(0, self.blocks_for(num_computed + num_new_tokens) - held)
-        # The first new token lands in an existing block only when it is partly filled.
-        cow = (num_new_tokens > 0 and num_computed % bs != 0 and num_computed // bs < held
+        num_new_blocks = max(0, -(-(num_computed + num_new_tokens) // bs) - held)
+        # The first new token lands in an existing block only when it is partly filled; such a
+        # block is shared only after a fork (prefix hits are full blocks), so the reference
+        # count is read only for requests with several samples.
+        cow = (seq.request.n > 1 and num_new_tokens > 0 and num_computed % bs != 0
+               and num_computed // bs < held
                and self.block_manager.get_ref_count(seq.block_ids[num_computed // bs]) > 1)
-        revived = sum(1 for b in hit.block_ids if self.prefix_cache.is_evictable(b))
-        if num_new_blocks + cow > self.num_free_blocks() - revived:
-            return None
+        if num_new_blocks or cow or hit.block_ids:
+            revived = sum(1 for b in hit.block_ids if self.prefix_cache.is_evictable(b))
+            if num_new_blocks + cow > self.num_free_blocks() - revived:
+                return None
+        elif not self.enable_prefix_caching or (num_computed + num_new_tokens) // bs == num_computed // bs:
+            return []   # the decode fast path: room in the last block, nothing to register
 
         if hit.block_ids:
             self._take_hit(seq, hit)

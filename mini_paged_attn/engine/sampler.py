@@ -102,7 +102,32 @@ class Sampler:
             kth.masked_fill_(off[:, None], float("-inf"))
             logits.masked_fill_(logits < kth, float("-inf"))
 
-        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(logits)
+        seeded_rows = [i for i, s in enumerate(seeds) if s is not None and not greedy[i]]
+        if len(seeded_rows) < len(seeds):
+            noise.exponential_(generator=self.generator)
+        for i in seeded_rows:
+            request_id, index = seeds[i]
+            noise[i].exponential_(generator=self._generator_of(request_id, index, params[i].seed))
+        # Exp(1) draws can be exactly 0 (a float uniform of 0): keep them finite.
+        noise.clamp_min_(1e-20)
+
+        if any(p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+            probs = torch.softmax(logits, dim=-1)
+            self._filter_probs(probs, params)
+            sampled = probs.div_(noise).argmax(dim=-1)
+        else:
+            # argmax(p / q) == argmax(logits / T - log q): no softmax needed.
+            sampled = logits.sub_(noise.log_()).argmax(dim=-1)
+        if greedy_ids is not None:
+            is_greedy = torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True)
+            sampled = torch.where(is_greedy, greedy_ids, sampled)
+        return sampled
+
+    @staticmethod
+    def _filter_probs(probs: torch.Tensor, params: list[SamplingParams]) -> None:
+        """Zero the probabilities top-p and min-p drop (per row; thresholds, in place)."""
+        device = probs.device
         if any(p.top_p < 1.0 for p in params):
             top_p = torch.tensor([p.top_p for p in params],
                                  dtype=torch.float32).to(device, non_blocking=True)
@@ -117,20 +142,6 @@ class Sampler:
                                  dtype=torch.float32).to(device, non_blocking=True)
             threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
             probs.masked_fill_(probs < threshold, 0.0)
-
-        noise = torch.empty_like(probs)
-        seeded_rows = [i for i, s in enumerate(seeds) if s is not None and not greedy[i]]
-        if len(seeded_rows) < len(seeds):
-            noise.exponential_(generator=self.generator)
-        for i in seeded_rows:
-            request_id, index = seeds[i]
-            noise[i].exponential_(generator=self._generator_of(request_id, index, params[i].seed))
-        # Exp(1) draws can be exactly 0 (a float uniform of 0); 0 / 0 would be NaN.
-        sampled = probs.div_(noise.clamp_min_(1e-20)).argmax(dim=-1)
-        if greedy_ids is not None:
-            is_greedy = torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True)
-            sampled = torch.where(is_greedy, greedy_ids, sampled)
-        return sampled
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, sampled: torch.Tensor,

@@ -263,3 +263,24 @@ def test_stats_report_the_pool_and_throughput(tiny_llm):
     assert stats.kv_blocks_total == 96 and stats.kv_blocks_free == 96
     assert stats.generation_tokens_total >= 10 and stats.generation_tokens_per_s > 0
     assert stats.num_running == 0 and stats.num_waiting == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["graphs", "eager", "preemption"])
+def test_greedy_matches_transformers_on_gpu(arch_case, variant):
+    """Triton kernels, CUDA-graph decode (unless eager), fp32 so parity is exact."""
+    model_dir, prompts, expected = arch_case
+    options = dict(block_size=16, num_kv_blocks=64, max_num_seqs=8, max_model_len=128,
+                   enforce_eager=variant == "eager")
+    if variant == "preemption":
+        options.update(block_size=4, num_kv_blocks=12)
+    engine = LLMEngine.from_model(model_dir, dtype="float32", device="cuda",
+                                  config=EngineConfig(**options))
+    engine.runner.kv_cache.fill_(float("nan"))
+    assert engine.runner.backend == "triton"
+    assert (engine.runner.graphs is None) == (variant == "eager")
+    outputs = LLM.from_engine(engine).generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    if variant == "preemption":
+        assert engine.stats().num_preemptions > 0
+    assert_pool_whole(engine)

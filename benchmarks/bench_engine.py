@@ -1,0 +1,274 @@
+"""Engine benchmark (GPU), with transformers' ``generate`` as the peer in the same run.
+
+(a) nano-vllm's published workload: 256 requests, prompt and output lengths uniform in
+    100..1024 (random.seed(0), prompt ids uniform in 0..10000), temperature 0.6, ignore_eos,
+    Qwen3-0.6B shapes with random bf16 weights: output tokens/s and total time.
+(b) batch 1: Qwen2.5-0.5B shapes, a 512-token prompt, 256 greedy output tokens: time per
+    output token and tokens/s (CUDA graphs; ``--enforce-eager`` to compare).
+(c) the same workloads through transformers ``generate`` (sdpa attention, left padding,
+    batches of ``--hf-batch``), counting only the tokens each request asked for. For (a) it runs
+    the first ``--hf-requests`` requests (batches are independent, so its tokens/s carries over).
+(parity) greedy outputs of the engine vs transformers on Qwen3-0.6B shapes in bf16: the share
+    of identical requests, and for the others the top-2 logit gap (transformers' logits) at the
+    first differing step, against the spacing of bf16 numbers at that magnitude.
+
+Random weights are drawn by transformers directly on the GPU (its own init, std 0.02) and saved
+to a temporary directory that the engine then loads like any checkpoint.
+
+    PYTHONPATH=. python3 benchmarks/bench_engine.py --out /tmp/bench_engine
+    mini-paged-attn bench --workloads a,b --hf-requests 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "qwen3-0.6b": dict(arch="Qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen2.5-0.5b": dict(arch="Qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workloads", default="parity,a,b",
+                        help="comma-separated subset of parity,a,b (default: all)")
+    parser.add_argument("--model", default=None,
+                        help="a model directory to use for (a) instead of random Qwen3-0.6B shapes")
+    parser.add_argument("--num-requests", type=int, default=256, help="(a) requests (default 256)")
+    parser.add_argument("--hf-requests", type=int, default=64,
+                        help="(a) requests run through transformers (default 64; 0 skips it)")
+    parser.add_argument("--hf-batch", type=int, default=64, help="transformers batch size")
+    parser.add_argument("--parity-requests", type=int, default=32)
+    parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--out", default=None, help="directory for results.json")
+
+
+def random_model_dir(shape: str, root: Path, seed: int = 0) -> Path:
+    """A Hugging Face directory with ``shape``'s config and random bf16 weights (+ a byte
+    tokenizer, so the engine loads it; the benchmark passes token ids)."""
+    import transformers
+    from mini_paged_attn.models.tiny import byte_level_hf_tokenizer, write_tokenizer_files
+
+    spec = dict(SHAPES[shape])
+    arch = spec.pop("arch")
+    config = getattr(transformers, f"{arch}Config")(**spec, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    path = root / shape
+    model.save_pretrained(path)
+    write_tokenizer_files(byte_level_hf_tokenizer(), path)
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+def hf_model(path: Path):
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, attn_implementation="sdpa").to("cuda").eval()
+
+
+def hf_generate(model, prompts: list[list[int]], max_tokens: list[int], *, batch: int,
+                temperature: float, scores: bool = False):
+    """Left-padded batches through ``generate``; returns (seconds, outputs[, step logits])."""
+    import transformers
+    outputs, logits_out = [], []
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for at in range(0, len(prompts), batch):
+        chunk, limits = prompts[at:at + batch], max_tokens[at:at + batch]
+        width = max(map(len, chunk))
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(chunk):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        gen = transformers.GenerationConfig(
+            max_new_tokens=max(limits), min_new_tokens=max(limits), do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else None, top_k=None, top_p=None,
+            eos_token_id=None, pad_token_id=0, output_logits=scores, return_dict_in_generate=True)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), generation_config=gen)
+        for i, n in enumerate(limits):
+            outputs.append(out.sequences[i, width:width + n].tolist())
+            if scores:
+                logits_out.append([step[i].float().cpu() for step in out.logits[:n]])
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, outputs, logits_out
+
+
+def engine_llm(path: Path, args, **overrides):
+    from mini_paged_attn.engine import LLM
+    options = dict(dtype="bfloat16", max_model_len=4096, enforce_eager=args.enforce_eager,
+                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    options.update(overrides)
+    return LLM(str(path), **options)
+
+
+def timed_generate(llm, prompts, params):
+    """(seconds, outputs) of one ``generate`` call."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, outputs
+
+
+def workload_a(args, root: Path, results: dict) -> None:
+    from mini_paged_attn.engine import SamplingParams
+    random.seed(0)
+    n = args.num_requests
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(n)]
+    limits = [random.randint(100, 1024) for _ in range(n)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in limits]
+    path = Path(args.model) if args.model else random_model_dir("qwen3-0.6b", root)
+    llm = engine_llm(path, args)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)      # warm-up
+    seconds, _ = timed_generate(llm, prompts, params)
+    stats = llm.stats()
+    row = {"requests": n, "output_tokens": sum(limits), "seconds": seconds,
+           "tok_per_s": sum(limits) / seconds, "preemptions": stats.num_preemptions,
+           "kv_blocks": stats.kv_blocks_total}
+    del llm
+    torch.cuda.empty_cache()
+    if args.hf_requests:
+        k = min(args.hf_requests, n)
+        hf = hf_model(path)
+        hf_generate(hf, [[1, 2, 3]], [4], batch=1, temperature=0.6)               # warm-up
+        hf_s, _, _ = hf_generate(hf, prompts[:k], limits[:k], batch=args.hf_batch, temperature=0.6)
+        row.update(hf_requests=k, hf_seconds=hf_s, hf_tok_per_s=sum(limits[:k]) / hf_s)
+        row["speedup"] = row["tok_per_s"] / row["hf_tok_per_s"]
+        del hf
+        torch.cuda.empty_cache()
+    results["a"] = row
+
+
+def workload_b(args, root: Path, results: dict) -> None:
+    from mini_paged_attn.engine import SamplingParams
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 10000, (512,), generator=gen).tolist()
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=256)
+    path = random_model_dir("qwen2.5-0.5b", root)
+    llm = engine_llm(path, args, max_num_seqs=8)
+    llm.generate([prompt[:50]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    seconds, (out,) = timed_generate(llm, [prompt], params)
+    ttft = out.metrics.time_to_first_token
+    row = {"seconds": seconds, "tok_per_s": 256 / seconds, "ttft_ms": 1e3 * ttft,
+           "tpot_ms": 1e3 * (out.metrics.last_token_time - out.metrics.first_token_time) / 255}
+    del llm
+    torch.cuda.empty_cache()
+    hf = hf_model(path)
+    hf_generate(hf, [prompt[:50]], [8], batch=1, temperature=0.0)
+    hf_s, _, _ = hf_generate(hf, [prompt], [256], batch=1, temperature=0.0)
+    row.update(hf_seconds=hf_s, hf_tok_per_s=256 / hf_s, speedup=hf_s / seconds)
+    results["b"] = row
+    del hf
+    torch.cuda.empty_cache()
+
+
+def workload_parity(args, root: Path, results: dict) -> None:
+    from mini_paged_attn.engine import SamplingParams
+    path = random_model_dir("qwen3-0.6b", root, seed=1)
+    rng = random.Random(2)
+    prompts = [[rng.randint(0, 100000) for _ in range(rng.randint(16, 400))]
+               for _ in range(args.parity_requests)]
+    steps = 32
+    llm = engine_llm(path, args)
+    ours = [o.outputs[0].token_ids for o in llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True), use_tqdm=False)]
+    del llm
+    torch.cuda.empty_cache()
+    hf = hf_model(path)
+    _, theirs, logits = hf_generate(hf, prompts, [steps] * len(prompts), batch=len(prompts),
+                                    temperature=0.0, scores=True)
+    identical, gaps = 0, []
+    for mine, ref, steps_logits in zip(ours, theirs, logits):
+        if mine == ref:
+            identical += 1
+            continue
+        t = next(i for i, (a, b) in enumerate(zip(mine, ref)) if a != b)
+        row = steps_logits[t]
+        top = row.topk(2).values
+        gap = float(row[ref[t]] - row[mine[t]])
+        # bf16 keeps 8 significant bits: the spacing of representable logits near the top one.
+        spacing = 2.0 ** (math.floor(math.log2(abs(float(top[0])) or 1.0)) - 7)
+        gaps.append({"step": t, "gap": gap, "top2_gap": float(top[0] - top[1]),
+                     "bf16_spacing": spacing, "gap_in_bf16_steps": gap / spacing})
+    results["parity"] = {"requests": len(prompts), "identical": identical,
+                         "identical_share": identical / len(prompts), "differing": gaps}
+    del hf
+    torch.cuda.empty_cache()
+
+
+def report(results: dict, env: dict) -> str:
+    lines = [f"device: {env['device']}  torch {env['torch']}  transformers {env['transformers']}  "
+             f"date {env['date']}", ""]
+    if "a" in results:
+        a = results["a"]
+        lines.append(f"(a) {a['requests']} req, {a['output_tokens']} output tokens: "
+                     f"{a['seconds']:.2f} s, {a['tok_per_s']:.0f} tok/s "
+                     f"(preemptions {a['preemptions']}, {a['kv_blocks']} KV blocks)")
+        if "hf_tok_per_s" in a:
+            lines.append(f"    transformers ({a['hf_requests']} req): {a['hf_seconds']:.2f} s, "
+                         f"{a['hf_tok_per_s']:.0f} tok/s -> engine {a['speedup']:.1f}x")
+    if "b" in results:
+        b = results["b"]
+        lines.append(f"(b) batch 1, 512 + 256: {b['seconds']:.3f} s, {b['tok_per_s']:.0f} tok/s, "
+                     f"TPOT {b['tpot_ms']:.2f} ms, TTFT {b['ttft_ms']:.1f} ms; transformers "
+                     f"{b['hf_tok_per_s']:.0f} tok/s -> {b['speedup']:.1f}x")
+    if "parity" in results:
+        p = results["parity"]
+        worst = max((abs(g["gap_in_bf16_steps"]) for g in p["differing"]), default=0.0)
+        lines.append(f"(parity) bf16 greedy identical: {p['identical']}/{p['requests']} "
+                     f"({100 * p['identical_share']:.0f}%); differing: first-diff logit gap "
+                     f"<= {worst:.1f} bf16 steps")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("bench: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import transformers
+    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d")}
+    results: dict = {"env": env}
+    workloads = {"parity": workload_parity, "a": workload_a, "b": workload_b}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.workloads.split(","):
+            start = time.perf_counter()
+            workloads[name](args, Path(tmp), results)
+            print(f"[{name}] done in {time.perf_counter() - start:.0f} s", flush=True)
+            if args.out:
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                (Path(args.out) / "results.json").write_text(json.dumps(results, indent=2))
+    print(report(results, env))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""``mini-paged-attn generate``: stream a model's reply to one prompt.
+
+    mini-paged-attn generate --model DIR --prompt "..." [--max-tokens 128] [--temperature 0.7]
+                             [--top-p 0.9] [--chat]
+
+``--model tiny`` uses the embedded tiny Llama (RANDOM weights: its text is noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="local Hugging Face model directory, or 'tiny' (the embedded "
+                             "random tiny Llama)")
+    parser.add_argument("--prompt", required=True, help="the prompt (or the user message with --chat)")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap the prompt as a user message in the model's chat template")
+    parser.add_argument("--system", default=None, help="a system message (with --chat)")
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=_positive, default=128, help="default 128")
+    sampling.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default 0.7)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="default 1.0 (off)")
+    sampling.add_argument("--top-k", type=int, default=-1, help="default -1 (off)")
+    sampling.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default="auto", help="auto (the model's), float16, bfloat16, float32")
+    engine.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
+    engine.add_argument("--max-model-len", type=_positive, default=None,
+                        help="longest prompt + output (default: the model's, capped at 8192)")
+    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--stats", action="store_true", help="print the engine's stats at the end")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mini_paged_attn.engine import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=args.max_tokens, seed=args.seed)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    # One interactive request: a small pool and batch are plenty, and start faster.
+    max_model_len = args.max_model_len
+    if max_model_len is None:
+        max_model_len = _default_max_len(args.model)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=max_model_len,
+              max_num_seqs=4, enforce_eager=args.enforce_eager)
+    try:
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            messages.append({"role": "user", "content": args.prompt})
+            deltas = llm.chat_stream(messages, params)
+        else:
+            deltas = llm.stream(args.prompt, params)
+        for delta in deltas:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    except ValueError as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write("\n")
+    if args.stats:
+        print(llm.stats().summary(), file=sys.stderr)
+    return 0
+
+
+def _default_max_len(model: str) -> int | None:
+    """The model's context, capped at 8192 so one request does not size a huge block table."""
+    from pathlib import Path
+
+    from mini_paged_attn.models.config import ModelConfig
+    if model == "tiny" or not (Path(model) / "config.json").is_file():
+        return None
+    return min(8192, ModelConfig.from_model_dir(model).max_position_embeddings)
