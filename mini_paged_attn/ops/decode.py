@@ -20,8 +20,8 @@ then depends only on its own data (batch-invariant, deterministic).
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
 
 import torch
 import triton
@@ -38,60 +38,6 @@ MAX_GRID_Z = 65535
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, tile, context_len, table_row, k_head, v_head, dims,
-                 dim_valid, scale_log2, stride_k_block, stride_k_token, stride_v_block,
-                 stride_v_token, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 MASK_TOKENS: tl.constexpr, MASK_DIMS: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """One KV tile of the online softmax; returns the updated (m_i, l_i, acc).
-
-    MASK_TOKENS: the tile may run past ``context_len`` (the sequence's last tile).
-    MASK_DIMS: head_size is not a power of two.
-    """
-    tokens = tile * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] positions
-    token_valid = tokens < context_len                         # [BLOCK_N]
-    if BLOCK_SIZE >= BLOCK_N:
-        # The tile lies inside one cache block (both powers of two): one table lookup.
-        block = tl.load(table_row + (tile * BLOCK_N) // BLOCK_SIZE).to(tl.int64)
-        k_rows = block * stride_k_block + (tokens % BLOCK_SIZE) * stride_k_token
-        v_rows = block * stride_v_block + (tokens % BLOCK_SIZE) * stride_v_token
-    else:
-        if MASK_TOKENS:   # table entries past the sequence's length may be garbage
-            blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_valid, other=0)
-        else:
-            blocks = tl.load(table_row + tokens // BLOCK_SIZE)
-        blocks = blocks.to(tl.int64)                           # [BLOCK_N]
-        k_rows = blocks * stride_k_block + (tokens % BLOCK_SIZE) * stride_k_token
-        v_rows = blocks * stride_v_block + (tokens % BLOCK_SIZE) * stride_v_token
-    k_ptrs = k_head + k_rows[:, None] + dims[None, :]          # [BLOCK_N, HEAD_SIZE_PADDED]
-    v_ptrs = v_head + v_rows[:, None] + dims[None, :]
-    # Unused cache slots may hold NaN: load zeros there (p = 0 times NaN would leak).
-    if MASK_TOKENS:
-        kv_valid = token_valid[:, None] & dim_valid[None, :]  # [BLOCK_N, HEAD_SIZE_PADDED]
-        k = tl.load(k_ptrs, mask=kv_valid, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_valid, other=0.0)
-    elif MASK_DIMS:
-        k = tl.load(k_ptrs, mask=dim_valid[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=dim_valid[None, :], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    # k, v: [BLOCK_N, HEAD_SIZE_PADDED]
-
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-    # s: [BLOCK_H, BLOCK_N] fp32, log2 domain
-    if MASK_TOKENS:
-        s = tl.where(token_valid[None, :], s, float("-inf"))
-    # Every visited tile holds a valid token, so m_new is finite.
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))                 # [BLOCK_H]
-    alpha = tl.exp2(m_i - m_new)                               # [BLOCK_H]
-    p = tl.exp2(s - m_new[:, None])                            # [BLOCK_H, BLOCK_N]
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _paged_decode_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, lse_ptr, scale_log2,
@@ -100,40 +46,28 @@ def _paged_decode_kernel(
     stride_v_block, stride_v_token, stride_v_head,
     stride_bt_seq,
     stride_o_seq, stride_o_head, stride_o_split, stride_o_dim,
-    stride_lse_seq, stride_lse_head, stride_lse_split,
+    stride_lse_seq, stride_lse_head,
     GROUP_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EXP_ALL_MASKED: tl.constexpr, EXP_SEQ_FIRST: tl.constexpr,
 ):
     """Grid ``(num_kv_heads, num_splits, num_seqs)``: the KV heads of one sequence run side by
     side, so the token rows of a block (all heads' K and V) are read at about the same time.
 
     SPLIT_KV: write float32 partials ``out[seq, head, split, :]`` (normalised) and
-    ``lse[seq, head, split]`` to the workspace; else the final output in the query's dtype
-    (and the lse when WRITE_LSE). The lse is natural-log, of the scaled scores.
+    ``lse[seq, head, split]`` (split stride 1) to the workspace; else the final output in the
+    query's dtype (and the lse when WRITE_LSE). The lse is natural-log, of the scaled scores.
     """
-    if EXP_SEQ_FIRST:
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        split = tl.program_id(2)
-        num_splits = tl.num_programs(2)
-    else:
-        kv_head = tl.program_id(0)
-        split = tl.program_id(1)
-        seq = tl.program_id(2)
-        num_splits = tl.num_programs(1)
+    kv_head = tl.program_id(0)
+    split = tl.program_id(1)
+    seq = tl.program_id(2)
+    num_splits = tl.num_programs(1)
 
     context_len = tl.load(context_lens_ptr + seq)
     num_tiles = tl.cdiv(context_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
-    # Tiles wholly inside the sequence need no token mask; only the last one may.
-    if EXP_ALL_MASKED:
-        full_end = tile_begin
-    else:
-        full_end = tl.maximum(tl.minimum(tile_end, context_len // BLOCK_N), tile_begin)
 
     rows = tl.arange(0, BLOCK_H)                # [BLOCK_H] query heads of the group (padded)
     dims = tl.arange(0, HEAD_SIZE_PADDED)       # [HEAD_SIZE_PADDED]
@@ -154,16 +88,37 @@ def _paged_decode_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)                      # running sum of exp2
     acc = tl.zeros([BLOCK_H, HEAD_SIZE_PADDED], tl.float32)   # running sum of p * v
 
-    for tile in range(tile_begin, full_end):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, tile, context_len, table_row, k_head, v_head, dims, dim_valid,
-            scale_log2, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
-            BLOCK_N, BLOCK_SIZE, False, HEAD_SIZE != HEAD_SIZE_PADDED, DOT_PRECISION)
-    for tile in range(full_end, tile_end):     # at most one tile: the sequence's last
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, tile, context_len, table_row, k_head, v_head, dims, dim_valid,
-            scale_log2, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
-            BLOCK_N, BLOCK_SIZE, True, HEAD_SIZE != HEAD_SIZE_PADDED, DOT_PRECISION)
+    # Masking every tile (not only the sequence's last) measured the same on an H100: the loop
+    # is bound by memory, not by the mask arithmetic.
+    for tile in range(tile_begin, tile_end):
+        tokens = tile * BLOCK_N + tl.arange(0, BLOCK_N)       # [BLOCK_N] positions
+        token_valid = tokens < context_len                     # [BLOCK_N]
+        if BLOCK_SIZE >= BLOCK_N:
+            # The tile lies inside one cache block (both powers of two): one table lookup.
+            block = tl.load(table_row + (tile * BLOCK_N) // BLOCK_SIZE).to(tl.int64)
+            k_rows = block * stride_k_block + (tokens % BLOCK_SIZE) * stride_k_token
+            v_rows = block * stride_v_block + (tokens % BLOCK_SIZE) * stride_v_token
+        else:
+            # Table entries past the sequence's length may be garbage: never follow them.
+            blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_valid, other=0)
+            blocks = blocks.to(tl.int64)                       # [BLOCK_N]
+            k_rows = blocks * stride_k_block + (tokens % BLOCK_SIZE) * stride_k_token
+            v_rows = blocks * stride_v_block + (tokens % BLOCK_SIZE) * stride_v_token
+        # Unused cache slots may hold NaN: load zeros there (p = 0 times NaN would leak).
+        kv_valid = token_valid[:, None] & dim_valid[None, :]  # [BLOCK_N, HEAD_SIZE_PADDED]
+        k = tl.load(k_head + k_rows[:, None] + dims[None, :], mask=kv_valid, other=0.0)
+        v = tl.load(v_head + v_rows[:, None] + dims[None, :], mask=kv_valid, other=0.0)
+        # k, v: [BLOCK_N, HEAD_SIZE_PADDED]
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(token_valid[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N] fp32
+        # Every visited tile holds a valid token, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))             # [BLOCK_H]
+        alpha = tl.exp2(m_i - m_new)                           # [BLOCK_H]
+        p = tl.exp2(s - m_new[:, None])                        # [BLOCK_H, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
 
     has_keys = l_i > 0.0                                       # [BLOCK_H]; False: no tokens
     l_safe = tl.where(has_keys, l_i, 1.0)
@@ -178,7 +133,7 @@ def _paged_decode_kernel(
         # Splits without tiles write nothing; the merge counts only splits that had work.
         has_work = tile_begin < tile_end
         tl.store(o_ptrs + split * stride_o_split, o, mask=o_valid & has_work)
-        tl.store(lse_ptrs + split * stride_lse_split, lse, mask=row_valid & has_work)
+        tl.store(lse_ptrs + split, lse, mask=row_valid & has_work)
     else:
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_valid)
         if WRITE_LSE:
@@ -284,6 +239,9 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     float32 ``[num_seqs, num_q_heads]``. No host sync; with ``workspace`` (float32, at least
     ``workspace_size(num_seqs, num_q_heads, head_size, num_splits)`` elements) no allocation
     either. ``tiles`` overrides the planned tiles (benchmarks, tests).
+
+    Kept lean on purpose: outside CUDA graphs a small decode step is bound by the host time
+    of its launches.
     """
     _check_supported(shapes)
     device = query.device
@@ -303,56 +261,57 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         logger.info("%s", plan)
     if shapes.num_seqs == 0:
         return
-    _launch(plan, shapes, query, key_cache, value_cache, block_tables, context_lens, out, lse,
-            workspace)
-
-
-def _launch(plan: DecodePlan, shapes: PagedShapes, query, key_cache, value_cache,
-            block_tables, context_lens, out, lse, workspace) -> None:
-    splits = plan.num_splits
-    common = dict(
-        GROUP_SIZE=plan.group_size, HEAD_SIZE=shapes.head_size,
-        HEAD_SIZE_PADDED=plan.head_size_padded, BLOCK_H=plan.block_h,
-        BLOCK_N=plan.tiles.block_n, BLOCK_SIZE=shapes.block_size,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
-    )
-    cache_strides = (key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-                     value_cache.stride(0), value_cache.stride(1), value_cache.stride(2))
-    experiment = os.environ.get("MPA_DECODE_EXPERIMENT", "")   # TEMPORARY: tuning only
-    common.update(EXP_ALL_MASKED="allmasked" in experiment,
-                  EXP_SEQ_FIRST="seqfirst" in experiment)
-    grid = ((shapes.num_seqs, shapes.num_kv_heads, splits) if "seqfirst" in experiment
-            else (shapes.num_kv_heads, splits, shapes.num_seqs))
-    lse_arg = lse if lse is not None else out  # never written when WRITE_LSE is False
-    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    if splits == 1:
+    meta = _constexprs(plan)
+    ks, vs = key_cache.stride(), value_cache.stride()
+    cache_strides = (ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
+    qs = query.stride()
+    grid = (shapes.num_kv_heads, plan.num_splits, shapes.num_seqs)
+    scale_log2 = shapes.scale * LOG2E
+    lse_arg = lse if lse is not None else out  # never written when lse is None
+    lse_seq, lse_head = lse.stride() if lse is not None else (0, 0)
+    os_ = out.stride()
+    if plan.num_splits == 1:
         _paged_decode_kernel[grid](
             query, key_cache, value_cache, block_tables, context_lens, out, lse_arg,
-            shapes.scale * LOG2E, query.stride(0), query.stride(1), *cache_strides,
-            block_tables.stride(0), out.stride(0), out.stride(1), 0, out.stride(2),
-            *lse_strides, 0, SPLIT_KV=False, WRITE_LSE=lse is not None, **common)
+            scale_log2, qs[0], qs[1], *cache_strides, block_tables.stride(0),
+            os_[0], os_[1], 0, os_[2], lse_seq, lse_head,
+            SPLIT_KV=False, WRITE_LSE=lse is not None, **meta)
         return
 
-    n, h, d = shapes.num_seqs, shapes.num_q_heads, shapes.head_size
+    # Split-KV: partial outputs [num_seqs, num_q_heads, splits, head_size] then partial lse
+    # [num_seqs, num_q_heads, splits], both float32, at the front of the workspace.
+    n, h, d, splits = shapes.num_seqs, shapes.num_q_heads, shapes.head_size, plan.num_splits
     if workspace is None:
         workspace = torch.empty(workspace_size(n, h, d, splits), dtype=torch.float32,
-                                device=query.device)
-    part_out = workspace[: n * h * splits * d].view(n, h, splits, d)
-    part_lse = workspace[n * h * splits * d: n * h * splits * (d + 1)].view(n, h, splits)
+                                device=device)
+    part_out = workspace
+    part_lse = workspace[n * h * splits * d:]
+    po_seq, po_head, po_split = h * splits * d, splits * d, d
+    pl_seq, pl_head = h * splits, splits
     _paged_decode_kernel[grid](
         query, key_cache, value_cache, block_tables, context_lens, part_out, part_lse,
-        shapes.scale * LOG2E, query.stride(0), query.stride(1), *cache_strides,
-        block_tables.stride(0), *part_out.stride(), *part_lse.stride(),
-        SPLIT_KV=True, WRITE_LSE=True, **common)
+        scale_log2, qs[0], qs[1], *cache_strides, block_tables.stride(0),
+        po_seq, po_head, po_split, 1, pl_seq, pl_head,
+        SPLIT_KV=True, WRITE_LSE=True, **meta)
     _merge_splits_kernel[(h, n)](
         part_out, part_lse, context_lens, out, lse_arg, splits,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1), out.stride(2), *lse_strides,
-        HEAD_SIZE=d, HEAD_SIZE_PADDED=plan.head_size_padded, BLOCK_N=plan.tiles.block_n,
+        po_seq, po_head, po_split, pl_seq, pl_head,
+        os_[0], os_[1], os_[2], lse_seq, lse_head,
+        HEAD_SIZE=d, HEAD_SIZE_PADDED=meta["HEAD_SIZE_PADDED"], BLOCK_N=meta["BLOCK_N"],
         SPLITS_PADDED=max(16, triton.next_power_of_2(splits)), SPLIT_TILE=16,
         WRITE_LSE=lse is not None, num_warps=4)
+
+
+@functools.lru_cache(maxsize=256)
+def _constexprs(plan: DecodePlan) -> dict:
+    """Compile-time arguments and launch options of the decode kernel for a plan."""
+    return dict(
+        GROUP_SIZE=plan.group_size, HEAD_SIZE=plan.head_size,
+        HEAD_SIZE_PADDED=plan.head_size_padded, BLOCK_H=plan.block_h,
+        BLOCK_N=plan.tiles.block_n, BLOCK_SIZE=plan.block_size,
+        DOT_PRECISION="ieee" if plan.dtype == torch.float32 else "tf32",
+        num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
+    )
 
 
 __all__ = ["triton_paged_decode", "workspace_size"]

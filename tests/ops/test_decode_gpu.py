@@ -130,7 +130,7 @@ def test_pool_over_2_pow_31_elements():
     tables = torch.zeros(len(lens), max(needed), dtype=torch.int32, device="cuda")
     tables[0, :needed[0]], tables[1] = top[:needed[0]], top[needed[0]:]
     pool[top.long()] = torch.randn((top.numel(), block_size, 2, hkv, d), device="cuda").half()
-    assert int(tables.min()) * per_block > 2 ** 31
+    assert int(top.min()) * per_block > 2 ** 31        # every used block lies past 2^31
     query = torch.randn(len(lens), 32, d, device="cuda", dtype=torch.float16)
     batch = DecodeBatch(query, pool[:, :, 0], pool[:, :, 1], tables,
                         torch.tensor(lens, dtype=torch.int32, device="cuda"))
