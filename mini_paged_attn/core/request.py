@@ -61,15 +61,15 @@ class Sequence:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.request.prompt_token_ids)
+        return self.request.num_prompt_tokens
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.request.prompt_token_ids)
+        return len(self.token_ids) - self.request.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.request.prompt_token_ids):]
+        return self.token_ids[self.request.num_prompt_tokens:]
 
     @property
     def is_finished(self) -> bool:
@@ -105,10 +105,12 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
         if self.n == 1:
             self.forked = True
+        self.num_prompt_tokens = len(self.prompt_token_ids)   # the prompt never changes
 
     @property
     def is_finished(self) -> bool:
@@ -116,9 +118,6 @@ class Request:
         ends the whole request, so no sibling is missing then.)"""
         return all(s.is_finished for s in self.sequences)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
 
 __all__ = ["FinishReason", "Request", "Sequence", "SequenceStatus"]

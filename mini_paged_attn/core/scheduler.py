@@ -158,14 +158,15 @@ class Scheduler:
         kv = self.kv
 
         # 1. Running sequences, oldest first; preempt from the newest end when blocks run out.
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             assert n > 0, seq
             copies = kv.allocate_slots(seq, n)
             while copies is None:
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -177,8 +178,14 @@ class Scheduler:
             i += 1
 
         # 2. Waiting sequences, first come first served, unless this step had to preempt.
+        if self.waiting and budget > 0 and not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        kv = self.kv
         seats = sum(self._seats(s) for s in self.running)
-        while self.waiting and budget > 0 and not out.preempted:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seats + self._seats(seq) > self.config.max_num_seqs:
                 break
@@ -196,17 +203,21 @@ class Scheduler:
             seats += self._seats(seq)
             self._add(out, seq, n, copies)
             budget -= n
-        return out
 
     def _add(self, out: SchedulerOutput, seq: Sequence, n: int, copies: list) -> None:
+        # (Called for every sequence of every step: plain attribute reads, no properties.)
         out.seqs.append(seq)
         out.num_new_tokens.append(n)
-        reaches_end = seq.num_computed_tokens + n == seq.num_tokens
-        out.num_samples.append(self._seats(seq) if reaches_end else 0)
+        computed = seq.num_computed_tokens
+        if computed + n == len(seq.token_ids):
+            request = seq.request
+            out.num_samples.append(1 if request.forked else request.n)
+        else:
+            out.num_samples.append(0)
         if copies:
             out.block_copies.extend(copies)
         out.num_batched_tokens += n
-        if seq.num_computed_tokens < seq.num_prompt_tokens:
+        if computed < seq.request.num_prompt_tokens:
             out.num_prefill_seqs += 1
             out.num_prefill_tokens += n
 
@@ -239,15 +250,14 @@ class Scheduler:
         for i, seq in enumerate(out.seqs):
             seq.num_computed_tokens += out.num_new_tokens[i]
             tokens = sampled[i]
-            if not tokens or seq.is_finished:
+            if not tokens or seq.status is SequenceStatus.FINISHED:
                 continue
             request = seq.request
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
-            targets = [seq]
-            if len(tokens) > 1:
-                targets = self._fork(seq, len(tokens) - 1)
+            targets = self._fork(seq, len(tokens) - 1) if len(tokens) > 1 else (seq,)
+            max_len = min(max_model_len, request.num_prompt_tokens + request.max_tokens)
             for j, target in enumerate(targets):
                 token = tokens[j]
                 target.token_ids.append(token)
@@ -260,8 +270,7 @@ class Scheduler:
                 grew.append(target)
                 if token in request.stop_token_ids:
                     self.finish_sequence(target, FinishReason.STOP)
-                elif (target.num_output_tokens >= request.max_tokens
-                      or target.num_tokens >= max_model_len):
+                elif len(target.token_ids) >= max_len:     # max_tokens or max_model_len
                     self.finish_sequence(target, FinishReason.LENGTH)
         return grew
 
