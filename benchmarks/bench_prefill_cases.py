@@ -195,7 +195,9 @@ def case_rows(case: Case, configs, ceilings: Ceilings, with_sdpa: bool) -> list[
 
 def run_prefill_cases(ceilings: Ceilings, configs=(None,), with_sdpa: bool = True,
                       head_size_sweep: bool = False) -> list[dict]:
-    """Time every case (per config); rows for :func:`common.print_table` with COLUMNS."""
+    """Time every case (per config; None = the kernel's own choice); rows for
+    :func:`common.print_table` with COLUMNS. ``head_size_sweep``: more configs at head sizes
+    64 and 256 (their cases run with the default config anyway)."""
     rows = []
     for case in CASES:
         rows += case_rows(case, configs, ceilings, with_sdpa)
@@ -203,10 +205,12 @@ def run_prefill_cases(ceilings: Ceilings, configs=(None,), with_sdpa: bool = Tru
     for r in rows:
         if r["case"].startswith("chunk") and r.get("tflops") and whole.get(r["config"]):
             r["note"] = f"{100 * r['tflops'] / whole[r['config']]:.0f}% of causal 4x4k"
-    if head_size_sweep:
-        for case, extra in HEAD_SIZE_SWEEP.items():
-            rows += case_rows(case, [None, *extra], ceilings, with_sdpa)
-    for config in configs:
+    for case, extra in HEAD_SIZE_SWEEP.items():
+        rows += case_rows(case, [None, *extra] if head_size_sweep else [None], ceilings,
+                          with_sdpa)
+    # The default picks 64 x 64 tiles for this decode-heavy batch; 128 x 128 for comparison.
+    mixed_configs = list(dict.fromkeys([*configs, PrefillConfig(128, 128, 8, 3)]))
+    for config in mixed_configs:
         rows += mixed_rows(MIXED[0], config)
     rows += mixed_rows(MIXED[1], configs[0])  # the other order of the same batch
     return rows

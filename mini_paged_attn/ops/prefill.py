@@ -155,7 +155,7 @@ def _attend_q_tile(q_ptr, out_ptr, lse_ptr, k_base, v_base, table_row, kv_row0, 
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     block_tables_ptr, cu_seqlens_q_ptr, kv_lens_ptr,
-    num_seqs, num_slots, qk_scale,
+    num_seqs, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
@@ -165,13 +165,12 @@ def _prefill_kernel(
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # program = (launch step, kv head, head chunk), step-major. Steps take tile slots from the
-    # two ends of the slot range in turn (0, N-1, 1, N-2, ...): heavy tiles pair with light
-    # ones, and a batch's decode rows (at one end) run beside prompt tiles, their memory
-    # traffic overlapping the prompts' arithmetic. See prefill_plan for the slot layout.
+    # program = (tile slot, kv head, head chunk), slot-major: programs start in slot order, the
+    # tiles of one sequence together (they share its K/V in L2). See prefill_plan for the slot
+    # layout. (Taking slots from both ends in turn, to pair heavy tiles with light ones, was
+    # measured 14% slower on a causal 16k prompt on an H100.)
     pid = tl.program_id(0)
-    step = pid // (NUM_KV_HEADS * HEAD_CHUNKS)
-    slot = tl.where(step % 2 == 0, step // 2, num_slots - 1 - step // 2)
+    slot = pid // (NUM_KV_HEADS * HEAD_CHUNKS)
     kv_head = pid % (NUM_KV_HEADS * HEAD_CHUNKS) // HEAD_CHUNKS
     head_chunk = pid % HEAD_CHUNKS
 
@@ -228,13 +227,13 @@ def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs:
     if total_q == 0 or num_seqs == 0:
         return
     group = num_q_heads // num_kv_heads
-    config = config or default_config(head_size, q.dtype, q.device)
+    config = config or default_config(head_size, q.dtype, q.device, total_q / num_seqs)
     plan = tiling(config, group, head_size)
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
     grid = plan.grid(total_q, num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q, k, v, out, lse_arg, block_tables, cu_seqlens_q, kv_lens,
-        num_seqs, grid[0] // (num_kv_heads * plan.head_chunks), scale * LOG2E,
+        num_seqs, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), out.stride(2), *lse_strides,
         *(k.stride()[:3] if paged else (0, *k.stride()[:2])),
         *(v.stride()[:3] if paged else (0, *v.stride()[:2])),

@@ -145,3 +145,16 @@ def test_short_sequences_take_the_small_tile(heads, block_m):
                              head_size=32, block_size=8, dtype=torch.float16, seed=block_m)
     check_against_reference(batch, causal=True,
                             config=PrefillConfig(block_m=block_m, block_n=16, num_stages=1))
+
+
+def test_default_config_by_head_size_and_batch_shape():
+    from mini_paged_attn.ops.prefill_plan import default_config
+    cuda = torch.device("cuda")
+    prompts = default_config(128, torch.bfloat16, cuda, avg_q_len=4096)
+    decode_heavy = default_config(128, torch.bfloat16, cuda, avg_q_len=65)
+    assert (prompts.block_m, prompts.block_n) == (128, 128)
+    assert (decode_heavy.block_m, decode_heavy.block_n) == (64, 64)
+    assert default_config(256, torch.float16, cuda, 4096).num_stages == 2
+    assert default_config(128, torch.float16, torch.device("cpu")).block_m == 16
+    with pytest.raises(ValueError, match="block_n"):
+        PrefillConfig(block_n=48)
