@@ -9,9 +9,10 @@ TFLOP/s count causal FLOPs as half of the square (``4 * Hq * D * (q * prefix + q
 torch SDPA runs on contiguous K/V (``[B, H, L, D]``) with the flash and cuDNN backends in the
 same run; a large bf16 matmul gives the ceiling.
 
-    PYTHONPATH=. python3 benchmarks/bench_prefill_cases.py [--sweep] [--csv out.csv]
+    PYTHONPATH=. python3 benchmarks/bench_prefill_cases.py [--sweep] [--out DIR]
+    PYTHONPATH=. python3 benchmarks/bench_attention.py --part prefill --out DIR   # the same
 
-``bench_attention.py --part prefill`` calls :func:`run_prefill_cases`.
+Writes prefill.csv, prefill.png and prefill.md (table + targets) to the output directory.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (Ceilings, environment, measure_ceilings, print_table,  # noqa: E402
-                    time_us, write_csv)
+from common import (Ceilings, environment, markdown_table, measure_ceilings,  # noqa: E402
+                    print_table, time_us, write_csv)
 
 from mini_paged_attn.ops.checks import check_paged_decode_args, check_paged_prefill_args  # noqa: E402
 from mini_paged_attn.ops.prefill import triton_paged_prefill  # noqa: E402
@@ -165,7 +166,7 @@ def mixed_rows(case: Case, config: PrefillConfig | None) -> list[dict]:
     t_one, t_pre, t_dec, t_ours_dec = time_us(one), time_us(pre), time_us(dec), time_us(ours_dec)
     t_sep = time_us(lambda: (pre(), dec()))
     return [{"case": case.name + " (one launch)", "config": config_name(config), "us": t_one,
-             "tflops": case.flops / (t_one * 1e-6) / 1e12,
+             "tflops": case.flops / (t_one * 1e-6) / 1e12, "speedup": t_sep / t_one,
              "note": f"separate {t_sep:.0f} us (prefill {t_pre:.0f} + paged_decode {t_dec:.0f});"
                      f" speed-up {t_sep / t_one:.2f}x; this kernel on the decode rows alone "
                      f"{t_ours_dec:.0f} us"}]
@@ -216,21 +217,79 @@ def run_prefill_cases(ceilings: Ceilings, configs=(None,), with_sdpa: bool = Tru
     return rows
 
 
+def evaluate_targets(rows: list[dict]) -> list[str]:
+    """Issue 4's targets, each with the numbers behind it (default config rows)."""
+    default = {r["case"]: r for r in rows if r["config"] == "default" and r.get("us")}
+    out = []
+    for name in ("causal 1x4k", "causal 4x4k", "causal 1x16k"):
+        r = default.get(name)
+        if r and r.get("flash_tflops"):
+            ok = r["tflops"] >= r["flash_tflops"]
+            out.append(f"{'HOLDS' if ok else 'MISSED'}: {name} {r['tflops']:.0f} TFLOP/s >= SDPA "
+                       f"flash {r['flash_tflops']:.0f} (cuDNN {r['cudnn_tflops'] or 0:.0f})")
+    chunk, whole = default.get(CASES[3].name), default.get("causal 4x4k")
+    if chunk and whole:
+        pct = 100 * chunk["tflops"] / whole["tflops"]
+        out.append(f"{'HOLDS' if pct >= 80 else 'MISSED'}: chunked prefill {chunk['tflops']:.0f}"
+                   f" TFLOP/s = {pct:.0f}% of whole-prompt 4x4k (same total size), target 80%")
+    for case in MIXED:
+        r = default.get(case.name + " (one launch)")
+        if r:
+            out.append(f"{'HOLDS' if r['speedup'] > 1 else 'MISSED'}: {case.name} in one launch "
+                       f"{r['us']:.0f} us, {r['speedup']:.2f}x faster than separate calls")
+    return out
+
+
+def plot_bars(path: Path, rows: list[dict], title: str, ceiling: float) -> None:
+    """TFLOP/s per case: ours (default config), SDPA flash and cuDNN on contiguous K/V."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    sel = [r for r in rows if r["config"] == "default" and r.get("flash_tflops")]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.27
+    for i, (key, label) in enumerate([("tflops", "ours (paged)"), ("flash_tflops", "SDPA flash"),
+                                      ("cudnn_tflops", "SDPA cuDNN")]):
+        ax.bar([j + (i - 1) * width for j in range(len(sel))], [r[key] or 0 for r in sel],
+               width, label=label)
+    ax.axhline(ceiling, color="gray", linestyle="--", label="bf16 matmul")
+    ax.set_xticks(range(len(sel)), [r["case"] for r in sel], fontsize=8)
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_prefill(args, ceilings: Ceilings, env: dict, out_dir: Path) -> None:
+    """The prefill part of ``bench_attention.py``: prefill.csv, prefill.png, prefill.md."""
+    sweep = getattr(args, "sweep", False)
+    rows = run_prefill_cases(ceilings, configs=[None, *SWEEP] if sweep else [None],
+                             head_size_sweep=sweep)
+    targets = evaluate_targets(rows)
+    header = (f"device {env['device']}, torch {env['torch']}, triton {env['triton']}, "
+              f"{env['date']}; bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
+    write_csv(out_dir / "prefill.csv", rows)
+    plot_bars(out_dir / "prefill.png", rows, f"paged prefill, bf16, 32/8 heads, bs 16 - "
+              f"{env['device']}", ceilings.matmul_tflops)
+    (out_dir / "prefill.md").write_text(header + "\n\n" + markdown_table(rows, COLUMNS)
+                                        + "\n\nTargets:\n" + "\n".join(f"- {t}" for t in targets)
+                                        + "\n")
+    print(header)
+    print_table(rows, COLUMNS)
+    print("\n".join(targets))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sweep", action="store_true", help="try several tile configs")
-    parser.add_argument("--csv", type=Path, help="write the rows here")
+    parser.add_argument("--out", type=Path, default=Path("bench_out"),
+                        help="directory for prefill.csv, prefill.png and prefill.md")
     args = parser.parse_args()
-    for k, v in environment().items():
-        print(f"{k}: {v}")
+    args.out.mkdir(parents=True, exist_ok=True)
     ceilings = measure_ceilings()
-    print(f"ceilings: copy {ceilings.copy_gbps:.0f} GB/s, bf16 matmul "
-          f"{ceilings.matmul_tflops:.0f} TFLOP/s")
-    rows = run_prefill_cases(ceilings, configs=[None, *SWEEP] if args.sweep else [None],
-                             head_size_sweep=args.sweep)
-    if args.csv:
-        write_csv(args.csv, rows)
-    print_table(rows, COLUMNS)
+    run_prefill(args, ceilings, environment(), args.out)
 
 
 if __name__ == "__main__":
