@@ -297,7 +297,7 @@ def evaluate_targets(rows: list[dict]) -> list[str]:
 def run_decode(args, ceilings: Ceilings, env: dict, out_dir: Path) -> None:
     rows = []
     for i, case in enumerate(decode_cases(args.max_tokens, args.quick)):
-        flex = args.flex and (case.batch, case.context) in {(1, 4096), (64, 4096), (8, 16384)} \
+        flex = args.flex and (case.batch, case.context) in {(1, 4096), (64, 4096)} \
             and case.head_size == 128 and case.block_size == 16
         rows += check_and_time(case, ceilings, flex, seed=i)
         ours_row = next(r for r in rows[::-1] if r["impl"] == "ours")
@@ -366,16 +366,22 @@ def _launch_overhead(ceilings: Ceilings) -> list[dict]:
                *x.args, shapes, out=x.out, lse=None, num_splits=1),
            "sdpa (default backend)": lambda: sdpa_decode(x.query, k, v)}
     rows = []
-    for name, fn in fns.items():
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(300):
-            fn()
-        host = (time.perf_counter() - t) / 300 * 1e6
-        torch.cuda.synchronize()
-        rows.append(dict(case="launch overhead", experiment=name, us=host))
+    for repeat in range(2):
+        for name, fn in fns.items():
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(300):
+                fn()
+            host = (time.perf_counter() - t) / 300 * 1e6
+            torch.cuda.synchronize()
+            rows.append(dict(case=f"launch overhead #{repeat}", experiment=name, us=host))
+    import cProfile
+    import pstats
+    profile = cProfile.Profile()
+    profile.runcall(lambda: [fns["paged_decode split"]() for _ in range(300)])
+    pstats.Stats(profile).sort_stats("tottime").print_stats(14)
     return rows
 
 
@@ -460,6 +466,8 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="fewer shapes")
     p.add_argument("--flex", action="store_true", help="also time flex_attention (compiles)")
     p.add_argument("--tune", action="store_true", help="run the decode tile sweep and exit")
+    p.add_argument("--launch-overhead", action="store_true",
+                   help="measure host time per call (and profile it), then exit")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
@@ -469,6 +477,9 @@ def main(argv=None) -> None:
     ceilings = measure_ceilings()
     print(f"{env}\nceilings: copy {ceilings.copy_gbps:.0f} GB/s (read+write), "
           f"bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s", flush=True)
+    if args.launch_overhead:
+        print_table(_launch_overhead(ceilings), ["case", "experiment", "us"])
+        return
     if args.tune:
         run_tune(args, ceilings)
         return

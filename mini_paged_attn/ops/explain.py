@@ -75,13 +75,19 @@ class DecodeTiles:
             raise ValueError(f"num_stages: expected an int in 1..8, got {self.num_stages!r}")
 
 
-def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool) -> DecodeTiles:
-    """Tiles for a head size and dtype. They never depend on the batch, so that a sequence's
-    result with ``num_splits=1`` does not depend on which batch it is in.
+def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool,
+                  split: bool = False) -> DecodeTiles:
+    """Tiles for a head size and dtype, and whether the launch splits the KV.
 
-    On the GPU a tile of K plus one of V is 16-32 KB, and ``num_stages`` of them in flight per
-    program (two programs per SM) keep enough bytes moving to saturate HBM. The interpreter
-    runs every program in numpy: small tiles keep tests quick and still span several blocks.
+    They never depend on the batch itself, so that a sequence's result with ``num_splits=1``
+    does not depend on which batch it is in.
+
+    Measured on an H100 (benchmarks/bench_attention.py --tune): a large batch saturates HBM
+    with any tile of 32-128 tokens and 2-5 stages (95-100% of copy bandwidth), since many
+    programs per SM hide the latency. Split launches (small batches) run few, short programs
+    that are latency-bound; there 32-token tiles with 5 stages (K/V of two tiles in flight
+    behind the block-table lookups) were 3-8% faster. The interpreter runs every program in
+    numpy: small tiles keep tests quick and still span several blocks.
     """
     if not on_gpu:
         return DecodeTiles(block_n=16, num_warps=4, num_stages=1)
@@ -89,6 +95,8 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool) -> DecodeTil
     if tile_bytes <= 8192:        # head_size <= 64 in 16-bit: longer tiles, same bytes
         return DecodeTiles(block_n=128, num_warps=4, num_stages=3)
     if tile_bytes <= 16384:       # head_size <= 128 in 16-bit
+        if split:
+            return DecodeTiles(block_n=32, num_warps=4, num_stages=5)
         return DecodeTiles(block_n=64, num_warps=4, num_stages=3)
     return DecodeTiles(block_n=32, num_warps=4, num_stages=3)
 
@@ -142,7 +150,8 @@ class DecodePlan:
 
     @property
     def num_kv_tiles(self) -> int:
-        """KV tiles of the longest planned sequence (the heuristic's ``num_n_blocks``)."""
+        """KV tiles of the longest planned sequence (the heuristic's ``num_n_blocks`` when it
+        split)."""
         return max(1, _cdiv(self.max_context_len, self.tiles.block_n))
 
     @property
@@ -174,14 +183,15 @@ class DecodePlan:
         heads = (f"{self.num_q_heads} q heads / {self.num_kv_heads} kv heads"
                  + (f" (GQA {g}:1)" if g > 1 else " (MHA)"))
         t = self.tiles
+        seqs = f"{self.num_seqs} seq" + ("s" if self.num_seqs != 1 else "")
         lines = [
-            f"paged decode: {self.num_seqs} seqs x {heads}, head_size {self.head_size}, {dtype}, "
+            f"paged decode: {seqs} x {heads}, head_size {self.head_size}, {dtype}, "
             f"block_size {self.block_size}, context <= {self.max_context_len}",
             f"  kernel:   {self.kernel}",
             f"  tiles:    {g} q heads padded to {self.block_h} rows x {t.block_n} kv tokens x "
             f"{self.head_size_padded} dims; {t.num_warps} warps, {t.num_stages} stages",
-            f"  programs: {self.programs} = {self.num_seqs} seqs x {self.num_kv_heads} kv heads"
-            f" x {self.num_splits} splits, on {self.wave_slots} slots ({self.num_sms} SMs x "
+            f"  programs: {self.programs} = {seqs} x {self.num_kv_heads} kv heads"
+            f" x {self.num_splits} split{'s' if self.num_splits != 1 else ''}, on {self.wave_slots} slots ({self.num_sms} SMs x "
             f"{PROGRAMS_PER_SM})" + (f"; merge: {self.merge_programs}" if self.num_splits > 1
                                      else ""),
         ]
@@ -215,16 +225,18 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
                                        and 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits: expected an int in 1..{MAX_SPLITS} or None, "
                          f"got {num_splits!r}")
-    tiles = tiles or default_tiles(head_size, dtype, on_gpu)
     units = num_seqs * num_kv_heads
     slots = num_sms * PROGRAMS_PER_SM
     if num_splits is not None:
         splits, reason = num_splits, "forced"
     else:
-        n_tiles = max(1, _cdiv(max_context_len, tiles.block_n))
+        # Count KV tiles with the tiles a split launch would use; keep them if it splits.
+        split_tiles = tiles or default_tiles(head_size, dtype, on_gpu, split=True)
+        n_tiles = max(1, _cdiv(max_context_len, split_tiles.block_n))
         splits = num_splits_heuristic(units, slots, n_tiles, max(1, min(max_splits, MAX_SPLITS)))
         # The heuristic's first rule: >= 80% of a wave needs no split.
         reason = "enough programs" if units >= 0.8 * slots else "heuristic"
+    tiles = tiles or default_tiles(head_size, dtype, on_gpu, split=splits > 1)
     return DecodePlan(num_seqs, num_q_heads, num_kv_heads, head_size, block_size, dtype,
                       max_context_len, tiles, num_sms, splits, reason)
 

@@ -146,8 +146,10 @@ def test_explain_decode_says_what_runs_and_why():
     assert "split-KV" in text and f"{small.num_splits} splits" in text and "132 SMs" in text
     big = explain_decode(256, 32, 8, 128, 4096, device="cpu")
     assert big.num_splits == 1 and big.merge_programs == 0 and "no split" in str(big)
-    # Tiles never depend on the batch: the precondition of batch invariance.
-    assert small.tiles == big.tiles and small.block_h == 16
+    # Unsplit tiles never depend on the batch: the precondition of batch invariance.
+    unsplit = {plan_decode(n, 32, 8, 128, 4096, 16, torch.bfloat16, 132, num_splits=1).tiles
+               for n in (1, 3, 256)}
+    assert unsplit == {big.tiles} and small.block_h == 16
     with pytest.raises(ValueError, match="num_q_heads"):
         explain_decode(1, 30, 8, 128, 4096)
 
