@@ -15,7 +15,6 @@ same run; a large bf16 matmul gives the ceiling.
 Writes prefill.csv, prefill.png and prefill.md (table + targets) to the output directory.
 """
 
-from __future__ import annotations
 
 import argparse
 import sys
