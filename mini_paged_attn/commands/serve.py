@@ -3,8 +3,9 @@
     mini-paged-attn serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]
                           [--max-queue N] [engine options]
 
-With no GPU (or none that runs the model's dtype) it runs on the CPU, so ``serve --model DIR``
-alone works on a laptop. It binds to 127.0.0.1 unless ``--host`` says otherwise.
+With no GPU it runs on the CPU, so ``serve --model DIR`` alone works on a laptop (``--model tiny``:
+the embedded tiny Llama with RANDOM weights, to try the API). It binds to 127.0.0.1 unless
+``--host`` says otherwise.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def _positive(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="local Hugging Face model directory (config.json, *.safetensors, "
-                             "tokenizer files)")
+                             "tokenizer files), or 'tiny' (the embedded random tiny Llama)")
     parser.add_argument("--served-model-name", default=None,
                         help="the id clients pass as `model` (default: the directory's name)")
     http = parser.add_argument_group("HTTP")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,16 +24,13 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# How often the engine thread refreshes the stats snapshot while busy (it always does when idle).
-_STATS_PERIOD_S = 0.1
-
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
 
 class QueueFullError(RuntimeError):
-    """Admitting the request would exceed ``max_queue`` waiting requests."""
+    """Admitting the request would put more than ``max_queue`` requests in the waiting queue."""
 
 
 class RequestFailedError(RuntimeError):
@@ -59,7 +55,6 @@ class _Route:
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    started: bool = False  # has produced its first output
 
 
 @dataclass
@@ -111,8 +106,8 @@ class Submission:
     def _take(self, item: Any) -> tuple[int, Any]:
         if item is _CANCELLED:
             raise ClientGoneError("the client disconnected")
-        if isinstance(item, _Failure):
-            self.abort()
+        if isinstance(item, _Failure):  # the engine thread already aborted them all
+            self._unfinished.clear()
             raise RequestFailedError(item.message)
         if item.finished:
             if item.request_id in self._unfinished:
@@ -139,9 +134,9 @@ class EngineLoop:
     Args:
         engine: an ``LLMEngine`` (anything with its add_request / abort_request / step /
             has_unfinished_requests / stats).
-        max_queue: at most this many admitted requests may wait for their first token (queued
-            or in prefill); beyond it :meth:`submit` raises :class:`QueueFullError`. None: no
-            limit.
+        max_queue: at most this many requests may wait in the engine's queue (``num_waiting`` of
+            its stats: admitted, not yet scheduled); beyond it :meth:`submit` raises
+            :class:`QueueFullError`. None: no limit.
         max_consecutive_failures: failed steps in a row after which the loop is declared dead.
     """
 
@@ -158,14 +153,11 @@ class EngineLoop:
                              f"got {self.max_consecutive_failures}")
         self._lock = threading.Lock()
         self._routes: dict[str, _Route] = {}
-        self._num_not_started = 0
         self._wake = threading.Event()
         self._step_wanted = False  # an abort to apply even if nothing is unfinished
         self._stopping = False
         self._dead_reason: str | None = None
         self._thread: threading.Thread | None = None
-        self._stats = self.engine.stats()
-        self._stats_time = 0.0
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -180,7 +172,7 @@ class EngineLoop:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        self._fail_all("the server is shutting down", abort=False)
+        self._fail_all("the server is shutting down", abort=True)
 
     @property
     def alive(self) -> bool:
@@ -192,12 +184,8 @@ class EngineLoop:
         return self._dead_reason
 
     def stats(self) -> Any:
-        """The engine's stats as of the last step (or the last idle moment)."""
-        return self._stats
-
-    @property
-    def num_waiting_first_token(self) -> int:
-        return self._num_not_started
+        """The engine's ``EngineStats`` (its stats() is cheap and safe from any thread)."""
+        return self.engine.stats()
 
     # ---- called from asyncio handlers -------------------------------------------------------
     def submit(self, prompts: list[str | list[int]], params: Any) -> Submission:
@@ -211,20 +199,22 @@ class EngineLoop:
         """
         if not self.alive:
             raise EngineDeadError(self._dead_reason or "the engine loop is not running")
+        if self.max_queue is not None:
+            # No race with other submissions: they all run on this one event loop thread, and
+            # the engine counts a request as waiting from add_request on.
+            waiting = self.engine.stats().num_waiting
+            if waiting + len(prompts) > self.max_queue:
+                with self._lock:
+                    self.counters.requests_rejected += 1
+                raise QueueFullError(f"{waiting} requests are waiting to be scheduled and the "
+                                     f"limit is {self.max_queue} (--max-queue); retry later")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         request_ids = [f"req-{uuid.uuid4().hex}" for _ in prompts]
-        with self._lock:
-            if (self.max_queue is not None
-                    and self._num_not_started + len(prompts) > self.max_queue):
-                self.counters.requests_rejected += 1
-                raise QueueFullError(
-                    f"{self._num_not_started} requests are waiting for their first token and "
-                    f"the limit is {self.max_queue} (--max-queue); retry later")
-            # Routed before they are added, so no output can arrive unrouted.
+        route = _Route(loop, queue)
+        with self._lock:  # routed before they are added, so no output can arrive unrouted
             for rid in request_ids:
-                self._routes[rid] = _Route(loop, queue)
-            self._num_not_started += len(request_ids)
+                self._routes[rid] = route
         added: list[str] = []
         try:
             for rid, prompt in zip(request_ids, prompts):
@@ -240,7 +230,9 @@ class EngineLoop:
         return Submission(self, request_ids, queue)
 
     def _abort(self, request_ids: list[str]) -> None:
-        removed = self._unroute(request_ids)
+        removed = self._unroute(request_ids)  # those the engine thread has not finished or failed
+        if not removed:
+            return
         for rid in removed:
             self.engine.abort_request(rid)
         with self._lock:
@@ -256,11 +248,8 @@ class EngineLoop:
         removed = []
         with self._lock:
             for rid in request_ids:
-                route = self._routes.pop(rid, None)
-                if route is not None:
+                if self._routes.pop(rid, None) is not None:
                     removed.append(rid)
-                    if not route.started:
-                        self._num_not_started -= 1
         return removed
 
     # ---- the engine thread ------------------------------------------------------------------
@@ -270,7 +259,6 @@ class EngineLoop:
             while not self._stopping:
                 self._wake.clear()  # before looking for work, so no wake-up is lost
                 if not (self._step_wanted or self.engine.has_unfinished_requests()):
-                    self._refresh_stats(force=True)
                     self._wake.wait()
                     continue
                 self._step_wanted = False
@@ -286,11 +274,13 @@ class EngineLoop:
                     continue
                 failures = 0
                 self._dispatch(outputs)
-                self._refresh_stats(force=False)
         except BaseException as exc:  # the loop is dead: say so everywhere
             self._dead_reason = f"the engine loop died: {type(exc).__name__}: {exc}"
             logger.critical("%s", self._dead_reason, exc_info=True)
-            self._fail_all(self._dead_reason, abort=False)
+            try:  # the aborts are queued; whoever steps the engine next frees their blocks
+                self._fail_all(self._dead_reason, abort=True)
+            except Exception:
+                logger.exception("aborting the requests of a dead engine loop failed")
 
     def _dispatch(self, outputs: list[Any]) -> None:
         deliveries = []
@@ -299,9 +289,6 @@ class EngineLoop:
                 route = self._routes.get(out.request_id)
                 if route is None:
                     continue  # aborted by its client while the step ran
-                if not route.started:
-                    route.started = True
-                    self._num_not_started -= 1
                 if out.finished:
                     del self._routes[out.request_id]
                 deliveries.append((route, out))
@@ -310,19 +297,12 @@ class EngineLoop:
     def _fail_all(self, message: str, *, abort: bool) -> None:
         with self._lock:
             routes, self._routes = self._routes, {}
-            self._num_not_started = 0
             self.counters.requests_failed += len(routes)
+        _deliver([(route, _Failure(message)) for route in routes.values()])  # clients first
         if abort:
+            self._step_wanted = True
             for rid in routes:
                 self.engine.abort_request(rid)
-            self._step_wanted = True
-        _deliver([(route, _Failure(message)) for route in routes.values()])
-
-    def _refresh_stats(self, *, force: bool) -> None:
-        now = time.monotonic()
-        if force or now - self._stats_time >= _STATS_PERIOD_S:
-            self._stats = self.engine.stats()
-            self._stats_time = now
 
 
 def _deliver(deliveries: list[tuple[_Route, Any]]) -> None:

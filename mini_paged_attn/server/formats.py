@@ -48,8 +48,10 @@ class Logprobs:
             text = self.token_text(tid)
             tokens.append(text)
             token_logprobs.append(_finite(entry[tid]))
-            top_logprobs.append({self.token_text(t): _finite(lp)
-                                 for t, lp in self._alternatives(entry)})
+            top: dict[str, float] = {}
+            for t, lp in self._alternatives(entry):  # tokens of one text: keep the likeliest
+                top.setdefault(self.token_text(t), _finite(lp))
+            top_logprobs.append(top)
             offsets.append(text_offset)
             text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs,

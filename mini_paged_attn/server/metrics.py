@@ -16,7 +16,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # (name without prefix, type, help, how to read it from the engine's EngineStats)
 _ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("requests_running", "gauge", "Requests in the engine's running batch.", "num_running"),
-    ("requests_waiting", "gauge", "Requests waiting to be scheduled.", "num_waiting"),
+    ("requests_waiting", "gauge",
+     "Requests waiting to be scheduled (what --max-queue limits).", "num_waiting"),
     ("kv_blocks_total", "gauge", "KV cache blocks in the pool.", "kv_blocks_total"),
     ("kv_blocks_free", "gauge",
      "KV cache blocks no live request holds (evictable prefix-cache blocks count as free).",
@@ -43,7 +44,7 @@ def _number(value: float) -> str:
 
 
 def render_metrics(engine_loop: EngineLoop) -> str:
-    """The exposition text: engine stats as of the last step, then the server's counters."""
+    """The exposition text: the engine's stats now, then the server's counters."""
     stats: Any = engine_loop.stats()
     lines: list[str] = []
     for name, kind, help_text, attr in _ENGINE_METRICS:
@@ -52,9 +53,6 @@ def render_metrics(engine_loop: EngineLoop) -> str:
             _line(lines, name, kind, help_text, value)
     _line(lines, "engine_up", "gauge", "1 while the engine loop runs, 0 once it has died.",
           int(engine_loop.alive))
-    _line(lines, "requests_waiting_first_token", "gauge",
-          "Admitted requests without their first token yet (what --max-queue limits).",
-          engine_loop.num_waiting_first_token)
     c = engine_loop.counters
     name = "server_requests_total"
     lines.append(f"# HELP {PREFIX}{name} Engine requests by how they ended.")

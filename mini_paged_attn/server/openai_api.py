@@ -206,12 +206,11 @@ def _logprobs_format(served: ServedModel, top: int | None) -> Logprobs | None:
     if top is None:
         return None
     tokenizer = served.engine.tokenizer
-    return Logprobs(lambda tid: tokenizer.decode([tid]), top)
+    return Logprobs(lambda tid: tokenizer.decode([tid], skip_special_tokens=False), top)
 
 
 async def create_completion(request: Request, served: ServedModel) -> Response:
     req = parse_request(await request.body(), CompletionRequest)
-    assert isinstance(req, CompletionRequest)
     _check_model(served, req.model)
     tokenizer = served.engine.tokenizer
     prompts = []
@@ -232,7 +231,6 @@ async def create_completion(request: Request, served: ServedModel) -> Response:
 
 async def create_chat_completion(request: Request, served: ServedModel) -> Response:
     req = parse_request(await request.body(), ChatCompletionRequest)
-    assert isinstance(req, ChatCompletionRequest)
     _check_model(served, req.model)
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise bad_request("give max_tokens or max_completion_tokens, not both",
@@ -247,8 +245,10 @@ async def create_chat_completion(request: Request, served: ServedModel) -> Respo
         ids = served.engine.tokenizer.encode(ids)
     ids = _check_prompt_ids(served, list(ids), "messages")
     max_tokens = req.max_tokens or req.max_completion_tokens
-    if max_tokens is None:  # OpenAI's default: whatever the context leaves
-        max_tokens = served.engine.max_model_len - len(ids)
+    if max_tokens is None:  # OpenAI's default: whatever the context (and the KV pool) leaves
+        stats = served.engine_loop.stats()
+        room = min(served.engine.max_model_len, stats.kv_blocks_total * stats.block_size)
+        max_tokens = max(1, room - len(ids))
     _check_fits(served, [ids], max_tokens,
                 "max_tokens" if req.max_tokens is not None else "max_completion_tokens")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -9,7 +9,7 @@ body ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -192,7 +192,10 @@ def _param_name(loc: tuple[Any, ...]) -> tuple[str, bool]:
     return out, False
 
 
-def parse_request(raw: bytes, model_cls: type[_SamplingFields]) -> _SamplingFields:
+RequestT = TypeVar("RequestT", bound=_SamplingFields)
+
+
+def parse_request(raw: bytes, model_cls: type[RequestT]) -> RequestT:
     """Parse and validate a request body; :class:`APIError` (400) on anything malformed."""
     try:
         data = json.loads(raw)

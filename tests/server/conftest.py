@@ -1,0 +1,25 @@
+"""Fixtures of the server tests: a tiny random Llama directory and one LLM per test module.
+
+The LLM runs on the CPU with a small KV pool (64 blocks of 16 tokens), so concurrent requests
+share it for real (and get preempted when it runs out).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.tiny_models import tiny_model_factory  # noqa: F401  (fixture)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory):  # noqa: F811
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    from mini_paged_attn.engine import LLM
+
+    # A small pool (64 blocks of 16 tokens) so 40 concurrent requests share it for real.
+    return LLM(str(model_dir), device="cpu", block_size=16, num_kv_blocks=64, max_num_seqs=48,
+               max_model_len=256, seed=0)

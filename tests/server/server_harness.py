@@ -1,0 +1,101 @@
+"""A real server on 127.0.0.1 (uvicorn in a thread, a free port) for the server tests.
+
+``served(engine, **build_app_kwargs)`` starts one and stops it at the end of the ``with``. Only
+one engine loop may drive an engine at a time: servers that share one run one after another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+MODEL_NAME = "tiny"
+API_KEY = "test-key"
+TIMEOUT_S = 30.0
+
+
+@dataclass
+class Server:
+    url: str
+    app: Any
+
+    @property
+    def engine_loop(self):
+        return self.app.state.engine_loop
+
+    def client(self, api_key: str | None = API_KEY) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=TIMEOUT_S)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=TIMEOUT_S).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def wait_all_free(self, timeout: float = TIMEOUT_S) -> dict[str, float]:
+        """Poll /metrics until no request runs or waits and every KV block is free."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if (m["mini_paged_attn_requests_running"] == 0
+                    and m["mini_paged_attn_requests_waiting"] == 0
+                    and m["mini_paged_attn_kv_blocks_free"] == m["mini_paged_attn_kv_blocks_total"]):
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"blocks still held after {timeout} s: {m}")
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def served(engine: Any, **app_kwargs: Any) -> Iterator[Server]:
+    """Start the server for ``engine`` on a free port; stop it (and its engine loop) after."""
+    import uvicorn
+
+    from mini_paged_attn.server.app import build_app
+
+    app_kwargs.setdefault("model_name", MODEL_NAME)
+    app = build_app(engine, **app_kwargs)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield Server(f"http://127.0.0.1:{sock.getsockname()[1]}", app)
+    finally:
+        server.should_exit = True
+        thread.join(TIMEOUT_S)
+        sock.close()
+        assert not thread.is_alive(), "the server did not stop"
+
+
+GOOD = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2, "temperature": 0}
+CHAT_GOOD = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+             "max_tokens": 2}
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    """``r`` has ``status`` and OpenAI's error body; returns its ``error`` object."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
