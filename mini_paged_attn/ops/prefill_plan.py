@@ -94,14 +94,17 @@ def default_config(head_size: int, dtype: torch.dtype, device: torch.device,
     """Tile sizes for a head size, dtype and batch shape (measured on an H100, BENCHMARKS.md).
 
     - The interpreter (no CUDA) runs every program in numpy: small tiles keep tests quick.
-    - head_size <= 128, whole prompts and chunks: 128 x 128 tiles, 8 warps (one program per
-      SM); 64 x 64 and 128 x 64 tiles were 3-15% slower on causal 4k/16k prompts.
+    - head_size 128, whole prompts and chunks: 128 x 128 tiles, 8 warps, 3 stages (one program
+      per SM). Causal 1x4k / 4x4k / 1x16k, bf16, H100, TFLOP/s: 128x128/w8 354 / 366 / 398;
+      128x64/w4 346 / 335 / 393; 64x64/w4 339 / 333 / 369; 128x64/w8 334 / 335 / 347.
+    - head_size <= 64: 128 x 64, 4 warps (332 TFLOP/s on causal 4x4k; 128 x 128 / 8 warps 255).
     - head_size <= 128, a decode-heavy batch (``avg_q_len <= SHORT_QUERY_AVG``, e.g. decode
       rows mixed with a few prompts): the work is streaming long contexts' K/V; 64 x 64 tiles
-      fit two programs per SM, twice the loads in flight (a mixed batch of 60 decodes at 4k +
-      4 prompts of 1k: 8% faster than with 128 x 128 tiles).
+      fit two programs per SM, twice the loads in flight (60 decodes at 4k + 4 prompts of 1k:
+      476 us against 514 us with 128 x 128 tiles).
     - head_size 256: the Q tile plus pipelined K/V tiles must fit in shared memory: 128 x 64,
-      two stages. fp32 (correctness only): twice the bytes, smaller tiles.
+      8 warps, two stages (436 TFLOP/s on causal 4x4k; 64 x 32 / 4 warps / 3 stages 312).
+      fp32 (correctness only): twice the bytes, smaller tiles.
     ``avg_q_len`` is known on the host (``total_q / num_seqs``), so the choice needs no sync.
     """
     if device.type != "cuda":
