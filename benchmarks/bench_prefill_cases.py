@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (Ceilings, environment, markdown_table, measure_ceilings,  # noqa: E402
                     print_table, time_us, write_csv)
 
-from mini_paged_attn.ops.checks import check_paged_decode_args, check_paged_prefill_args  # noqa: E402
+from mini_paged_attn.ops.checks import (check_paged_decode_args,  # noqa: E402
+                                        check_paged_prefill_args)
 from mini_paged_attn.ops.prefill import triton_paged_prefill  # noqa: E402
 from mini_paged_attn.ops.prefill_plan import PrefillConfig  # noqa: E402
 
@@ -155,7 +156,10 @@ def mixed_rows(case: Case, config: PrefillConfig | None) -> list[dict]:
     n = len(case.q_lens)
     n_dec = case.q_lens.count(1)
     dec_first = case.q_lens[0] == 1
-    dec_range, pre_range = ((0, n_dec), (n_dec, n)) if dec_first else ((n - n_dec, n), (0, n - n_dec))
+    if dec_first:
+        dec_range, pre_range = (0, n_dec), (n_dec, n)
+    else:
+        dec_range, pre_range = (n - n_dec, n), (0, n - n_dec)
     decodes = seq_range(case, batch, *dec_range)
     one = prefill_fn(batch, config)
     pre = prefill_fn(seq_range(case, batch, *pre_range), config)

@@ -16,7 +16,6 @@ when ``PAGED`` is false: key ``t`` of sequence ``i`` is row ``cu_seqlens_k[i] + 
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -147,7 +146,8 @@ def _attend_q_tile(q_ptr, out_ptr, lse_ptr, k_base, v_base, table_row, kv_row0, 
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
              mask=row_valid[:, None] & d_valid[None, :])
     if WRITE_LSE:
-        lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+        # m_i and log2(l_i) are in log2 units (the scale carries log2(e)); lse is natural.
+        lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         tl.store(lse_ptr + q_rows * stride_lt + head * stride_lh, lse, mask=row_valid)
 
 
@@ -239,9 +239,9 @@ def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs:
         *(k.stride()[:3] if paged else (0, *k.stride()[:2])),
         *(v.stride()[:3] if paged else (0, *v.stride()[:2])),
         block_tables.stride(0) if paged else 0,
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEADS_PER_TILE=plan.heads_per_tile, HEAD_CHUNKS=plan.head_chunks,
-        TOKENS_PER_TILE=plan.tokens_per_tile, SMALL_ROWS=plan.small_rows,
-        HEAD_SIZE=head_size,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEADS_PER_TILE=plan.heads_per_tile,
+        HEAD_CHUNKS=plan.head_chunks, TOKENS_PER_TILE=plan.tokens_per_tile,
+        SMALL_ROWS=plan.small_rows, HEAD_SIZE=head_size,
         HEAD_SIZE_PADDED=plan.head_size_padded, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_SIZE=block_size if paged else 1, PAGED=paged,
         CAUSAL=causal, WRITE_LSE=lse is not None,

@@ -39,7 +39,8 @@ def lengths(block_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads", [(2, 2), (4, 1), (8, 2), (10, 2)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("heads", [(2, 2), (4, 1), (8, 2), (10, 2)],
+                         ids=lambda h: f"{h[0]}q{h[1]}kv")
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_batch_matches_reference(dtype, heads, causal):
     q_lens, prefix = lengths(8)
