@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile steady decode steps (kernels per step, GPU busy share)")
     parser.add_argument("--out", default=None, help="directory for results.json")
 
 
@@ -132,6 +134,46 @@ def timed_generate(llm, prompts, params):
     return time.perf_counter() - start, outputs
 
 
+def profile_decode(llm, prompts: list[list[int]], max_tokens: int, steps: int = 5) -> dict:
+    """Steady decode steps of ``prompts``: wall time per step, GPU kernel time per step (so the
+    share the GPU is busy), kernels per step, and the kernels that take the most time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from mini_paged_attn.engine import SamplingParams
+    engine = llm.engine
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens)
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.last_schedule is None or not engine.last_schedule.decode_only:
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        engine.step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) / 20 * 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages()
+               if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+
+    def device_us(e) -> float:
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    total_us = sum(device_us(e) for e in kernels)
+    top = sorted(kernels, key=device_us, reverse=True)[:12]
+    for request_id in ids:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"batch": len(prompts), "wall_ms_per_step": wall_ms,
+            "gpu_ms_per_step": total_us / steps / 1e3,
+            "kernels_per_step": sum(e.count for e in kernels) / steps,
+            "top_kernels": [{"name": e.key[:80], "count_per_step": e.count / steps,
+                             "ms_per_step": device_us(e) / steps / 1e3} for e in top]}
+
+
 def workload_a(args, root: Path, results: dict) -> None:
     from mini_paged_attn.engine import SamplingParams
     random.seed(0)
@@ -147,6 +189,10 @@ def workload_a(args, root: Path, results: dict) -> None:
     row = {"requests": n, "output_tokens": sum(limits), "seconds": seconds,
            "tok_per_s": sum(limits) / seconds, "preemptions": stats.num_preemptions,
            "kv_blocks": stats.kv_blocks_total}
+    if args.profile:
+        rng = random.Random(5)
+        row["profile_256"] = profile_decode(
+            llm, [[rng.randint(0, 10000) for _ in range(1000)] for _ in range(256)], 200)
     del llm
     torch.cuda.empty_cache()
     if args.hf_requests:
@@ -173,6 +219,8 @@ def workload_b(args, root: Path, results: dict) -> None:
     ttft = out.metrics.time_to_first_token
     row = {"seconds": seconds, "tok_per_s": 256 / seconds, "ttft_ms": 1e3 * ttft,
            "tpot_ms": 1e3 * (out.metrics.last_token_time - out.metrics.first_token_time) / 255}
+    if args.profile:
+        row["profile_1"] = profile_decode(llm, [prompt], 200)
     del llm
     torch.cuda.empty_cache()
     hf = hf_model(path)
@@ -234,6 +282,15 @@ def report(results: dict, env: dict) -> str:
         lines.append(f"(b) batch 1, 512 + 256: {b['seconds']:.3f} s, {b['tok_per_s']:.0f} tok/s, "
                      f"TPOT {b['tpot_ms']:.2f} ms, TTFT {b['ttft_ms']:.1f} ms; transformers "
                      f"{b['hf_tok_per_s']:.0f} tok/s -> {b['speedup']:.1f}x")
+    for key in ("a", "b"):
+        for name, prof in results.get(key, {}).items():
+            if not name.startswith("profile"):
+                continue
+            lines.append(f"  profile ({key}) batch {prof['batch']}: {prof['wall_ms_per_step']:.2f} ms/step "
+                         f"wall, GPU kernels {prof['gpu_ms_per_step']:.2f} ms/step "
+                         f"({prof['kernels_per_step']:.0f} kernels)")
+            for k in prof["top_kernels"][:8]:
+                lines.append(f"    {k['ms_per_step']:7.3f} ms  x{k['count_per_step']:5.0f}  {k['name']}")
     if "parity" in results:
         p = results["parity"]
         worst = max((abs(g["gap_in_bf16_steps"]) for g in p["differing"]), default=0.0)

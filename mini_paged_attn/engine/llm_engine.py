@@ -86,6 +86,8 @@ class LLMEngine:
         self._live: set[str] = set()          # request ids pending or in the scheduler
         self._states: dict[str, RequestState] = {}
         self._ids = itertools.count()
+        # The most recent step's schedule (batch composition, preemptions, copies), for display.
+        self.last_schedule = None
         # Statistics.
         self._num_steps = 0
         self._prompt_tokens = 0

@@ -9,6 +9,7 @@ sampled token ids.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -82,6 +83,8 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", self.num_blocks, bs,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, device)
 
+        if device.type == "cuda":
+            self._warm_up(max_model_len)
         self.graphs = None
         if device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(model, self.kv_caches, self.inputs,
@@ -145,6 +148,32 @@ class ModelRunner:
         del hidden, logits
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - base
+
+    @torch.inference_mode()
+    def _warm_up(self, max_model_len: int) -> None:
+        """Compile the Triton kernels' variants before the first request, so no request waits
+        for a compile: Triton specialises integer arguments equal to 1 or divisible by 16, and
+        the prefill kernel picks its tiles by the batch's mean query length."""
+        start = time.perf_counter()
+        dev = dict(device=self.device)
+        table = torch.zeros(16, self.max_blocks_per_seq, dtype=torch.int32, **dev)
+        for num_seqs in (1, 2, 16):
+            for q_len in (1, 4, 200):
+                num_tokens = num_seqs * q_len
+                if num_tokens > self.config.max_num_batched_tokens or q_len > max_model_len:
+                    continue
+                meta = AttentionMetadata(   # nothing written (slot -1); reads block 0
+                    slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, **dev),
+                    cu_seqlens_q=torch.arange(0, num_tokens + 1, q_len, dtype=torch.int32, **dev),
+                    context_lens=torch.full((num_seqs,), q_len, dtype=torch.int32, **dev),
+                    block_tables=table[:num_seqs], max_seqlen_q=q_len, decode_only=q_len == 1,
+                    backend=self.backend,
+                    decode_workspace=self.workspace if q_len == 1 else None)
+                positions = torch.arange(q_len, **dev).repeat(num_seqs)
+                ids = torch.zeros(num_tokens, dtype=torch.int64, **dev)
+                self.model(ids, positions, self.kv_caches, meta)
+        torch.cuda.synchronize(self.device)
+        logger.info("warmed up the kernels in %.1f s", time.perf_counter() - start)
 
     # ---- one step -----------------------------------------------------------------------------
     def release(self, seq_id: int) -> None:
