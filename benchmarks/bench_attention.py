@@ -386,70 +386,46 @@ def _launch_overhead(ceilings: Ceilings) -> list[dict]:
 
 
 def run_tune(args, ceilings: Ceilings) -> None:
-    """Tile and split sweeps: small shapes under CUDA-graph replay, large ones with do_bench."""
-    rows = _launch_overhead(ceilings)
-    print_table(rows, ["case", "experiment", "us"])
-    small_tiles = [(64, 4, 3), (64, 4, 5), (64, 8, 5), (128, 4, 3), (128, 4, 4), (128, 8, 3),
-                   (32, 4, 5), (32, 8, 4)]
-    split_sweep = (8, 16, 24, 32, 48, 64, 96, 128)
-    small = [DecodeCase(1, 4096), DecodeCase(1, 16384), DecodeCase(1, 65536),
-             DecodeCase(8, 4096), DecodeCase(8, 16384), DecodeCase(32, 1024)]
-    if args.quick:
-        small = small[:2]
+    """Tile and split sweeps: batch 1 under CUDA-graph replay, larger batches with do_bench.
+
+    Earlier sweeps (H100, recorded in BENCHMARKS.md) settled block_n / warps / stages for long
+    contexts; this one covers batch 1 and short contexts.
+    """
+    rows = []
 
     def label(case):
         return f"{case.batch}x{case.context} D{case.head_size} bs{case.block_size}"
 
-    for i, case in enumerate(small):
-        first = len(rows)
+    for i, case in enumerate([DecodeCase(1, 4096), DecodeCase(1, 16384), DecodeCase(1, 65536)]):
         sets = max(1, min(16, math.ceil(ROTATE_BYTES / case.kv_bytes)))
         xs = [make_inputs(case, seed=100 * i + j) for j in range(sets)]
-        shapes = check_paged_decode_args(*xs[0].args, None, xs[0].out)
-        variants = [(t, None) for t in small_tiles]
-        variants += [(t, s) for t in ((64, 4, 3), (128, 4, 3)) for s in split_sweep
-                     if s <= -(-case.context // t[0])]
-        for t, splits in variants:
-            tiles = DecodeTiles(*t)
-            fns = [lambda x=x: triton_paged_decode(*x.args, shapes, out=x.out, lse=None,
-                                                   workspace=x.workspace, tiles=tiles,
-                                                   num_splits=splits) for x in xs]
-            row = dict(case=label(case), block_n=t[0], warps=t[1], stages=t[2],
-                       forced_splits=splits)
-            try:
-                row["graph_us"] = time_graph_us(fns)
-                row["pct_copy"] = 100 * case.kv_bytes / (row["graph_us"] * 1e-6) / 1e9 \
-                    / ceilings.copy_gbps
-            except Exception as e:  # noqa: BLE001
-                row["error"] = str(e)[:60]
+        for splits in (None, 16, 24, 32, 48):
+            row = dict(case=label(case), forced_splits=splits)
+            row["graph_us"] = time_graph_us([ours(x, num_splits=splits) for x in xs])
+            row["pct_copy"] = 100 * case.kv_bytes / (row["graph_us"] * 1e-6) / 1e9 \
+                / ceilings.copy_gbps
             rows.append(row)
-        print_table(rows[first:], ["case", "block_n", "warps", "stages", "forced_splits",
-                                   "graph_us", "pct_copy", "error"])
-        print(flush=True)
         del xs
-        torch.cuda.empty_cache()
-
-    large = [(DecodeCase(64, 4096), [(64, 4, 3), (64, 4, 5), (128, 4, 3), (128, 4, 4)]),
-             (DecodeCase(256, 4096), [(64, 4, 3), (64, 4, 5), (128, 4, 3)]),
-             (DecodeCase(64, 4096, head_size=64), [(64, 4, 3), (64, 4, 5), (128, 4, 3),
-                                                    (128, 4, 5), (256, 4, 3), (256, 8, 3)]),
-             (DecodeCase(64, 4096, block_size=1), [(64, 4, 3), (64, 4, 5), (32, 4, 5)])]
-    for i, (case, tile_list) in enumerate(large):
+    print_table(rows, ["case", "forced_splits", "graph_us", "pct_copy"], )
+    tiles_list = [(64, 4, 3), (32, 4, 5), (64, 4, 2), (32, 4, 3), (128, 4, 2), (64, 8, 3)]
+    for i, case in enumerate([DecodeCase(128, 1024), DecodeCase(64, 1024), DecodeCase(32, 4096),
+                              DecodeCase(256, 1024), DecodeCase(8, 16384)]):
         first = len(rows)
         x = make_inputs(case, seed=i)
         shapes = check_paged_decode_args(*x.args, None, x.out)
-        for t in tile_list:
-            tiles = DecodeTiles(*t)
-            row = dict(case=label(case), block_n=t[0], warps=t[1], stages=t[2])
-            try:
+        for t in tiles_list:
+            for splits in (None, 2):
+                tiles = DecodeTiles(*t)
+                row = dict(case=label(case), block_n=t[0], warps=t[1], stages=t[2],
+                           forced_splits=splits)
                 row["us"] = time_us(lambda: triton_paged_decode(
-                    *x.args, shapes, out=x.out, lse=None, workspace=x.workspace, tiles=tiles))
+                    *x.args, shapes, out=x.out, lse=None, workspace=x.workspace, tiles=tiles,
+                    num_splits=splits))
                 row["pct_copy"] = 100 * case.kv_bytes / (row["us"] * 1e-6) / 1e9 \
                     / ceilings.copy_gbps
-            except Exception as e:  # noqa: BLE001
-                row["error"] = str(e)[:60]
-            rows.append(row)
-        print_table(rows[first:], ["case", "block_n", "warps", "stages", "us", "pct_copy",
-                                   "error"])
+                rows.append(row)
+        print_table(rows[first:], ["case", "block_n", "warps", "stages", "forced_splits", "us",
+                                   "pct_copy"])
         print(flush=True)
         del x
         torch.cuda.empty_cache()

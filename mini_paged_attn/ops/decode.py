@@ -12,9 +12,10 @@ pools over 2^31 elements work.
 Split-KV: sequence ``i`` cuts *its own* ``ceil(len_i / BLOCK_N)`` tiles into ``num_splits``
 equal runs; each split writes its normalised partial output and log-sum-exp to a float32
 workspace, and ``_merge_splits_kernel`` combines them (the online-softmax merge). Splits past a
-sequence's last tile exit without writing; the merge recomputes how many splits had work, so
-the grid is fixed by the launch arguments alone (CUDA-graph friendly) and nothing is read
-uninitialised. ``num_splits == 1`` is one launch writing ``out`` directly: a sequence's result
+sequence's last tile load nothing and write 0 with lse ``-inf`` (weight 0 in the merge), so the
+grid is fixed by the launch arguments alone (CUDA-graph friendly) and nothing is read
+uninitialised. On CUDA the merge is launched as a programmatic dependent launch (PDL): it is
+scheduled while the decode kernel drains and waits (``gdc_wait``) before reading its results. ``num_splits == 1`` is one launch writing ``out`` directly: a sequence's result
 then depends only on its own data (batch-invariant, deterministic).
 """
 
@@ -130,10 +131,10 @@ def _paged_decode_kernel(
     lse_ptrs = lse_ptr + seq.to(tl.int64) * stride_lse_seq + heads * stride_lse_head
     o_valid = row_valid[:, None] & dim_valid[None, :]         # [BLOCK_H, HEAD_SIZE_PADDED]
     if SPLIT_KV:
-        # Splits without tiles write nothing; the merge counts only splits that had work.
-        has_work = tile_begin < tile_end
-        tl.store(o_ptrs + split * stride_o_split, o, mask=o_valid & has_work)
-        tl.store(lse_ptrs + split, lse, mask=row_valid & has_work)
+        # Splits past the sequence's end write 0 and lse -inf: the merge then reads every
+        # split without first finding out which had work (one round trip fewer).
+        tl.store(o_ptrs + split * stride_o_split, o, mask=o_valid)
+        tl.store(lse_ptrs + split, lse, mask=row_valid)
     else:
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_valid)
         if WRITE_LSE:
@@ -142,53 +143,56 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, context_lens_ptr, out_ptr, lse_ptr, num_splits,
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_splits,
     stride_po_seq, stride_po_head, stride_po_split,
     stride_pl_seq, stride_pl_head,
     stride_o_seq, stride_o_head, stride_o_dim, stride_lse_seq, stride_lse_head,
-    HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS_PADDED: tl.constexpr, SPLIT_TILE: tl.constexpr, WRITE_LSE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr, SPLIT_TILE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Grid ``(num_q_heads, num_seqs)``: out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max).
 
-    Recomputes the decode kernel's split of the sequence to know which splits wrote a result.
+    An online merge over chunks of ``SPLIT_TILE`` splits, so the first chunk's partial outputs
+    and lse are loaded together, without waiting for a global max (one round trip for up to
+    ``SPLIT_TILE`` splits).
     """
     head = tl.program_id(0)
     seq = tl.program_id(1)
-    context_len = tl.load(context_lens_ptr + seq)
-    num_tiles = tl.cdiv(context_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    active = tl.cdiv(num_tiles, tl.maximum(tiles_per_split, 1))   # splits that wrote
-
+    if USE_PDL:
+        # Launched as a programmatic dependent of the decode kernel: wait for its results.
+        tl.extra.cuda.gdc_wait()
     lse_row = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + head * stride_pl_head
     out_row = part_out_ptr + seq.to(tl.int64) * stride_po_seq + head * stride_po_head
-    splits = tl.arange(0, SPLITS_PADDED)                            # [SPLITS_PADDED]
-    lse_all = tl.load(lse_row + splits, mask=splits < active, other=float("-inf"))
-    lse_max = tl.max(lse_all, axis=0)
-    # No split had keys (length 0): weights are 0, not NaN.
-    lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-
     dims = tl.arange(0, HEAD_SIZE_PADDED)                           # [HEAD_SIZE_PADDED]
     dim_valid = dims < HEAD_SIZE
+
+    m = tl.full([1], float("-inf"), tl.float32)                     # running max of lse
+    total = tl.zeros([1], tl.float32)                               # running sum of weights
     acc = tl.zeros([HEAD_SIZE_PADDED], tl.float32)
-    weight_sum = tl.zeros([SPLIT_TILE], tl.float32)
-    for s0 in range(0, active, SPLIT_TILE):
+    for s0 in range(0, num_splits, SPLIT_TILE):
         chunk = s0 + tl.arange(0, SPLIT_TILE)                       # [SPLIT_TILE]
-        chunk_valid = chunk < active
-        w = tl.exp(tl.load(lse_row + chunk, mask=chunk_valid, other=float("-inf")) - lse_ref)
+        chunk_valid = chunk < num_splits
+        lse = tl.load(lse_row + chunk, mask=chunk_valid, other=float("-inf"))
         o = tl.load(out_row + chunk[:, None] * stride_po_split + dims[None, :],
                     mask=chunk_valid[:, None] & dim_valid[None, :], other=0.0)
         # o: [SPLIT_TILE, HEAD_SIZE_PADDED]
-        acc += tl.sum(w[:, None] * o, axis=0)
-        weight_sum += w
-    total = tl.sum(weight_sum, axis=0)
-    total_safe = tl.where(total > 0.0, total, 1.0)
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)      # no keys yet: weights 0
+        rescale = tl.exp(m - m_ref)
+        w = tl.exp(lse - m_ref)                                     # [SPLIT_TILE]
+        total = total * rescale + tl.sum(w, axis=0)
+        acc = acc * rescale + tl.sum(w[:, None] * o, axis=0)
+        m = m_new
+    has_keys = total > 0.0                                          # False: length 0
+    total_safe = tl.where(has_keys, total, 1.0)
     merged = acc / total_safe
     tl.store(out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head
              + dims * stride_o_dim, merged.to(out_ptr.dtype.element_ty), mask=dim_valid)
     if WRITE_LSE:
-        lse = tl.where(total > 0.0, lse_ref + tl.log(total_safe), float("-inf"))
-        tl.store(lse_ptr + seq.to(tl.int64) * stride_lse_seq + head * stride_lse_head, lse)
+        lse_out = tl.where(has_keys, m + tl.log(total_safe), float("-inf"))
+        offs = tl.zeros([1], tl.int32)
+        tl.store(lse_ptr + seq.to(tl.int64) * stride_lse_seq + head * stride_lse_head + offs,
+                 lse_out)
 
 
 def workspace_size(num_seqs: int, num_q_heads: int, head_size: int,
@@ -293,13 +297,14 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         scale_log2, qs[0], qs[1], *cache_strides, block_tables.stride(0),
         po_seq, po_head, po_split, 1, pl_seq, pl_head,
         SPLIT_KV=True, WRITE_LSE=True, **meta)
+    use_pdl = device.type == "cuda"
     _merge_splits_kernel[(h, n)](
-        part_out, part_lse, context_lens, out, lse_arg, splits,
+        part_out, part_lse, out, lse_arg, splits,
         po_seq, po_head, po_split, pl_seq, pl_head,
         os_[0], os_[1], os_[2], lse_seq, lse_head,
-        HEAD_SIZE=d, HEAD_SIZE_PADDED=meta["HEAD_SIZE_PADDED"], BLOCK_N=meta["BLOCK_N"],
-        SPLITS_PADDED=max(16, triton.next_power_of_2(splits)), SPLIT_TILE=16,
-        WRITE_LSE=lse is not None, num_warps=4)
+        HEAD_SIZE=d, HEAD_SIZE_PADDED=meta["HEAD_SIZE_PADDED"],
+        SPLIT_TILE=min(32, max(16, triton.next_power_of_2(splits))),
+        WRITE_LSE=lse is not None, USE_PDL=use_pdl, launch_pdl=use_pdl, num_warps=4)
 
 
 @functools.lru_cache(maxsize=256)
