@@ -15,6 +15,11 @@ import torch
 from ..core.scheduler import SchedulerOutput
 
 
+# Elements each staging region starts at a multiple of (256 bytes for int32).
+REGION_ALIGN = 64
+TABLE_WIDTH_MULTIPLE = 16
+
+
 class StagingBuffer:
     """A 1-D host buffer (pinned on CUDA) with a device twin; on CPU the two are one tensor."""
 
@@ -38,7 +43,8 @@ class StepInputs:
 
     ``input_ids``, ``positions``, ``slot_mapping``: int64 ``[num_tokens]``;
     ``cu_seqlens_q``: int32 ``[num_seqs + 1]``; ``context_lens``: int32 ``[num_seqs]``;
-    ``block_tables``: int32 ``[num_seqs, width]`` (width = the batch's most blocks);
+    ``block_tables``: int32 ``[num_seqs, width]`` (width: the batch's most blocks, rounded up
+    to a multiple of 16);
     ``sample_rows``: int64 ``[num_sample_rows]``, the hidden rows to sample from (a request
     about to fork repeats its row n times), None when they are simply ``0 .. num_seqs - 1``.
     """
@@ -61,24 +67,28 @@ class InputBuilder:
                  block_size: int, device: torch.device) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max_num_tokens
-        self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
-        s, t, w = max_num_seqs, max_num_tokens, max_blocks_per_seq
-        # int64 regions: input ids, positions, slots (t each), sample rows (s).
-        self.i64 = StagingBuffer(3 * t + s, torch.int64, device)
-        # int32 regions: cu_seqlens (s + 1), context lens (s), block tables (s * w).
-        self.i32 = StagingBuffer(2 * s + 1 + s * w, torch.int32, device)
+        # Block-table widths are multiples of 16 and every region starts 256-byte aligned:
+        # Triton specialises kernels on integer arguments divisible by 16 and on pointer
+        # alignment, so steps of any shape reuse the kernels compiled at warm-up.
+        self.max_blocks_per_seq = w = _round_up(max_blocks_per_seq, TABLE_WIDTH_MULTIPLE)
+        s, t = max_num_seqs, max_num_tokens
+        self._i64_regions = _layout({"input_ids": t, "positions": t, "slot_mapping": t,
+                                     "sample_rows": s})
+        self._i32_regions = _layout({"cu_seqlens_q": s + 1, "context_lens": s,
+                                     "block_tables": s * w})
+        self.i64 = StagingBuffer(self._i64_regions["end"], torch.int64, device)
+        self.i32 = StagingBuffer(self._i32_regions["end"], torch.int32, device)
         self.table = np.zeros((s, w), dtype=np.int32)      # one row per running sequence
         self._rows: dict[int, int] = {}
         self._free_rows = list(range(s - 1, -1, -1))
 
     # ---- regions (device views at fixed offsets: CUDA graphs read them in place) ----------------
     def region(self, name: str, n: int) -> torch.Tensor:
-        t, s = self.max_num_tokens, self.max_num_seqs
-        start = {"input_ids": 0, "positions": t, "slot_mapping": 2 * t}.get(name)
-        if start is not None:
+        if name in self._i64_regions:
+            start = self._i64_regions[name]
             return self.i64.device[start:start + n]
-        start = {"cu_seqlens_q": 0, "context_lens": s + 1}[name]
+        start = self._i32_regions[name]
         return self.i32.device[start:start + n]
 
     def release(self, seq_id: int) -> None:
@@ -110,60 +120,78 @@ class InputBuilder:
         seqs = out.seqs
         n = len(seqs)
         num_tokens = out.num_batched_tokens
-        t, s, bs = self.max_num_tokens, self.max_num_seqs, self.block_size
+        bs = self.block_size
         rows = self._rows_of(seqs)
         q_lens = np.asarray(out.num_new_tokens, dtype=np.int64)
         computed = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int64, n)
-        i64 = self.i64.np
+        r64, r32 = self._i64_regions, self._i32_regions
+        ids_at, pos_at, slots_at = r64["input_ids"], r64["positions"], r64["slot_mapping"]
+        cu_at, ctx_at, bt_at = r32["cu_seqlens_q"], r32["context_lens"], r32["block_tables"]
+        i64, i32 = self.i64.np, self.i32.np
         if out.decode_only:
             # One token each; not always the last one (a 1-token prompt chunk, a recompute).
-            i64[:n] = [seq.token_ids[seq.num_computed_tokens] for seq in seqs]
+            i64[ids_at:ids_at + n] = [seq.token_ids[seq.num_computed_tokens] for seq in seqs]
         else:
             flat: list[int] = []
             for seq, c, q in zip(seqs, computed.tolist(), out.num_new_tokens):
                 flat += seq.token_ids[c:c + q]
-            i64[:num_tokens] = flat
+            i64[ids_at:ids_at + num_tokens] = flat
         cu = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
         positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(computed - cu[:-1], q_lens)
         context_lens = computed + q_lens
         slots = (self.table[np.repeat(rows, q_lens), positions // bs].astype(np.int64) * bs
                  + positions % bs)
-        width = max(1, -(-int(context_lens.max()) // bs)) if n else 1
+        needed = -(-int(context_lens.max()) // bs) if n else 1
+        width = min(_round_up(max(needed, 1), TABLE_WIDTH_MULTIPLE), self.max_blocks_per_seq)
 
         padded = n if pad_to is None else pad_to
         m = num_tokens if pad_to is None else pad_to
-        i64[t:t + num_tokens] = positions
-        i64[2 * t:2 * t + num_tokens] = slots
-        i32 = self.i32.np
-        i32[:n + 1] = cu
-        i32[s + 1:s + 1 + n] = context_lens
+        i64[pos_at:pos_at + num_tokens] = positions
+        i64[slots_at:slots_at + num_tokens] = slots
+        i32[cu_at:cu_at + n + 1] = cu
+        i32[ctx_at:ctx_at + n] = context_lens
         if padded > n:
-            i64[n:padded] = 0                        # input ids of padding rows
-            i64[t + n:t + padded] = 0
-            i64[2 * t + n:2 * t + padded] = -1       # padding writes nothing
-            i32[n + 1:padded + 1] = num_tokens
-            i32[s + 1 + n:s + 1 + padded] = 0        # and reads nothing
-        bt_start = 2 * s + 1
-        i32[bt_start:bt_start + n * width].reshape(n, width)[:] = self.table[rows, :width]
+            i64[ids_at + n:ids_at + padded] = 0
+            i64[pos_at + n:pos_at + padded] = 0
+            i64[slots_at + n:slots_at + padded] = -1       # padding writes nothing
+            i32[cu_at + n + 1:cu_at + padded + 1] = num_tokens
+            i32[ctx_at + n:ctx_at + padded] = 0            # and reads nothing
+        # Entries past a sequence's blocks are stale; the kernels never read them.
+        i32[bt_at:bt_at + n * width].reshape(n, width)[:] = self.table[rows, :width]
 
         # Rows to sample from: the last token of each sequence that samples, k times for k samples.
         num_samples = out.num_samples
         sample_rows = None
         num_sample_rows = sum(num_samples)
         if not (out.decode_only and num_sample_rows == n):
-            picks = np.repeat(cu[1:] - 1, num_samples)
-            i64[3 * t:3 * t + num_sample_rows] = picks
-            sample_rows = self.i64.upload(3 * t, 3 * t + num_sample_rows)
+            at = r64["sample_rows"]
+            i64[at:at + num_sample_rows] = np.repeat(cu[1:] - 1, num_samples)
+            sample_rows = self.i64.upload(at, at + num_sample_rows)
 
         return StepInputs(
-            input_ids=self.i64.upload(0, m), positions=self.i64.upload(t, t + m),
-            slot_mapping=self.i64.upload(2 * t, 2 * t + m),
-            cu_seqlens_q=self.i32.upload(0, padded + 1),
-            context_lens=self.i32.upload(s + 1, s + 1 + padded),
-            block_tables=self.i32.upload(bt_start, bt_start + n * width).view(n, width),
+            input_ids=self.i64.upload(ids_at, ids_at + m),
+            positions=self.i64.upload(pos_at, pos_at + m),
+            slot_mapping=self.i64.upload(slots_at, slots_at + m),
+            cu_seqlens_q=self.i32.upload(cu_at, cu_at + padded + 1),
+            context_lens=self.i32.upload(ctx_at, ctx_at + padded),
+            block_tables=self.i32.upload(bt_at, bt_at + n * width).view(n, width),
             max_seqlen_q=int(q_lens.max()) if n else 0,
             num_sample_rows=num_sample_rows, sample_rows=sample_rows)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _layout(sizes: dict[str, int]) -> dict[str, int]:
+    """Start offset of each region (elements), each a multiple of REGION_ALIGN; "end": total."""
+    offsets, at = {}, 0
+    for name, size in sizes.items():
+        offsets[name] = at
+        at = _round_up(at + size, REGION_ALIGN)
+    offsets["end"] = at
+    return offsets
 
 
 __all__ = ["InputBuilder", "StagingBuffer", "StepInputs"]

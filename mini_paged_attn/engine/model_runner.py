@@ -136,7 +136,8 @@ class ModelRunner:
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, **dev),
             cu_seqlens_q=cu.to(self.device),
             context_lens=torch.tensor(lens, dtype=torch.int32, **dev),
-            block_tables=torch.zeros(len(lens), self.max_blocks_per_seq, dtype=torch.int32, **dev),
+            block_tables=torch.zeros(len(lens), self.inputs.max_blocks_per_seq, dtype=torch.int32,
+                                     **dev),
             max_seqlen_q=max(lens), decode_only=False, backend=self.backend)
         ids = torch.zeros(num_tokens, dtype=torch.int64, **dev)
         positions = torch.cat([torch.arange(n, **dev) for n in lens])
@@ -156,7 +157,8 @@ class ModelRunner:
         the prefill kernel picks its tiles by the batch's mean query length."""
         start = time.perf_counter()
         dev = dict(device=self.device)
-        table = torch.zeros(16, self.max_blocks_per_seq, dtype=torch.int32, **dev)
+        # Table width and pointer alignment as the steps' inputs have them (see input_batch).
+        table = torch.zeros(16, self.inputs.max_blocks_per_seq, dtype=torch.int32, **dev)
         for num_seqs in (1, 2, 16):
             for q_len in (1, 4, 200):
                 num_tokens = num_seqs * q_len
