@@ -1,0 +1,295 @@
+"""Load benchmark of the OpenAI-compatible server: N concurrent streaming clients.
+
+For each N (default 1, 8, 64) a seeded mix of prompt and output lengths (token-id prompts,
+ignore_eos, greedy, so every request produces exactly its max_tokens) goes through the server by
+N closed-loop clients (each sends its next request when the previous one ends), streaming with
+``stream_options.include_usage``. Reported: requests/s, output tokens/s, time to first token and
+inter-token latency (gaps between streamed chunks; a chunk is one step's tokens) p50/p99, and the
+engine's offline throughput for the same requests with the same N in flight (``LLMEngine``
+directly, no HTTP), so ``server/offline`` is the cost of the server alone.
+
+The server runs in this process (uvicorn in a thread, one engine loop thread) on the same engine
+as the offline runs; the clients run in a child process, so their JSON parsing does not take the
+server's interpreter lock.
+
+    # CPU, the tiny random model (seconds)
+    python benchmarks/bench_server.py --make-model tiny
+    # GPU: Qwen2.5-0.5B shapes with random weights
+    python benchmarks/bench_server.py --make-model qwen2.5-0.5b --prompt-len 64 512 --output-len 64 256
+    # any local model directory
+    python benchmarks/bench_server.py --model DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# Qwen2.5-0.5B's config.json shapes (weights here are random).
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                  max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True, bos_token_id=256, eos_token_id=256)
+
+
+@dataclass(frozen=True)
+class Req:
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class ClientRecord:
+    ok: bool
+    ttft: float = 0.0
+    latency: float = 0.0
+    completion_tokens: int = 0
+    gaps: tuple[float, ...] = ()
+    error: str = ""
+
+
+# ---- model and workload ----------------------------------------------------------------------
+def make_model_dir(preset: str, path: Path) -> Path:
+    """A random-weight model directory with the byte-level tokenizer of ``models/tiny.py``."""
+    from mini_paged_attn.models.tiny import (byte_level_hf_tokenizer, write_tiny_llama,
+                                             write_tokenizer_files)
+
+    if preset == "tiny":
+        return write_tiny_llama(path)
+    if preset != "qwen2.5-0.5b":
+        raise ValueError(f"--make-model: expected tiny or qwen2.5-0.5b, got {preset!r}")
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN25_05B), dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    write_tokenizer_files(byte_level_hf_tokenizer(), path)
+    return path
+
+
+def workload(seed: int, num: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
+             vocab: int) -> list[Req]:
+    rng = random.Random(seed)
+    # Ids past the byte tokenizer's specials (0..258) keep prompts free of eos / chat markers.
+    lo = 259 if vocab > 1000 else 3
+    return [Req([rng.randrange(lo, vocab) for _ in range(rng.randint(*prompt_len))],
+                rng.randint(*output_len)) for _ in range(num)]
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+# ---- offline: the engine without HTTP --------------------------------------------------------
+def offline_closed_loop(engine, reqs: list[Req], concurrency: int) -> tuple[float, int]:
+    """Wall seconds and output tokens for ``reqs`` with at most ``concurrency`` in flight."""
+    from mini_paged_attn.engine import SamplingParams
+
+    pending = list(reqs)
+    in_flight, tokens = 0, 0
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        while pending and in_flight < concurrency:
+            r = pending.pop(0)
+            engine.add_request(r.prompt, SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
+                                                        ignore_eos=True))
+            in_flight += 1
+        for out in engine.step():
+            if out.finished:
+                in_flight -= 1
+                tokens += sum(len(c.token_ids) for c in out.outputs)
+    return time.perf_counter() - start, tokens
+
+
+# ---- clients (child process) -----------------------------------------------------------------
+async def _one(client, url: str, model: str, r: Req) -> ClientRecord:
+    body = {"model": model, "prompt": r.prompt, "max_tokens": r.max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    times: list[float] = []
+    usage = None
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                return ClientRecord(False, error=f"{resp.status_code} {await resp.aread()!r:.200}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if chunk.get("choices"):
+                    times.append(time.perf_counter())
+    except Exception as exc:  # report, do not hide: a failed request counts as such
+        return ClientRecord(False, error=f"{type(exc).__name__}: {exc}")
+    if not times or usage is None:
+        return ClientRecord(False, error="no tokens or no usage chunk")
+    return ClientRecord(True, ttft=times[0] - start, latency=times[-1] - start,
+                        completion_tokens=usage["completion_tokens"],
+                        gaps=tuple(b - a for a, b in zip(times, times[1:])))
+
+
+async def _clients(base_url: str, model: str, reqs: list[Req], concurrency: int
+                   ) -> tuple[float, list[ClientRecord]]:
+    import httpx
+
+    queue = list(reversed(reqs))
+    records: list[ClientRecord] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        async def worker() -> None:
+            while queue:
+                records.append(await _one(client, f"{base_url}/v1/completions", model,
+                                          queue.pop()))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return time.perf_counter() - start, records
+
+
+def _client_main(base_url: str, model: str, reqs: list[Req], concurrency: int, conn) -> None:
+    wall, records = asyncio.run(_clients(base_url, model, reqs, concurrency))
+    conn.send((wall, [asdict(r) for r in records]))
+    conn.close()
+
+
+def run_clients(base_url: str, model: str, reqs: list[Req], concurrency: int
+                ) -> tuple[float, list[ClientRecord]]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_client_main, args=(base_url, model, reqs, concurrency, child))
+    proc.start()
+    wall, records = parent.recv()
+    proc.join()
+    return wall, [ClientRecord(**{**r, "gaps": tuple(r["gaps"])}) for r in records]
+
+
+# ---- the server (this process) ---------------------------------------------------------------
+def start_server(engine, model_name: str):
+    import socket
+
+    import uvicorn
+
+    from mini_paged_attn.server.app import build_app
+
+    app = build_app(engine, model_name=model_name)
+    # IPPROTO_TCP, not the default 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets
+    # that say they are TCP, and with Nagle on every streamed chunk waits ~40 ms for an ACK.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.01)
+    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="local model directory")
+    src.add_argument("--make-model", choices=("tiny", "qwen2.5-0.5b"),
+                     help="write a random-weight model of these shapes to a temp dir")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--requests-per-client", type=int, default=4)
+    p.add_argument("--min-requests", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[8, 64], metavar=("MIN", "MAX"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from mini_paged_attn.engine import LLM
+
+    tmp = tempfile.TemporaryDirectory()
+    model_dir = args.model or make_model_dir(args.make_model, Path(tmp.name) / args.make_model)
+    llm = LLM(str(model_dir), dtype=args.dtype, device=args.device,
+              num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+              enforce_eager=args.enforce_eager, seed=args.seed)
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    sets = {n: workload(args.seed + n, max(args.min_requests, args.requests_per_client * n),
+                        tuple(args.prompt_len), tuple(args.output_len), vocab)
+            for n in args.clients}
+    # Warm-up: kernels compile / CUDA graphs capture before anything is timed.
+    offline_closed_loop(engine, workload(args.seed - 1, 4, tuple(args.prompt_len),
+                                         tuple(args.output_len), vocab), 4)
+    offline = {n: offline_closed_loop(engine, sets[n], n) for n in args.clients}
+
+    server, thread, url = start_server(engine, "bench")
+    try:
+        run_clients(url, "bench", sets[args.clients[0]][:2], 2)  # warm the HTTP path
+        results = []
+        for n in args.clients:
+            wall, records = run_clients(url, "bench", sets[n], n)
+            bad = [r for r in records if not r.ok]
+            if bad:
+                print(f"N={n}: {len(bad)} requests failed, e.g. {bad[0].error}", file=sys.stderr)
+            good = [r for r in records if r.ok]
+            expected = sum(r.max_tokens for r in sets[n])
+            tokens = sum(r.completion_tokens for r in good)
+            off_wall, off_tokens = offline[n]
+            gaps = [g for r in good for g in r.gaps]
+            results.append(dict(
+                clients=n, requests=len(records), failed=len(bad),
+                tokens_ok=tokens == expected, req_per_s=len(good) / wall,
+                output_tok_per_s=tokens / wall, offline_tok_per_s=off_tokens / off_wall,
+                ttft_p50_ms=1e3 * _pct([r.ttft for r in good], 50),
+                ttft_p99_ms=1e3 * _pct([r.ttft for r in good], 99),
+                itl_p50_ms=1e3 * _pct(gaps, 50), itl_p99_ms=1e3 * _pct(gaps, 99),
+                mean_latency_s=statistics.fmean(r.latency for r in good) if good else 0.0))
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
+              and str(engine.model_config.dtype) != "" and args.device != "cpu" else "CPU")
+    print(f"\nmodel {args.model or args.make_model} ({engine.model_config.dtype}), device "
+          f"{device}, prompt {args.prompt_len[0]}..{args.prompt_len[1]}, output "
+          f"{args.output_len[0]}..{args.output_len[1]} tokens, seed {args.seed}, torch "
+          f"{torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    print("| clients | requests | req/s | output tok/s | offline tok/s (same N in flight) "
+          "| server/offline | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in results:
+        print(f"| {r['clients']} | {r['requests']}{'' if r['tokens_ok'] else ' (!)'} "
+              f"| {r['req_per_s']:.2f} | {r['output_tok_per_s']:.0f} "
+              f"| {r['offline_tok_per_s']:.0f} "
+              f"| {r['output_tok_per_s'] / r['offline_tok_per_s']:.2f} "
+              f"| {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} "
+              f"| {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} |")
+    if any(not r["tokens_ok"] or r["failed"] for r in results):
+        print("(!): failed requests or token counts different from max_tokens", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    tmp.cleanup()
+    return 0 if all(r["tokens_ok"] and not r["failed"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
