@@ -35,6 +35,7 @@ import gc
 import importlib.util
 import math
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (Ceilings, environment, markdown_table, measure_ceilings,  # noqa: E402
-                    plot_lines, print_table, time_graph_us, time_us, write_csv)
+                    plot_lines, print_table, read_csv, time_graph_us, time_us, write_csv)
 
 from mini_paged_attn.ops import paged_decode  # noqa: E402
 from mini_paged_attn.ops.checks import check_paged_decode_args  # noqa: E402
@@ -306,21 +307,12 @@ def run_decode(args, ceilings: Ceilings, env: dict, out_dir: Path) -> None:
               f"{ours_row['pct_copy']:5.0f}% of copy ({ours_row['splits']} splits)", flush=True)
     columns = ["impl", "form", "batch", "context", "head_size", "block_size", "splits", "us",
                "graph_us", "gbps", "pct_copy", "max_err"]
-    write_csv(out_dir / "decode.csv", rows)
-    ok = [r for r in rows if r.get("us") is not None and r["head_size"] == 128
-          and r["block_size"] == 16]
-    plot_lines(out_dir / "decode.png", ok, panel="batch", x="context", y="gbps", line="impl",
-               title=f"paged decode, bf16, 32/8 heads, D 128, bs 16 - {env['device']}",
-               xlabel="context (tokens)", ylabel="GB/s of K+V read",
-               hline=ceilings.copy_gbps, hline_label="copy bandwidth (r+w)")
-    wide = _wide_table(rows)
-    targets = evaluate_targets(rows)
     header = (f"device {env['device']}, torch {env['torch']}, triton {env['triton']}, CUDA "
               f"{env['cuda']}, {env['date']}; copy {ceilings.copy_gbps:.0f} GB/s (read+write), "
               f"bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
-    (out_dir / "decode.md").write_text(
-        header + "\n\n" + markdown_table(wide, list(wide[0])) + "\n\nTargets:\n"
-        + "\n".join(f"- {t}" for t in targets) + "\n")
+    write_csv(out_dir / "decode.csv", rows)
+    (out_dir / "decode.header.txt").write_text(header + "\n")
+    wide, targets = report_decode(rows, header, ceilings.copy_gbps, out_dir)
     errors = [r for r in rows if "error" in r]
     print("\nPeers that did not run:", {f"{r['impl']}": r["error"] for r in errors} or "none")
     print(header)
@@ -328,6 +320,24 @@ def run_decode(args, ceilings: Ceilings, env: dict, out_dir: Path) -> None:
     print()
     print_table(wide, list(wide[0]))
     print("\n".join(targets))
+
+
+def report_decode(rows: list[dict], header: str, copy_gbps: float,
+                  out_dir: Path) -> tuple[list[dict], list[str]]:
+    """Write decode.png and decode.md from the rows; return the wide table and the targets."""
+    ok = [r for r in rows if r.get("us") is not None and r["head_size"] == 128
+          and r["block_size"] == 16]
+    plot_lines(out_dir / "decode.png", ok, panel="batch", x="context", y="gbps", line="impl",
+               title="paged decode, bf16, 32/8 heads, D 128, bs 16 - "
+                     + header.split(", torch")[0],
+               xlabel="context (tokens)", ylabel="GB/s of K+V read",
+               hline=copy_gbps, hline_label="copy bandwidth (r+w)")
+    wide = _wide_table(rows)
+    targets = evaluate_targets(rows)
+    (out_dir / "decode.md").write_text(
+        header + "\n\n" + markdown_table(wide, list(wide[0])) + "\n\nTargets:\n"
+        + "\n".join(f"- {t}" for t in targets) + "\n")
+    return wide, targets
 
 
 def _wide_table(rows: list[dict]) -> list[dict]:
@@ -444,9 +454,26 @@ def main(argv=None) -> None:
     p.add_argument("--tune", action="store_true", help="run the decode tile sweep and exit")
     p.add_argument("--launch-overhead", action="store_true",
                    help="measure host time per call (and profile it), then exit")
+    p.add_argument("--replot", metavar="CSV",
+                   help="rebuild decode.png / decode.md in --out from a decode.csv, then exit "
+                        "(no GPU needed; the header comes from NAME.header.txt beside it)")
     args = p.parse_args(argv)
+    if args.replot:
+        csv_path = Path(args.replot)
+        rows = read_csv(csv_path)
+        header_path = csv_path.with_suffix(".header.txt")
+        header = header_path.read_text().strip() if header_path.exists() else str(csv_path)
+        copy_gbps = next(r["gbps"] / r["pct_copy"] * 100 for r in rows if r.get("pct_copy"))
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for t in report_decode(rows, header, copy_gbps, out_dir)[1]:
+            print(t)
+        return
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
+    # A backend that cannot take a form says so on every call; the table reports what ran.
+    warnings.filterwarnings("ignore", message=".*(kernel not used|runtime disabled|same "
+                            "num_heads|Memory efficient|Flash attention|cuDNN).*")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment()

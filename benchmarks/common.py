@@ -5,7 +5,8 @@
 - :func:`time_us` (``triton.testing.do_bench``, median, L2 flushed before each call) and
   :func:`time_graph_us` (``do_bench_cudagraph``, median of replays; pass several input sets to
   rotate through so small problems are not served from L2).
-- :func:`print_table`, :func:`markdown_table`, :func:`write_csv`, :func:`plot_lines`.
+- :func:`print_table`, :func:`markdown_table`, :func:`write_csv` / :func:`read_csv`,
+  :func:`plot_lines`.
 """
 
 from __future__ import annotations
@@ -102,6 +103,21 @@ def write_csv(path: Path, rows: Sequence[dict]) -> None:
         writer.writerows(rows)
 
 
+def read_csv(path: Path) -> list[dict]:
+    """Rows written by :func:`write_csv`, numbers parsed back (empty cells become None)."""
+    def parse(v: str):
+        if v == "":
+            return None
+        for cast in (int, float):
+            try:
+                return cast(v)
+            except ValueError:
+                pass
+        return v
+    with open(path, newline="") as f:
+        return [{k: parse(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
 def plot_lines(path: Path, rows: Sequence[dict], *, panel: str, x: str, y: str, line: str,
                title: str, xlabel: str, ylabel: str, hline: float | None = None,
                hline_label: str = "") -> None:
@@ -112,6 +128,8 @@ def plot_lines(path: Path, rows: Sequence[dict], *, panel: str, x: str, y: str, 
     import matplotlib.pyplot as plt
 
     panels = list(dict.fromkeys(r[panel] for r in rows))
+    names = list(dict.fromkeys(r[line] for r in rows))
+    color = {name: f"C{i % 10}" for i, name in enumerate(names)}   # same colour in every panel
     ncols = min(3, len(panels))
     nrows = -(-len(panels) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.6 * nrows), squeeze=False)
@@ -119,9 +137,10 @@ def plot_lines(path: Path, rows: Sequence[dict], *, panel: str, x: str, y: str, 
         sub = [r for r in rows if r[panel] == p and r.get(y) is not None]
         for name in dict.fromkeys(r[line] for r in sub):
             pts = sorted((r[x], r[y]) for r in sub if r[line] == name)
-            ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=name)
+            ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=name,
+                    color=color[name])
         if hline is not None:
-            ax.axhline(hline, color="gray", linestyle="--", label=hline_label)
+            ax.axhline(hline, color="gray", linestyle="--")
         ax.set_xscale("log", base=2)
         ax.set_title(f"{panel} {p}")
         ax.set_xlabel(xlabel)
@@ -129,8 +148,11 @@ def plot_lines(path: Path, rows: Sequence[dict], *, panel: str, x: str, y: str, 
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
+    handles = [plt.Line2D([], [], color=color[n], marker="o", label=n) for n in names]
+    if hline is not None:
+        handles.append(plt.Line2D([], [], color="gray", linestyle="--", label=hline_label))
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 8), fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
