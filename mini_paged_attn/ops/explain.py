@@ -233,7 +233,8 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
         # Count KV tiles with the tiles a split launch would use; keep them if it splits.
         split_tiles = tiles or default_tiles(head_size, dtype, on_gpu, split=True)
         n_tiles = max(1, _cdiv(max_context_len, split_tiles.block_n))
-        splits = num_splits_heuristic(units, slots, n_tiles, max(1, min(max_splits, MAX_SPLITS)))
+        splits = num_splits_heuristic(max(units, 1), slots, n_tiles,
+                                      max(1, min(max_splits, MAX_SPLITS)))
         # The heuristic's first rule: >= 80% of a wave needs no split.
         reason = "enough programs" if units >= 0.8 * slots else "heuristic"
     tiles = tiles or default_tiles(head_size, dtype, on_gpu, split=splits > 1)

@@ -74,6 +74,14 @@ def test_empty_sequence_gives_zeros_and_minus_inf(num_splits):
     assert_decode_matches_reference(batch, out, lse)
 
 
+def test_empty_batch_launches_nothing():
+    batch = make_decode_batch([5], num_q_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+                              dtype=torch.float16, seed=4, device=DEVICE)
+    q, kc, vc, bt, cl = batch.args
+    out, lse = paged_decode(q[:0], kc, vc, bt[:0], cl[:0], backend="triton", return_lse=True)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+
+
 def test_custom_scale():
     batch = make_decode_batch([30, 9], num_q_heads=4, num_kv_heads=2, head_size=64,
                               block_size=16, dtype=torch.float32, seed=11, device=DEVICE)
