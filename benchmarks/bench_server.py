@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import random
 import statistics
 import sys
@@ -34,13 +35,6 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-# Qwen2.5-0.5B's config.json shapes (weights here are random).
-QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                  max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                  tie_word_embeddings=True, bos_token_id=256, eos_token_id=256)
-
 
 @dataclass(frozen=True)
 class Req:
@@ -59,23 +53,13 @@ class ClientRecord:
 
 
 # ---- model and workload ----------------------------------------------------------------------
-def make_model_dir(preset: str, path: Path) -> Path:
-    """A random-weight model directory with the byte-level tokenizer of ``models/tiny.py``."""
-    from mini_paged_attn.models.tiny import (byte_level_hf_tokenizer, write_tiny_llama,
-                                             write_tokenizer_files)
-
+def make_model_dir(preset: str, root: Path) -> Path:
+    """A random-weight model directory (with a byte-level tokenizer; prompts are token ids)."""
     if preset == "tiny":
-        return write_tiny_llama(path)
-    if preset != "qwen2.5-0.5b":
-        raise ValueError(f"--make-model: expected tiny or qwen2.5-0.5b, got {preset!r}")
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN25_05B), dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    write_tokenizer_files(byte_level_hf_tokenizer(), path)
-    return path
+        from mini_paged_attn.models.tiny import write_tiny_llama
+        return write_tiny_llama(root / "tiny")
+    from bench_engine import random_model_dir  # Qwen shapes, drawn on the GPU
+    return random_model_dir(preset, root)
 
 
 def workload(seed: int, num: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
@@ -227,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     from mini_paged_attn.engine import LLM
 
     tmp = tempfile.TemporaryDirectory()
-    model_dir = args.model or make_model_dir(args.make_model, Path(tmp.name) / args.make_model)
+    model_dir = args.model or make_model_dir(args.make_model, Path(tmp.name))
     llm = LLM(str(model_dir), dtype=args.dtype, device=args.device,
               num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
               enforce_eager=args.enforce_eager, seed=args.seed)
@@ -267,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
         thread.join(30)
 
-    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
-              and str(engine.model_config.dtype) != "" and args.device != "cpu" else "CPU")
+    on = engine.runner.device
+    device = torch.cuda.get_device_name(on) if on.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
     print(f"\nmodel {args.model or args.make_model} ({engine.model_config.dtype}), device "
           f"{device}, prompt {args.prompt_len[0]}..{args.prompt_len[1]}, output "
           f"{args.output_len[0]}..{args.output_len[1]} tokens, seed {args.seed}, torch "
