@@ -48,9 +48,8 @@ from common import (Ceilings, environment, markdown_table, measure_ceilings,  # 
                     plot_lines, print_table, read_csv, time_graph_us, time_us, write_csv)
 
 from mini_paged_attn.ops import paged_decode  # noqa: E402
-from mini_paged_attn.ops.checks import check_paged_decode_args  # noqa: E402
-from mini_paged_attn.ops.decode import triton_paged_decode, workspace_size  # noqa: E402
-from mini_paged_attn.ops.explain import MAX_SPLITS, DecodeTiles, explain_decode  # noqa: E402
+from mini_paged_attn.ops.decode import workspace_size  # noqa: E402
+from mini_paged_attn.ops.explain import MAX_SPLITS, explain_decode  # noqa: E402
 
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION,
                  "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -362,87 +361,6 @@ def _wide_table(rows: list[dict]) -> list[dict]:
     return [{k: line.get(k) for k in cols} for line in table]
 
 
-def _launch_overhead(ceilings: Ceilings) -> list[dict]:
-    """Host microseconds per call (no sync; the GPU work is tiny, so the host is the limit)."""
-    import time
-    case = DecodeCase(1, 1024)
-    x = make_inputs(case, seed=99)
-    shapes = check_paged_decode_args(*x.args, None, x.out)
-    k = gather_contiguous(x, x.key_cache, case).contiguous()
-    v = gather_contiguous(x, x.value_cache, case).contiguous()
-    fns = {"paged_decode split": ours(x, num_splits=4),
-           "paged_decode 1 split": ours(x, num_splits=1),
-           "triton_paged_decode 1 split": lambda: triton_paged_decode(
-               *x.args, shapes, out=x.out, lse=None, num_splits=1),
-           "sdpa (default backend)": lambda: sdpa_decode(x.query, k, v)}
-    rows = []
-    for repeat in range(2):
-        for name, fn in fns.items():
-            for _ in range(20):
-                fn()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(300):
-                fn()
-            host = (time.perf_counter() - t) / 300 * 1e6
-            torch.cuda.synchronize()
-            rows.append(dict(case=f"launch overhead #{repeat}", experiment=name, us=host))
-    import cProfile
-    import pstats
-    profile = cProfile.Profile()
-    profile.runcall(lambda: [fns["paged_decode split"]() for _ in range(300)])
-    pstats.Stats(profile).sort_stats("tottime").print_stats(14)
-    return rows
-
-
-def run_tune(args, ceilings: Ceilings) -> None:
-    """Tile and split sweeps: batch 1 under CUDA-graph replay, larger batches with do_bench.
-
-    Earlier sweeps (H100, recorded in BENCHMARKS.md) settled block_n / warps / stages for long
-    contexts; this one covers batch 1 and short contexts.
-    """
-    rows = []
-
-    def label(case):
-        return f"{case.batch}x{case.context} D{case.head_size} bs{case.block_size}"
-
-    for i, case in enumerate([DecodeCase(1, 4096), DecodeCase(1, 16384), DecodeCase(1, 65536)]):
-        sets = max(1, min(16, math.ceil(ROTATE_BYTES / case.kv_bytes)))
-        xs = [make_inputs(case, seed=100 * i + j) for j in range(sets)]
-        for splits in (None, 16, 24, 32, 48):
-            row = dict(case=label(case), forced_splits=splits)
-            row["graph_us"] = time_graph_us([ours(x, num_splits=splits) for x in xs])
-            row["pct_copy"] = 100 * case.kv_bytes / (row["graph_us"] * 1e-6) / 1e9 \
-                / ceilings.copy_gbps
-            rows.append(row)
-        del xs
-    print_table(rows, ["case", "forced_splits", "graph_us", "pct_copy"], )
-    tiles_list = [(64, 4, 3), (32, 4, 5), (64, 4, 2), (32, 4, 3), (128, 4, 2), (64, 8, 3)]
-    for i, case in enumerate([DecodeCase(128, 1024), DecodeCase(64, 1024), DecodeCase(32, 4096),
-                              DecodeCase(256, 1024), DecodeCase(8, 16384)]):
-        first = len(rows)
-        x = make_inputs(case, seed=i)
-        shapes = check_paged_decode_args(*x.args, None, x.out)
-        for t in tiles_list:
-            for splits in (None, 2):
-                tiles = DecodeTiles(*t)
-                row = dict(case=label(case), block_n=t[0], warps=t[1], stages=t[2],
-                           forced_splits=splits)
-                row["us"] = time_us(lambda: triton_paged_decode(
-                    *x.args, shapes, out=x.out, lse=None, workspace=x.workspace, tiles=tiles,
-                    num_splits=splits))
-                row["pct_copy"] = 100 * case.kv_bytes / (row["us"] * 1e-6) / 1e9 \
-                    / ceilings.copy_gbps
-                rows.append(row)
-        print_table(rows[first:], ["case", "block_n", "warps", "stages", "forced_splits", "us",
-                                   "pct_copy"])
-        print(flush=True)
-        del x
-        torch.cuda.empty_cache()
-    if args.out:
-        write_csv(Path(args.out) / "tune.csv", rows)
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--part", choices=("decode", "prefill", "all"), default="all")
@@ -480,11 +398,12 @@ def main(argv=None) -> None:
     ceilings = measure_ceilings()
     print(f"{env}\nceilings: copy {ceilings.copy_gbps:.0f} GB/s (read+write), "
           f"bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s", flush=True)
-    if args.launch_overhead:
-        print_table(_launch_overhead(ceilings), ["case", "experiment", "us"])
-        return
-    if args.tune:
-        run_tune(args, ceilings)
+    if args.launch_overhead or args.tune:
+        import decode_tuning
+        if args.launch_overhead:
+            print_table(decode_tuning.launch_overhead(), ["case", "experiment", "us"])
+        else:
+            decode_tuning.run_tune(args, ceilings)
         return
     if args.part in ("decode", "all"):
         run_decode(args, ceilings, env, out_dir)

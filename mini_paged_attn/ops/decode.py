@@ -15,8 +15,9 @@ workspace, and ``_merge_splits_kernel`` combines them (the online-softmax merge)
 sequence's last tile load nothing and write 0 with lse ``-inf`` (weight 0 in the merge), so the
 grid is fixed by the launch arguments alone (CUDA-graph friendly) and nothing is read
 uninitialised. On CUDA the merge is launched as a programmatic dependent launch (PDL): it is
-scheduled while the decode kernel drains and waits (``gdc_wait``) before reading its results. ``num_splits == 1`` is one launch writing ``out`` directly: a sequence's result
-then depends only on its own data (batch-invariant, deterministic).
+scheduled while the decode kernel drains and waits (``gdc_wait``) before reading its results.
+``num_splits == 1`` is one launch writing ``out`` directly: a sequence's result then depends
+only on its own data (batch-invariant, deterministic).
 """
 
 from __future__ import annotations
