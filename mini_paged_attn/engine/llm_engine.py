@@ -251,20 +251,21 @@ class LLMEngine:
         self._num_steps += 1
         self._prompt_tokens += out.num_prefill_tokens
         self._generation_tokens += num_generated
-        self._recent.append((start, end, num_generated))
-        while self._recent and self._recent[0][1] < end - RATE_WINDOW_S:
-            self._recent.popleft()
+        with self._lock:    # stats() may read it from another thread
+            self._recent.append((start, end, num_generated))
+            while self._recent and self._recent[0][1] < end - RATE_WINDOW_S:
+                self._recent.popleft()
 
     def stats(self) -> EngineStats:
         """A snapshot of the pool, the queues and the throughput (cheap; any thread)."""
-        recent = list(self._recent)
+        with self._lock:
+            recent = list(self._recent)
+            pending = len(self._pending_adds)
         rate = 0.0
         if recent and recent[-1][1] > time.perf_counter() - RATE_WINDOW_S:
             span = recent[-1][1] - recent[0][0]
             rate = sum(r[2] for r in recent) / span if span > 0 else 0.0
         kv = self.kv_manager
-        with self._lock:
-            pending = len(self._pending_adds)
         return EngineStats(
             kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks(),
             kv_blocks_cached=kv.prefix_cache.num_cached_blocks, block_size=kv.block_size,

@@ -16,6 +16,13 @@ import torch
 from .sampling_params import SamplingParams
 
 
+def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A per-row parameter tensor on the device. Pinned on CUDA: a copy from pageable memory
+    would first wait for the stream, i.e. for the whole forward."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 @dataclass
 class SamplerOutput:
     """Sampled token ids (host list, one per row) and, when any row asked, logprobs.
@@ -86,19 +93,18 @@ class Sampler:
                 seeds: list[tuple[int, int] | None], greedy: list[bool]) -> torch.Tensor:
         device = logits.device
         greedy_ids = logits.argmax(dim=-1) if any(greedy) else None
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                             dtype=torch.float32).to(device, non_blocking=True)
+        temps = _upload([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                        torch.float32, device)
         logits.div_(temps[:, None])
 
         top_k = [p.top_k for p in params]
         if any(k != -1 for k in top_k):
             vocab = logits.shape[1]
             k_max = min(vocab, max(top_k))
-            k = torch.tensor([min(v, vocab) if v != -1 else k_max for v in top_k],
-                             dtype=torch.int64).to(device, non_blocking=True)
+            k = _upload([min(v, vocab) if v != -1 else k_max for v in top_k], torch.int64, device)
             # The k-th largest logit of each row is its threshold (-inf: top-k off).
             kth = logits.topk(k_max, dim=-1).values.gather(1, (k - 1)[:, None])
-            off = torch.tensor([v == -1 for v in top_k], dtype=torch.bool).to(device, non_blocking=True)
+            off = _upload([v == -1 for v in top_k], torch.bool, device)
             kth.masked_fill_(off[:, None], float("-inf"))
             logits.masked_fill_(logits < kth, float("-inf"))
 
@@ -120,7 +126,7 @@ class Sampler:
             # argmax(p / q) == argmax(logits / T - log q): no softmax needed.
             sampled = logits.sub_(noise.log_()).argmax(dim=-1)
         if greedy_ids is not None:
-            is_greedy = torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True)
+            is_greedy = _upload(greedy, torch.bool, device)
             sampled = torch.where(is_greedy, greedy_ids, sampled)
         return sampled
 
@@ -129,8 +135,7 @@ class Sampler:
         """Zero the probabilities top-p and min-p drop (per row; thresholds, in place)."""
         device = probs.device
         if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params],
-                                 dtype=torch.float32).to(device, non_blocking=True)
+            top_p = _upload([p.top_p for p in params], torch.float32, device)
             sorted_probs = probs.sort(dim=-1, descending=True).values
             # Keep a token while the mass before it is below top_p (the first always stays).
             before = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -138,8 +143,7 @@ class Sampler:
             threshold = sorted_probs.gather(1, keep - 1)
             probs.masked_fill_(probs < threshold, 0.0)
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params],
-                                 dtype=torch.float32).to(device, non_blocking=True)
+            min_p = _upload([p.min_p for p in params], torch.float32, device)
             threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
             probs.masked_fill_(probs < threshold, 0.0)
 
