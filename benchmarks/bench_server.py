@@ -216,13 +216,19 @@ def main(argv: list[str] | None = None) -> int:
               num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
               enforce_eager=args.enforce_eager, seed=args.seed)
     engine = llm.engine
+    if engine.runner.device.type == "cpu":  # as `serve` does (and for the offline runs too)
+        from mini_paged_attn.commands.serve import leave_a_core_for_http
+        leave_a_core_for_http()
     vocab = engine.model_config.vocab_size
     sets = {n: workload(args.seed + n, max(args.min_requests, args.requests_per_client * n),
                         tuple(args.prompt_len), tuple(args.output_len), vocab)
             for n in args.clients}
-    # Warm-up: kernels compile / CUDA graphs capture before anything is timed.
-    offline_closed_loop(engine, workload(args.seed - 1, 4, tuple(args.prompt_len),
-                                         tuple(args.output_len), vocab), 4)
+    # Warm-up, as large as the largest measured set (other prompts: no prefix-cache hits later):
+    # kernels compile, CUDA graphs capture, and the KV pool's pages are touched (first touches
+    # of a fresh CPU pool are slow) before anything is timed.
+    big = max(args.clients)
+    offline_closed_loop(engine, workload(args.seed - 1, len(sets[big]), tuple(args.prompt_len),
+                                         tuple(args.output_len), vocab), big)
     offline = {n: offline_closed_loop(engine, sets[n], n) for n in args.clients}
 
     server, thread, url = start_server(engine, "bench")
