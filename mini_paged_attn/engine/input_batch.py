@@ -82,6 +82,10 @@ class InputBuilder:
         self.table = np.zeros((s, w), dtype=np.int32)      # one row per running sequence
         self._rows: dict[int, int] = {}
         self._free_rows = list(range(s - 1, -1, -1))
+        # Recorded after each step's uploads. The copies read the pinned host buffers when the
+        # stream reaches them, and a step that samples nothing (a prompt chunk) ends without a
+        # host sync, so the next build waits on this before overwriting the host buffers.
+        self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
 
     # ---- regions (device views at fixed offsets: CUDA graphs read them in place) ----------------
     def region(self, name: str, n: int) -> torch.Tensor:
@@ -128,6 +132,8 @@ class InputBuilder:
         ids_at, pos_at, slots_at = r64["input_ids"], r64["positions"], r64["slot_mapping"]
         cu_at, ctx_at, bt_at = r32["cu_seqlens_q"], r32["context_lens"], r32["block_tables"]
         i64, i32 = self.i64.np, self.i32.np
+        if self._uploaded is not None:
+            self._uploaded.synchronize()     # the previous step's copies have read the buffers
         if out.decode_only:
             # One token each; not always the last one (a 1-token prompt chunk, a recompute).
             i64[ids_at:ids_at + n] = [seq.token_ids[seq.num_computed_tokens] for seq in seqs]
@@ -169,7 +175,7 @@ class InputBuilder:
             i64[at:at + num_sample_rows] = np.repeat(cu[1:] - 1, num_samples)
             sample_rows = self.i64.upload(at, at + num_sample_rows)
 
-        return StepInputs(
+        inputs = StepInputs(
             input_ids=self.i64.upload(ids_at, ids_at + m),
             positions=self.i64.upload(pos_at, pos_at + m),
             slot_mapping=self.i64.upload(slots_at, slots_at + m),
@@ -178,6 +184,9 @@ class InputBuilder:
             block_tables=self.i32.upload(bt_at, bt_at + n * width).view(n, width),
             max_seqlen_q=int(q_lens.max()) if n else 0,
             num_sample_rows=num_sample_rows, sample_rows=sample_rows)
+        if self._uploaded is not None:
+            self._uploaded.record()
+        return inputs
 
 
 def _round_up(x: int, multiple: int) -> int:
