@@ -86,8 +86,6 @@ class LLMEngine:
         self._live: set[str] = set()          # request ids pending or in the scheduler
         self._states: dict[str, RequestState] = {}
         self._ids = itertools.count()
-        # The most recent step's schedule (batch composition, preemptions, copies), for display.
-        self.last_schedule = None
         # Statistics.
         self._num_steps = 0
         self._prompt_tokens = 0
@@ -238,6 +236,11 @@ class LLMEngine:
         if finished_ids:
             with self._lock:
                 self._live.difference_update(finished_ids)
+                # An abort queued while the request was finishing anyway must not reach a new
+                # request that reuses its id.
+                if self._pending_aborts:
+                    done = set(finished_ids)
+                    self._pending_aborts = [r for r in self._pending_aborts if r not in done]
             for request_id in finished_ids:
                 del self._states[request_id]
                 self.runner.sampler.release(request_id)

@@ -257,6 +257,33 @@ def test_add_and_abort_from_another_thread(tiny_llm):
     assert_pool_whole(engine)
 
 
+def test_abort_of_a_finishing_request_spares_a_new_one_with_its_id(tiny_llm, monkeypatch):
+    """An abort that arrives while its request finishes in the same step must not carry over
+    to a new request submitted under the same id afterwards."""
+    engine = tiny_llm.engine
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    engine.add_request("finishes in one step", params, request_id="reused")
+    update = engine.scheduler.update
+
+    def update_then_abort(*args, **kwargs):
+        grew = update(*args, **kwargs)
+        assert engine.abort_request("reused")     # still live: the step has not ended yet
+        return grew
+
+    monkeypatch.setattr(engine.scheduler, "update", update_then_abort)
+    (first,) = engine.step()
+    monkeypatch.undo()
+    assert first.finished and first.outputs[0].finish_reason == "length"
+    engine.add_request("the same id again", SamplingParams(temperature=0, max_tokens=3,
+                                                           ignore_eos=True), request_id="reused")
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
+    assert len(outputs[-1].outputs[0].token_ids) == 3
+    assert_pool_whole(engine)
+
+
 def test_stats_report_the_pool_and_throughput(tiny_llm):
     tiny_llm.generate(["x" * 10, "y" * 10], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
     stats = tiny_llm.stats()
