@@ -59,7 +59,8 @@ class OutputProcessor:
 
     def process(self, state: RequestState, seq: Sequence) -> bool:
         """Detokenize what ``seq`` gained; returns True if a stop string matched (the caller
-        then finishes the sequence with reason "stop")."""
+        then finishes a running sequence with reason "stop"; one that already finished on its
+        length with the same token gets reason "stop" here, since its text ends there)."""
         if not state.incremental:
             return False
         text = state.texts.get(seq.index)
@@ -77,6 +78,8 @@ class OutputProcessor:
             at = full.find(stop, max(0, text.searched - len(stop) + 1))
             if at != -1:
                 text.final_text = full[:at]
+                if seq.finish_reason is FinishReason.LENGTH:
+                    seq.finish_reason = FinishReason.STOP
                 return True
         text.searched = len(full)
         return False

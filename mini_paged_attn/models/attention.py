@@ -37,8 +37,9 @@ class AttentionMetadata:
         decode_only: every sequence has exactly one new token -> ``ops.paged_decode``
             (``num_tokens == num_seqs``); else ``ops.paged_prefill``.
         backend: "auto" | "torch" | "triton", passed to the ops.
-        num_splits: triton decode only: fixed split-KV count (a CUDA graph needs one that does
-            not depend on the lengths); None lets the op's heuristic choose.
+        num_splits: triton decode only: a fixed split-KV count; None lets the op's heuristic
+            choose (from shapes only, the table width included, never from the lengths, so a
+            captured CUDA graph keeps the plan it was captured with). The engine leaves it None.
         decode_workspace: triton decode only: float32 scratch for split-KV partials so the
             launch allocates nothing (see ``ops.decode.workspace_size``).
     """

@@ -232,6 +232,24 @@ def test_requests_that_can_never_fit_are_rejected(tiny_model_factory):
     assert_pool_whole(engine)
 
 
+def test_a_stop_string_in_the_last_token_finishes_with_stop(tiny_llm):
+    """max_tokens and a stop string both end the sample at its last token: the text stops
+    before the stop string, so the reason is "stop" (for each of n samples)."""
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    full = tiny_llm.generate("Hello", greedy, use_tqdm=False)[0].outputs[0]
+    assert full.finish_reason == "length"
+    # The shortest suffix of the text that occurs nowhere earlier in it.
+    stop = next(full.text[-k:] for k in range(1, len(full.text) + 1)
+                if full.text.find(full.text[-k:]) == len(full.text) - k)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[stop], n=2)
+    out = tiny_llm.generate("Hello", params, use_tqdm=False)[0]
+    for sample in out.outputs:
+        assert sample.token_ids == full.token_ids
+        assert sample.text == full.text[:-len(stop)]
+        assert sample.finish_reason == "stop"
+    assert_pool_whole(tiny_llm.engine)
+
+
 def test_add_and_abort_from_another_thread(tiny_llm):
     engine = tiny_llm.engine
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
