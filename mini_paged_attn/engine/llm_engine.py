@@ -81,6 +81,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
         self._lock = threading.Lock()
+        # Held for the whole of step(): two threads stepping at once would corrupt the scheduler
+        # and overwrite each other's staging buffers mid-forward, so the second one raises.
+        self._step_lock = threading.Lock()
         self._pending_adds: list[RequestState] = []
         self._pending_aborts: list[str] = []
         self._live: set[str] = set()          # request ids pending or in the scheduler
@@ -182,7 +185,21 @@ class LLMEngine:
 
     # ---- stepping (one thread) -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; an output for every request that got tokens or finished."""
+        """Run one scheduler step; an output for every request that got tokens or finished.
+
+        Raises:
+            RuntimeError: another thread is inside ``step()`` (one thread steps an engine; nothing
+                is changed by the refused call).
+        """
+        if not self._step_lock.acquire(blocking=False):
+            raise RuntimeError("step(): another thread is stepping this engine; only one thread "
+                               "may call step() (others use add_request / abort_request)")
+        try:
+            return self._step()
+        finally:
+            self._step_lock.release()
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         with self._lock:
             adds, self._pending_adds = self._pending_adds, []
