@@ -2,7 +2,10 @@
 
 A full block is named by a chained hash, ``hash(parent_hash, tokens of the block)``, so equal
 hashes mean equal *prefixes*, not just equal blocks. A hit is confirmed by comparing the block's
-tokens and parent hash with the cached entry, so a hash collision costs a miss, never wrong KV.
+tokens and parent hash with the cached entry; that check cannot see a collision further up the
+chain (two different prefixes with one parent hash), so the hash is a 128-bit BLAKE2b digest,
+not Python's 64-bit ``hash`` (whose integer and tuple hashing are easy to invert, which would let
+a crafted prompt plant its K/V under another prompt's prefix). About 1.5 us per full block.
 
 Ownership (with the block manager's reference counts):
 - a cached block that sequences use has one reference per sequence, as any block;
@@ -14,17 +17,22 @@ So ``ref_count(b) == (sequences holding b) + (1 if b is evictable)`` for every b
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 # Parent hash of a sequence's first block.
 ROOT_HASH = 0x6D696E69  # "mini"
+HASH_BYTES = 16
 
 
 def hash_block(parent_hash: int, tokens: Sequence[int]) -> int:
-    """Chained hash of one full block (Python's tuple hash: deterministic for ints)."""
-    return hash((parent_hash, tuple(tokens)))
+    """Chained hash of one full block: a 128-bit int (BLAKE2b of the parent hash and the
+    tokens as int64), deterministic across processes."""
+    data = parent_hash.to_bytes(HASH_BYTES, "little") + array("q", tokens).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=HASH_BYTES).digest(), "little")
 
 
 @dataclass(frozen=True)

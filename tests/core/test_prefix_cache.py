@@ -35,6 +35,14 @@ def test_chained_hash_depends_on_prefix():
                                                         [5, 6, 7, 8])
 
 
+def test_chained_hash_is_not_pythons_invertible_hash():
+    # Python hashes ints modulo 2**61 - 1: parents p and p + 2**61 - 1 would name one block,
+    # and the token check compares only the parent *hash*, so that would be wrong KV.
+    h1 = hash_block(ROOT_HASH, [1, 2, 3, 4])
+    assert hash_block(h1, [5, 6, 7, 8]) != hash_block(h1 + 2**61 - 1, [5, 6, 7, 8])
+    assert hash((h1, (5, 6, 7, 8))) == hash((h1 + 2**61 - 1, (5, 6, 7, 8)))
+
+
 def test_token_check_rejects_a_colliding_hash():
     cache = PrefixCache()
     assert cache.insert(123, ROOT_HASH, (1, 2, 3, 4), block_id=7)
