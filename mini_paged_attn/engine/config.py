@@ -63,6 +63,9 @@ class EngineConfig:
             raise ValueError(f"seed: expected an int, got {self.seed!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
+        t = self.log_stats_interval_s
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t < float("inf"):
+            raise ValueError(f"log_stats_interval_s: expected a number >= 0, got {t!r}")
         for name in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
