@@ -128,7 +128,6 @@ def test_bf16_error_is_within_transformers_bf16_noise(tiny_model_factory, arch):
     assert 0 < (ours - exact).abs().max().item() <= 1.5 * noise
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")   # numpy, inside the Triton interpreter
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @torch.inference_mode()
 def test_triton_backend_matches_torch_backend(tiny_model_factory, arch):
