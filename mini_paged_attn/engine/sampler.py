@@ -72,7 +72,6 @@ class Sampler:
         Returns:
             :class:`SamplerOutput` (one host sync: the sampled ids).
         """
-        num_rows = logits.shape[0]
         want_logprobs = [p.logprobs for p in params]
         raw_logprobs = None
         if any(k is not None for k in want_logprobs):
