@@ -89,6 +89,9 @@ class InputBuilder:
 
     # ---- regions (device views at fixed offsets: CUDA graphs read them in place) ----------------
     def region(self, name: str, n: int) -> torch.Tensor:
+        """The first ``n`` elements of a staging region on the device, a view at a fixed
+        address: int64 for input_ids / positions / slot_mapping / sample_rows, int32 for
+        cu_seqlens_q / context_lens / block_tables (flattened ``[num_seqs * width]``)."""
         if name in self._i64_regions:
             start = self._i64_regions[name]
             return self.i64.device[start:start + n]

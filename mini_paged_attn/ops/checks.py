@@ -95,6 +95,8 @@ def check_scale(scale: float | None, head_size: int) -> float:
 
 
 def check_out(out: torch.Tensor | None, like: torch.Tensor) -> None:
+    """Check an optional ``out`` tensor: None, or ``like``'s shape, dtype and device (``like``
+    is the query, ``[num_tokens, num_q_heads, head_size]``)."""
     if out is None:
         return
     check_tensor("out", out, ndim=like.dim(), dtypes=(like.dtype,), device=like.device)
