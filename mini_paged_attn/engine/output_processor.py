@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ..core.request import FinishReason, Request, Sequence
 from ..models.tokenizer import IncrementalDetokenizer, Tokenizer
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .outputs import CompletionOutput, GrowingListView, RequestMetrics, RequestOutput
 
 
 @dataclass
@@ -33,6 +33,11 @@ class RequestState:
     final_only: bool                # only the finished output is wanted (LLM.generate)
     stop: tuple[str, ...] = ()
     texts: dict[int, _SampleText] = field(default_factory=dict)
+    # One copy of the prompt for all the request's outputs (they share it: read-only).
+    prompt_token_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.request.prompt_token_ids)
 
     @property
     def incremental(self) -> bool:
@@ -49,13 +54,19 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
 
+    def _num_to_decode(self, seq: Sequence) -> int:
+        """Generated tokens whose text counts: a stop token ends the text without appearing
+        in it. (O(1): called for every sequence every step.)"""
+        tokens = seq.token_ids
+        num = len(tokens) - seq.request.num_prompt_tokens
+        if (num and seq.finish_reason is FinishReason.STOP
+                and tokens[-1] in seq.request.stop_token_ids):
+            num -= 1
+        return num
+
     def _ids_to_decode(self, seq: Sequence) -> list[int]:
-        """Generated ids whose text counts: a stop token ends the text without appearing in it."""
-        ids = seq.output_token_ids
-        if (seq.finish_reason is FinishReason.STOP and ids
-                and ids[-1] in seq.request.stop_token_ids):
-            ids = ids[:-1]
-        return ids
+        start = seq.request.num_prompt_tokens
+        return seq.token_ids[start:start + self._num_to_decode(seq)]
 
     def process(self, state: RequestState, seq: Sequence) -> bool:
         """Detokenize what ``seq`` gained; returns True if a stop string matched (the caller
@@ -67,10 +78,11 @@ class OutputProcessor:
         if text is None:
             det = self.tokenizer.detokenizer(seq.request.prompt_token_ids)
             text = state.texts[seq.index] = _SampleText(det)
-        ids = self._ids_to_decode(seq)
-        if len(ids) > text.num_fed:
-            text.detokenizer.add(ids[text.num_fed:])
-            text.num_fed = len(ids)
+        num = self._num_to_decode(seq)
+        if num > text.num_fed:
+            start = seq.request.num_prompt_tokens
+            text.detokenizer.add(seq.token_ids[start + text.num_fed:start + num])
+            text.num_fed = num
         if seq.is_finished:
             text.detokenizer.flush()
         full = text.detokenizer.text
@@ -98,16 +110,32 @@ class OutputProcessor:
         return full[:max(0, len(full) - state.hold)]
 
     def make_output(self, state: RequestState) -> RequestOutput:
+        """The request's output now. O(new tokens) while it runs: token ids and logprobs are
+        views (see GrowingListView), copied into lists once, in the finished output."""
         request = state.request
+        finished = request.is_finished
+        wants_logprobs = request.params.logprobs is not None
+        start = request.num_prompt_tokens
         completions = []
-        for seq in sorted(request.sequences, key=lambda s: s.index):
-            wants_logprobs = request.params.logprobs is not None
+        num_generated = 0
+        for seq in request.sequences:    # in index order: the scheduler appends them so
+            tokens = seq.token_ids
+            num_generated += len(tokens) - start
+            logprobs = None
+            if finished:
+                token_ids = tokens[start:]
+                if wants_logprobs:
+                    logprobs = list(seq.logprobs or ())
+            else:
+                token_ids = GrowingListView(tokens, start, len(tokens))
+                if wants_logprobs:
+                    lps = seq.logprobs if seq.logprobs is not None else []
+                    logprobs = GrowingListView(lps, 0, len(lps))
             completions.append(CompletionOutput(
-                index=seq.index, text=self._text_of(state, seq),
-                token_ids=seq.output_token_ids,
+                index=seq.index, text=self._text_of(state, seq), token_ids=token_ids,
                 finish_reason=seq.finish_reason.value if seq.finish_reason else None,
                 cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-                logprobs=list(seq.logprobs or []) if wants_logprobs else None))
+                logprobs=logprobs))
         first = request.sequences[0]
         metrics = RequestMetrics(
             arrival_time=request.arrival_time,
@@ -116,11 +144,11 @@ class OutputProcessor:
             finished_time=request.finished_time,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=first.num_cached_tokens,
-            num_generation_tokens=sum(s.num_output_tokens for s in request.sequences),
+            num_generation_tokens=num_generated,
             last_token_time=request.last_token_time)
         return RequestOutput(request_id=request.request_id, prompt=state.prompt,
-                             prompt_token_ids=list(request.prompt_token_ids),
-                             outputs=completions, finished=request.is_finished, metrics=metrics)
+                             prompt_token_ids=state.prompt_token_ids,
+                             outputs=completions, finished=finished, metrics=metrics)
 
 
 __all__ = ["OutputProcessor", "RequestState"]

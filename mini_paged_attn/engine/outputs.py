@@ -2,7 +2,54 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+
+class GrowingListView(Sequence):
+    """Read-only view of items ``start .. stop-1`` of a list that is only ever appended to.
+
+    What a streamed output holds instead of a copy of a sample's token ids (or logprobs): made in
+    O(1), ``len`` in O(1), ``view[a:]`` copies only the ``a:`` part. Since the engine only
+    appends to the list past ``stop``, the view's items never change: it is a snapshot, safe to
+    read from another thread while the engine runs. Compares equal to a list or tuple with the
+    same items; ``list(view)`` gives a plain list.
+    """
+
+    __slots__ = ("_items", "_start", "_stop")
+
+    def __init__(self, items: list, start: int, stop: int) -> None:
+        assert 0 <= start <= stop <= len(items), (start, stop, len(items))
+        self._items, self._start, self._stop = items, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, i):
+        n = self._stop - self._start
+        if isinstance(i, slice):
+            a, b, step = i.indices(n)
+            if step == 1:
+                return self._items[self._start + a:self._start + max(a, b)]
+            return [self._items[self._start + k] for k in range(a, b, step)]
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index out of range for a view of {n} items")
+        return self._items[self._start + i]
+
+    def __iter__(self):
+        return iter(self._items[self._start:self._stop])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (GrowingListView, list, tuple)):
+            return len(self) == len(other) and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None     # like a list
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 @dataclass
@@ -14,14 +61,19 @@ class CompletionOutput:
     ``logprobs`` (when asked): per generated token, ``{token_id: logprob}`` for the top
     ``logprobs`` tokens and the sampled one. ``cumulative_logprob``: the sum of the sampled
     tokens' logprobs (when asked), else None.
+
+    ``token_ids`` and ``logprobs`` are plain lists in a finished output. In the outputs of a
+    running request they are :class:`GrowingListView` snapshots instead (read-only, made in O(1)
+    so a streaming step costs O(new tokens), not O(tokens so far)); to keep track of what is
+    new, keep ``len(token_ids)`` / ``len(text)`` and slice from there next time.
     """
 
     index: int
     text: str
-    token_ids: list[int]
+    token_ids: Sequence[int]
     finish_reason: str | None = None          # "stop" | "length" | "abort" | None (running)
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: Sequence[dict[int, float]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -59,7 +111,10 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after a step (or at the end, for ``LLM.generate``)."""
+    """The state of one request after a step (or at the end, for ``LLM.generate``).
+
+    ``prompt_token_ids`` is one list shared by all the outputs of the request: do not modify it.
+    """
 
     request_id: str
     prompt: str | None
@@ -109,4 +164,4 @@ class EngineStats:
                 f"generation {self.generation_tokens_per_s:.1f} tok/s")
 
 
-__all__ = ["CompletionOutput", "EngineStats", "RequestMetrics", "RequestOutput"]
+__all__ = ["CompletionOutput", "EngineStats", "GrowingListView", "RequestMetrics", "RequestOutput"]

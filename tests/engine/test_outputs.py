@@ -1,0 +1,49 @@
+"""Streamed outputs are O(1) snapshots (GrowingListView) that never change; finished ones hold lists."""
+
+from __future__ import annotations
+
+import pytest
+
+from mini_paged_attn.engine import LLMEngine, SamplingParams
+from mini_paged_attn.engine.config import EngineConfig
+from mini_paged_attn.engine.outputs import GrowingListView
+
+
+def test_growing_list_view_is_a_read_only_snapshot():
+    items = [10, 11, 12, 13, 14]
+    view = GrowingListView(items, 1, 4)
+    items.append(15)                      # appends past the view do not show
+    assert len(view) == 3 and view == [11, 12, 13] and [11, 12, 13] == view
+    assert view == (11, 12, 13) and view != [11, 12] and view != [11, 12, 14]
+    assert view[0] == 11 and view[-1] == 13 and view[1:] == [12, 13] and view[::2] == [11, 13]
+    assert view[5:] == [] and view[-2:] == [12, 13] and list(view) == [11, 12, 13]
+    assert 12 in view and 14 not in view and view.index(13) == 2 and repr(view) == "[11, 12, 13]"
+    for bad in (3, -4):
+        with pytest.raises(IndexError):
+            view[bad]
+    with pytest.raises(TypeError):
+        view[0] = 1
+    assert GrowingListView(items, 2, 2) == []
+
+
+def test_streamed_outputs_are_snapshots_and_the_final_one_holds_lists():
+    engine = LLMEngine.from_model("tiny", dtype="float32", device="cpu",
+                                  config=EngineConfig(block_size=4, num_kv_blocks=32,
+                                                      max_num_seqs=4, max_model_len=64))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=2, logprobs=1)
+    rid = engine.add_request([5, 6, 7, 8, 9], params)
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += [o for o in engine.step() if o.request_id == rid]
+    assert len(seen) == 6 and seen[-1].finished
+    final = seen[-1]
+    for c in final.outputs:
+        assert type(c.token_ids) is list and type(c.logprobs) is list and len(c.token_ids) == 6
+    for k, out in enumerate(seen[:-1], start=1):
+        for c in out.outputs:
+            # Taken at step k, unchanged by the steps after it, a prefix of the final output.
+            assert isinstance(c.token_ids, GrowingListView) and len(c.token_ids) == k
+            assert c.token_ids == final.outputs[c.index].token_ids[:k]
+            assert len(c.logprobs) == k and list(c.logprobs) == final.outputs[c.index].logprobs[:k]
+            assert final.outputs[c.index].text.startswith(c.text)
+    assert all(o.prompt_token_ids == [5, 6, 7, 8, 9] for o in seen)
