@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from ..ops.dispatch import BACKENDS, paged_decode, paged_prefill, store_kv
+from ..ops.fused import apply_rotary
 from .config import ModelConfig
-from .layers import RMSNorm, apply_rotary
+from .layers import RMSNorm
 
 KVCache = tuple[torch.Tensor, torch.Tensor]   # (key_cache, value_cache) of one layer
 
@@ -139,17 +140,19 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """hidden: ``[num_tokens, hidden_size]``; cos, sin: ``[num_tokens, head_size // 2]``
+        """hidden: ``[num_tokens, hidden_size]``; positions: int64 ``[num_tokens]``;
+        cos_sin_cache: ``RotaryEmbedding.cos_sin_cache`` ``[max_positions, head_size]``
         -> ``[num_tokens, hidden_size]``, hidden's dtype."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(num_tokens, self.num_q_heads + 2 * self.num_kv_heads,
                                          self.head_size)
         q, k, v = qkv.split([self.num_q_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+            # Per-head norms on the strided views of qkv (the Triton kernel reads them in place).
+            q = self.q_norm(q, backend=meta.backend)
+            k = self.k_norm(k, backend=meta.backend)
+        q, k = apply_rotary(q, k, positions, cos_sin_cache, backend=meta.backend)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.view(num_tokens, self.num_q_heads * self.head_size))

@@ -3,7 +3,8 @@
 Tokens are flattened: activations are ``[num_tokens, ...]`` with no batch dim and no padding.
 The arithmetic follows Hugging Face's Llama/Qwen modules op for op (norm statistics in float32,
 rope tables computed in float32 then cast to the model dtype), so bf16 results match
-``transformers`` to the rounding of the matmuls.
+``transformers`` to the rounding of the matmuls. The elementwise work runs through
+:mod:`mini_paged_attn.ops.fused` (torch reference on CPU, one Triton kernel each on CUDA).
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..ops.fused import rms_norm, rotate_half_reference, silu_and_mul
 from .config import RopeConfig
 
 
@@ -26,11 +27,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: ``[..., size]`` float -> same shape and dtype."""
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
+                backend: str = "auto"):
+        """x: ``[..., size]`` float -> same shape and dtype. With ``residual`` (``[n, size]``,
+        x 2-D): normalise ``x + residual`` and return ``(normed, x + residual)``, one kernel
+        on the Triton backend (see :func:`~mini_paged_attn.ops.fused.rms_norm`)."""
+        return rms_norm(x, self.weight, self.eps, residual=residual, backend=backend)
 
 
 def rope_inv_freq(head_size: int, rope: RopeConfig,
@@ -99,9 +101,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     Returns:
         A new contiguous ``[num_tokens, num_heads, head_size]`` tensor in x's dtype.
     """
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotate_half_reference(x, cos, sin)
 
 
 class GatedMLP(nn.Module):
@@ -120,7 +120,6 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias,
                                    dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
         """x: ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``, same dtype."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), backend=backend))

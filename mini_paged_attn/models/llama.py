@@ -35,11 +35,31 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias,
                             dtype=dtype, device=device)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """hidden: ``[num_tokens, hidden_size]`` -> same shape and dtype."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer, with the residual stream carried beside the activations: the layer's
+        output is ``mlp_out + residual``, and that add happens inside the next RMSNorm's kernel
+        (``rms_norm(..., residual=)``), as does the add after attention.
+
+        Args:
+            hidden: ``[num_tokens, hidden_size]``, the previous layer's MLP output (or the
+                embeddings when ``residual`` is None, the first layer).
+            residual: None or ``[num_tokens, hidden_size]``, the stream before that output.
+            positions, cos_sin_cache: as in :meth:`Attention.forward`.
+
+        Returns:
+            ``(mlp_out, residual)``, both ``[num_tokens, hidden_size]``: the layer's output
+            (in the unfused form) is ``mlp_out + residual``.
+        """
+        backend = meta.backend
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden, backend=backend)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual, backend=backend)
+        hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, backend=backend)
+        return self.mlp(hidden, backend=backend), residual
 
 
 class CausalLM(nn.Module):
@@ -91,11 +111,13 @@ class CausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: expected one (key_cache, value_cache) per layer "
                              f"({len(self.layers)}), got {len(kv_caches)}")
-        hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions)
+        hidden, residual = self.embed_tokens(input_ids), None
+        cos_sin_cache = self.rotary.cos_sin_cache
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, cos_sin_cache, kv_cache, meta)
+        if residual is None:                    # no layers
+            return self.norm(hidden, backend=meta.backend)
+        return self.norm(hidden, residual, backend=meta.backend)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: ``[n, hidden_size]`` model dtype -> float32 logits ``[n, vocab_size]``."""

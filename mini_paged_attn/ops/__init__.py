@@ -6,15 +6,19 @@
 - :func:`flash_attn_varlen_func`: FlashAttention's function of that name (``varlen.py``).
 - :func:`merge_attention_states`: the online-softmax combine of two partial results.
 - :func:`num_splits_heuristic`, :func:`explain_decode`: how decode splits the KV sequence.
+- :func:`rms_norm` (optionally fused with the residual add), :func:`apply_rotary`,
+  :func:`silu_and_mul`: the decoder's elementwise ops (``fused.py``, kernels in
+  ``fused_triton.py``), one Triton launch each on CUDA.
 """
 
 # Each line is enabled by the owner of its module once the module exists.
 from .dispatch import paged_decode, paged_prefill, resolve_backend, store_kv
 from .explain import explain_decode
+from .fused import apply_rotary, rms_norm, silu_and_mul
 from .heuristics import num_splits_heuristic
 from .merge import merge_attention_states
 from .varlen import flash_attn_varlen_func
 
 __all__ = ["paged_decode", "paged_prefill", "store_kv", "flash_attn_varlen_func",
            "merge_attention_states", "num_splits_heuristic", "explain_decode",
-           "resolve_backend"]
+           "resolve_backend", "rms_norm", "apply_rotary", "silu_and_mul"]

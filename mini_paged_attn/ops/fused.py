@@ -1,0 +1,172 @@
+"""The decoder's elementwise ops: RMSNorm (optionally fused with the residual add), rotary
+embedding of q and k, SiLU-and-mul.
+
+Each public function checks its arguments, then runs the torch reference below (the arithmetic
+of Hugging Face's Llama/Qwen modules, op for op) or one Triton kernel from
+:mod:`.fused_triton`, by the rule of :func:`~.dispatch.resolve_backend` (``"auto"``: Triton for
+CUDA tensors when it imports). Eager PyTorch needs ~10 kernels for an RMSNorm and ~7 per
+tensor for rope; each Triton path is one launch, with no host sync (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .checks import FLOAT_DTYPES, check_tensor
+from .dispatch import resolve_backend
+
+
+def _fail(name: str, expected: str, got: object) -> ValueError:
+    return ValueError(f"{name}: expected {expected}, got {got}")
+
+
+# ---- torch references (the specification) ----------------------------------------------------
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps))`` over the last dim, statistics in float32, the
+    normalised value cast to x's dtype before the weight (as ``LlamaRMSNorm``)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate_half_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the (i, i + D/2) pairs of every head. x: ``[n, heads, D]`` (any strides); cos,
+    sin: ``[n, D/2]`` in x's dtype. Returns a new contiguous tensor like x."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def apply_rotary_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                           cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+    return rotate_half_reference(q, cos, sin), rotate_half_reference(k, cos, sin)
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---- public ops ---------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+             residual: torch.Tensor | None = None, backend: str = "auto"):
+    """RMSNorm over the last dim; with ``residual``, of ``x + residual`` (one kernel).
+
+    Args:
+        x: float ``[..., dim]``, last dim contiguous. The Triton path reads ``[n, dim]`` and
+            ``[n, heads, dim]`` with any other strides (e.g. Qwen3's per-head q/k norm on views
+            of the fused qkv output); other ranks are reshaped.
+        weight: ``[dim]`` in x's dtype.
+        eps: added to the mean square.
+        residual: None, or ``[n, dim]`` (x then 2-D) in x's dtype.
+        backend: "auto" | "torch" | "triton".
+
+    Returns:
+        ``normed`` (x's shape and dtype, contiguous), or with ``residual`` the pair
+        ``(normed, x + residual)``; the sum is rounded to x's dtype and is what gets normalised.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise _fail("x", "a float tensor [..., dim]",
+                    f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__)
+    check_tensor("x", x, ndim=x.dim(), dtypes=FLOAT_DTYPES)
+    dim = x.shape[-1]
+    check_tensor("weight", weight, ndim=1, dtypes=(x.dtype,), device=x.device)
+    if weight.shape[0] != dim:
+        raise _fail("weight", f"shape ({dim},) (x's last dim)", tuple(weight.shape))
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
+        raise _fail("eps", "a float >= 0", repr(eps))
+    if residual is not None:
+        check_tensor("residual", residual, ndim=2, dtypes=(x.dtype,), device=x.device)
+        if x.dim() != 2 or residual.shape != x.shape:
+            raise _fail("residual", f"x's shape with x 2-D (x is {tuple(x.shape)})",
+                        tuple(residual.shape))
+    chosen = resolve_backend(backend, x.device)
+    if chosen == "torch":
+        if residual is None:
+            return rms_norm_reference(x, weight, eps)
+        summed = x + residual
+        return rms_norm_reference(summed, weight, eps), summed
+    from .fused_triton import triton_rms_norm
+    for name, t in (("x", x), ("weight", weight), ("residual", residual)):
+        if t is not None and t.stride(-1) != 1:
+            raise _fail(name, "a contiguous last dimension (stride 1)", f"strides {t.stride()}")
+    shape = x.shape
+    if x.dim() not in (2, 3):
+        x = x.reshape(-1, dim)
+    out, summed = triton_rms_norm(x, weight, float(eps), residual)
+    out = out.view(shape)
+    return out if residual is None else (out, summed)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor, *,
+                 backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding ("rotate half", the Llama/Qwen layout) of q and k, one kernel for both.
+
+    Args:
+        q: ``[n, num_q_heads, head_size]``, float, last dim contiguous, any other strides (the
+            split views of the fused qkv output work without a copy).
+        k: ``[n, num_kv_heads, head_size]`` likewise, q's dtype.
+        positions: int32/int64 ``[n]``, each token's position; must be ``< max_positions`` (not
+            checked: that would need a host sync).
+        cos_sin_cache: ``[max_positions, head_size]`` in q's dtype: the cosines of the
+            ``head_size / 2`` pair angles, then their sines (``RotaryEmbedding.cos_sin_cache``).
+        backend: "auto" | "torch" | "triton".
+
+    Returns:
+        New contiguous ``(q_rotated, k_rotated)`` of q's and k's shapes and dtype.
+    """
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=q.device)
+    check_tensor("positions", positions, ndim=1, dtypes=(torch.int32, torch.int64),
+                 device=q.device)
+    check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=(q.dtype,), device=q.device)
+    n, _, head_size = q.shape
+    if head_size % 2 != 0:
+        raise _fail("q", "an even head_size", head_size)
+    if k.shape[0] != n or k.shape[2] != head_size:
+        raise _fail("k", f"shape ({n}, num_kv_heads, {head_size})", tuple(k.shape))
+    if positions.shape[0] != n:
+        raise _fail("positions", f"shape ({n},) (one per token)", tuple(positions.shape))
+    if cos_sin_cache.shape[1] != head_size:
+        raise _fail("cos_sin_cache", f"shape (max_positions, {head_size})",
+                    tuple(cos_sin_cache.shape))
+    chosen = resolve_backend(backend, q.device)
+    if chosen == "torch":
+        return apply_rotary_reference(q, k, positions, cos_sin_cache)
+    from .fused_triton import triton_apply_rotary
+    for name, t in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache)):
+        if t.stride(-1) != 1:
+            raise _fail(name, "a contiguous last dimension (stride 1)", f"strides {t.stride()}")
+    return triton_apply_rotary(q, k, positions, cos_sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """``silu(gate) * up`` for the fused gate/up projection's output.
+
+    Args:
+        x: float ``[n, 2 * I]``: the gate columns, then the up columns (``GatedMLP``'s
+            ``gate_up_proj`` layout); last dim contiguous.
+        backend: "auto" | "torch" | "triton".
+
+    Returns:
+        ``[n, I]`` in x's dtype.
+    """
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    if x.shape[1] % 2 != 0:
+        raise _fail("x", "an even last dim (gate and up halves)", tuple(x.shape))
+    chosen = resolve_backend(backend, x.device)
+    if chosen == "torch":
+        return silu_and_mul_reference(x)
+    from .fused_triton import triton_silu_and_mul
+    if x.stride(-1) != 1:
+        raise _fail("x", "a contiguous last dimension (stride 1)", f"strides {x.stride()}")
+    return triton_silu_and_mul(x)
+
+
+__all__ = ["rms_norm", "apply_rotary", "silu_and_mul", "rms_norm_reference",
+           "apply_rotary_reference", "rotate_half_reference", "silu_and_mul_reference"]

@@ -1,0 +1,163 @@
+"""Triton kernels for the decoder's elementwise work: RMSNorm (with the residual add), rotary
+embedding of q and k, SiLU-and-mul. One launch each instead of the 5-15 small kernels eager
+PyTorch runs for the same arithmetic.
+
+Every kernel reproduces the rounding of the torch reference in :mod:`.fused` (statistics in
+float32; where the reference rounds an intermediate to the model dtype, the kernel rounds it
+too), so results agree to the last bit up to the order of the float32 sum and the hardware's
+rsqrt/exp. Arguments are validated by the public functions in :mod:`.fused`; launches read
+nothing on the host (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _num_warps(block: int) -> int:
+    return 8 if block >= 4096 else 4 if block >= 1024 else 2 if block >= 256 else 1
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, heads,
+    stride_x_token, stride_x_head, stride_res, stride_res_out, eps,
+    DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    """Grid ``(rows,)``; row ``i`` is head ``i % heads`` of token ``i // heads``. The output is
+    contiguous ``[rows, DIM]``; with a residual, ``heads == 1``."""
+    row = tl.program_id(0).to(tl.int64)
+    token = row // heads
+    head = row % heads
+    cols = tl.arange(0, BLOCK)
+    mask = cols < DIM
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + token * stride_x_token + head * stride_x_head + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        # The sum is rounded to the model dtype first: it is the residual stream, and the
+        # reference normalises the rounded value.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / DIM + eps)
+    y = (xf * rstd).to(dtype)                         # cast before the weight, as HF does
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * DIM + cols, (w.to(tl.float32) * y.to(tl.float32)).to(dtype), mask=mask)
+
+
+def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x: ``[n, dim]`` or ``[n, heads, dim]`` (last dim contiguous, any other strides);
+    residual: None or ``[n, dim]``. Returns (normed contiguous like x, ``x + residual`` or None)."""
+    dim = x.shape[-1]
+    if x.dim() == 2:
+        rows, heads, stride_token, stride_head = x.shape[0], 1, x.stride(0), 0
+    else:
+        rows, heads = x.shape[0] * x.shape[1], x.shape[1]
+        stride_token, stride_head = x.stride(0), x.stride(1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    res_out = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out, res_out
+    block = triton.next_power_of_2(dim)
+    _rms_norm_kernel[(rows,)](
+        x, residual if residual is not None else x, weight, out,
+        res_out if res_out is not None else out, heads,
+        stride_token, stride_head,
+        residual.stride(0) if residual is not None else 0,
+        res_out.stride(0) if res_out is not None else 0, eps,
+        DIM=dim, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block))
+    return out, res_out
+
+
+@triton.jit
+def _rotate_heads(src_ptr, dst_ptr, stride_head, num_heads, heads, dims, cos, sin,
+                  HALF: tl.constexpr):
+    """Rotate the (d, d + HALF) pairs of ``num_heads`` heads read at ``src_ptr`` (head stride
+    ``stride_head``) into contiguous heads at ``dst_ptr``. Each product and the sum are rounded
+    to the model dtype like the reference's ``x1 * cos - x2 * sin``."""
+    dtype = dst_ptr.dtype.element_ty
+    mask = (heads[:, None] < num_heads) & (dims[None, :] < HALF)
+    src = src_ptr + heads[:, None] * stride_head + dims[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    a = (x1 * cos).to(dtype).to(tl.float32)
+    b = (x2 * sin).to(dtype).to(tl.float32)
+    c = (x2 * cos).to(dtype).to(tl.float32)
+    d = (x1 * sin).to(dtype).to(tl.float32)
+    dst = dst_ptr + heads[:, None] * (2 * HALF) + dims[None, :]
+    tl.store(dst, (a - b).to(dtype), mask=mask)
+    tl.store(dst + HALF, (c + d).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr,
+    stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_cache,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+    HEADS_PADDED: tl.constexpr, HALF_PADDED: tl.constexpr,
+):
+    """Grid ``(num_tokens,)``: one program rotates every q and k head of its token."""
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    dims = tl.arange(0, HALF_PADDED)
+    heads = tl.arange(0, HEADS_PADDED)
+    row = cache_ptr + pos * stride_cache
+    cos = tl.load(row + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(row + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+    _rotate_heads(q_ptr + token * stride_q_token, q_out_ptr + token * (NUM_Q_HEADS * 2 * HALF),
+                  stride_q_head, NUM_Q_HEADS, heads, dims, cos, sin, HALF)
+    _rotate_heads(k_ptr + token * stride_k_token, k_out_ptr + token * (NUM_KV_HEADS * 2 * HALF),
+                  stride_k_head, NUM_KV_HEADS, heads, dims, cos, sin, HALF)
+
+
+def triton_apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                        cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[n, Hq, D]``, k ``[n, Hkv, D]`` (last dim contiguous), positions ``[n]``, table
+    ``[max_positions, D]`` (last dim contiguous) -> new contiguous rotated (q, k)."""
+    num_tokens, num_q_heads, head_size = q.shape
+    num_kv_heads = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    half = head_size // 2
+    heads_padded = triton.next_power_of_2(max(num_q_heads, num_kv_heads))
+    half_padded = triton.next_power_of_2(half)
+    _rotary_kernel[(num_tokens,)](
+        q, k, q_out, k_out, positions, cos_sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
+        HEADS_PADDED=heads_padded, HALF_PADDED=half_padded,
+        num_warps=_num_warps(heads_padded * half_padded))
+    return q_out, k_out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out,
+                         INTER: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(n, cdiv(INTER, BLOCK))``: ``out[i, j] = silu(x[i, j]) * x[i, INTER + j]``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INTER
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype)    # F.silu rounds to the dtype, then the mul
+    tl.store(out_ptr + row * stride_out + cols, (act.to(tl.float32) * up).to(dtype), mask=mask)
+
+
+def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: ``[n, 2 * I]`` (last dim contiguous) -> new ``[n, I]``."""
+    num_rows, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
+    if num_rows == 0 or inter == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block))](
+        x, out, x.stride(0), out.stride(0), INTER=inter, BLOCK=block,
+        num_warps=_num_warps(block))
+    return out

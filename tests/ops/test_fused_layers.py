@@ -1,0 +1,277 @@
+"""The fused decoder ops (ops/fused.py): each Triton kernel against its torch reference.
+
+On CPU the kernels run through the Triton interpreter (fp32 and fp16; bf16 is broken there);
+the ``gpu`` tests repeat them natively in bf16 at real model shapes and under a CUDA graph.
+The torch references themselves are checked against transformers in tests/models.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mini_paged_attn.ops.fused import (apply_rotary, apply_rotary_reference, rms_norm,
+                                       rms_norm_reference, silu_and_mul)
+
+# One ulp of fp16 is 2**-10 relative; the kernels differ from the reference only in the float32
+# sum order and rsqrt/exp, so one or two ulps at most.
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=1e-3, rtol=2 ** -7)}
+CPU_DTYPES = (torch.float32, torch.float16)
+
+
+def _randn(*shape, dtype, gen, device="cpu", scale=1.0):
+    return (scale * torch.randn(shape, generator=gen)).to(device, dtype)
+
+
+def _qkv_views(n, hq, hkv, d, dtype, gen, device="cpu"):
+    """q, k, v as the model splits them: strided views of one ``[n, hq + 2 hkv, d]`` qkv output.
+    v is NaN-poisoned: the kernels must not read it."""
+    qkv = _randn(n, hq + 2 * hkv, d, dtype=dtype, gen=gen, device=device, scale=2.0)
+    qkv[:, hq + hkv:] = float("nan")
+    return qkv.split([hq, hkv, hkv], dim=1)
+
+
+def _both(fn, *args, **kwargs):
+    return fn(*args, backend="torch", **kwargs), fn(*args, backend="triton", **kwargs)
+
+
+# ---- rms_norm ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("n, dim", [(1, 896), (37, 1000), (37, 64), (1, 128)])
+def test_rms_norm_matches_reference(dtype, n, dim):
+    gen = torch.Generator().manual_seed(n * dim)
+    x = _randn(n, dim, dtype=dtype, gen=gen, scale=3.0)
+    weight = _randn(dim, dtype=dtype, gen=gen)
+    ref, got = _both(rms_norm, x, weight, 1e-6)
+    assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
+    torch.testing.assert_close(got, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("n, dim", [(1, 896), (37, 1000)])
+def test_fused_add_rms_norm_matches_reference(dtype, n, dim):
+    gen = torch.Generator().manual_seed(7 * n + dim)
+    x, residual = (_randn(n, dim, dtype=dtype, gen=gen) for _ in range(2))
+    weight = _randn(dim, dtype=dtype, gen=gen)
+    before = x.clone(), residual.clone()
+    (ref, ref_sum), (got, got_sum) = _both(rms_norm, x, weight, 1e-5, residual=residual)
+    assert torch.equal(got_sum, x + residual)          # the same rounding: exact
+    torch.testing.assert_close(ref_sum, got_sum, atol=0, rtol=0)
+    torch.testing.assert_close(got, ref, **TOL[dtype])
+    torch.testing.assert_close(got, rms_norm_reference(x + residual, weight, 1e-5), **TOL[dtype])
+    assert torch.equal(x, before[0]) and torch.equal(residual, before[1])   # inputs untouched
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("n, hq, hkv, d", [(1, 14, 2, 64), (37, 4, 2, 128), (37, 3, 1, 64)])
+def test_per_head_rms_norm_on_qkv_views(dtype, n, hq, hkv, d):
+    """Qwen3's q/k norm reads the strided q and k views of the qkv output in place."""
+    gen = torch.Generator().manual_seed(n + hq + d)
+    q, k, _ = _qkv_views(n, hq, hkv, d, dtype, gen)
+    assert n == 1 or not q.is_contiguous()
+    weight = _randn(d, dtype=dtype, gen=gen)
+    for t in (q, k):
+        ref, got = _both(rms_norm, t, weight, 1e-6)
+        assert got.shape == t.shape and got.is_contiguous()
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("shape", [(96,), (2, 3, 5, 96), (0, 96)])
+def test_rms_norm_other_ranks_and_empty(shape):
+    gen = torch.Generator().manual_seed(len(shape))
+    x = _randn(*shape, dtype=torch.float32, gen=gen)
+    weight = _randn(96, dtype=torch.float32, gen=gen)
+    ref, got = _both(rms_norm, x, weight, 1e-6)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got, ref, **TOL[torch.float32])
+
+
+def test_rms_norm_rejects_bad_arguments():
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, torch.ones(31), 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, torch.ones(32, dtype=torch.float16), 1e-6)
+    with pytest.raises(ValueError, match="eps"):
+        rms_norm(x, torch.ones(32), -1.0)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(x, torch.ones(32), 1e-6, residual=torch.randn(4, 16))
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(x.view(4, 2, 16), torch.ones(16), 1e-6, residual=torch.randn(4, 2, 16))
+    with pytest.raises(ValueError, match="x"):
+        rms_norm(torch.randn(32, 4).t(), torch.ones(32), 1e-6, backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        rms_norm(x, torch.ones(32), 1e-6, backend="cuda")
+
+
+# ---- apply_rotary -----------------------------------------------------------------------------
+
+def _cache(max_positions, d, dtype, gen, device="cpu"):
+    """A cos/sin table with the real layout (cosines then sines of the pair angles)."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    angles = torch.outer(torch.arange(max_positions).float(), inv_freq)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device, dtype)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("n, hq, hkv, d, pos_dtype", [
+    (1, 14, 2, 64, torch.int64), (37, 4, 2, 128, torch.int32), (37, 3, 3, 64, torch.int64),
+    (5, 2, 1, 96, torch.int64),
+])
+def test_rotary_matches_reference_on_qkv_views(dtype, n, hq, hkv, d, pos_dtype):
+    gen = torch.Generator().manual_seed(3 * n + d)
+    q, k, _ = _qkv_views(n, hq, hkv, d, dtype, gen)
+    before = q.clone(), k.clone()
+    cache = _cache(300, d, dtype, gen)
+    positions = torch.randint(0, 300, (n,), generator=gen).to(pos_dtype)
+    (ref_q, ref_k), (got_q, got_k) = _both(apply_rotary, q, k, positions, cache)
+    for got, ref, src in ((got_q, ref_q, q), (got_k, ref_k, k)):
+        assert got.shape == src.shape and got.dtype == dtype and got.is_contiguous()
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, ref, **TOL[dtype])
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])
+
+
+def test_rotary_position_zero_is_identity_and_contiguous_inputs_work():
+    gen = torch.Generator().manual_seed(0)
+    q = _randn(6, 4, 64, dtype=torch.float32, gen=gen)
+    k = _randn(6, 2, 64, dtype=torch.float32, gen=gen)
+    cache = _cache(16, 64, torch.float32, gen)
+    got_q, got_k = apply_rotary(q, k, torch.zeros(6, dtype=torch.int64), cache, backend="triton")
+    torch.testing.assert_close(got_q, q, atol=0, rtol=0)
+    torch.testing.assert_close(got_k, k, atol=0, rtol=0)
+    positions = torch.arange(6)
+    ref, got = _both(apply_rotary, q, k, positions, cache)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, **TOL[torch.float32])
+    # The reference is the rotation by each position's angles (not just self-consistency).
+    angle = positions[:, None].float() * (1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64)))
+    x1, x2 = q[..., :32], q[..., 32:]
+    c, s = angle.cos()[:, None], angle.sin()[:, None]
+    torch.testing.assert_close(ref[0], torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_reference_matches_rotate_half_of_layers():
+    from mini_paged_attn.models.layers import apply_rotary as layers_apply_rotary
+    gen = torch.Generator().manual_seed(1)
+    q, k, _ = _qkv_views(5, 4, 2, 64, torch.float32, gen)
+    cache, positions = _cache(20, 64, torch.float32, gen), torch.arange(5) * 3
+    cos, sin = cache[positions].chunk(2, dim=-1)
+    got_q, got_k = apply_rotary_reference(q, k, positions, cache)
+    assert torch.equal(got_q, layers_apply_rotary(q, cos, sin))
+    assert torch.equal(got_k, layers_apply_rotary(k, cos, sin))
+
+
+def test_rotary_rejects_bad_arguments():
+    q, k, cache = torch.randn(3, 4, 64), torch.randn(3, 2, 64), torch.randn(10, 64)
+    pos = torch.arange(3)
+    with pytest.raises(ValueError, match="head_size"):
+        apply_rotary(torch.randn(3, 4, 63), torch.randn(3, 2, 63), pos, torch.randn(10, 63))
+    with pytest.raises(ValueError, match="k"):
+        apply_rotary(q, torch.randn(3, 2, 32), pos, cache)
+    with pytest.raises(ValueError, match="positions"):
+        apply_rotary(q, k, torch.arange(4), cache)
+    with pytest.raises(ValueError, match="positions"):
+        apply_rotary(q, k, pos.float(), cache)
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        apply_rotary(q, k, pos, torch.randn(10, 32))
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        apply_rotary(q, k, pos, cache.half())
+
+
+# ---- silu_and_mul -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("n, inter", [(1, 64), (37, 1000), (3, 2304)])
+def test_silu_and_mul_matches_reference(dtype, n, inter):
+    gen = torch.Generator().manual_seed(n + inter)
+    x = _randn(n, 2 * inter, dtype=dtype, gen=gen, scale=4.0)
+    ref, got = _both(silu_and_mul, x)
+    assert got.shape == (n, inter) and got.dtype == dtype
+    torch.testing.assert_close(got, ref, **TOL[dtype])
+    gate, up = x.float()[:, :inter], x.float()[:, inter:]      # the gate half comes first
+    torch.testing.assert_close(got.float(), torch.sigmoid(gate) * gate * up,
+                               atol=TOL[dtype]["atol"] * 10, rtol=TOL[dtype]["rtol"] * 5)
+
+
+def test_silu_and_mul_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="even"):
+        silu_and_mul(torch.randn(2, 7))
+    with pytest.raises(ValueError, match="2-D"):
+        silu_and_mul(torch.randn(2, 3, 8))
+    with pytest.raises(ValueError, match="contiguous"):
+        silu_and_mul(torch.randn(8, 4).t(), backend="triton")
+
+
+# ---- GPU: bf16, real shapes, CUDA graph --------------------------------------------------------
+
+MODEL_SHAPES = [  # (hidden, num_q_heads, num_kv_heads, head_size, intermediate)
+    (896, 14, 2, 64, 4864),      # Qwen2.5-0.5B
+    (1024, 16, 8, 128, 3072),    # Qwen3-0.6B
+    (4096, 32, 8, 128, 14336),   # Llama-3-8B
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 37, 256])
+@pytest.mark.parametrize("hidden, hq, hkv, d, inter", MODEL_SHAPES)
+def test_gpu_real_shapes(dtype, n, hidden, hq, hkv, d, inter):
+    gen = torch.Generator().manual_seed(n + hidden)
+    x, residual = (_randn(n, hidden, dtype=dtype, gen=gen, device="cuda") for _ in range(2))
+    weight = _randn(hidden, dtype=dtype, gen=gen, device="cuda")
+    (ref, ref_sum), (got, got_sum) = _both(rms_norm, x, weight, 1e-6, residual=residual)
+    assert torch.equal(got_sum, ref_sum)
+    torch.testing.assert_close(got, ref, **TOL[dtype])
+    ref, got = _both(rms_norm, x, weight, 1e-6)
+    torch.testing.assert_close(got, ref, **TOL[dtype])
+
+    q, k, _ = _qkv_views(n, hq, hkv, d, dtype, gen, device="cuda")
+    head_w = _randn(d, dtype=dtype, gen=gen, device="cuda")
+    for t in (q, k):
+        ref, got = _both(rms_norm, t, head_w, 1e-6)
+        torch.testing.assert_close(got, ref, **TOL[dtype])
+    cache = _cache(4096, d, dtype, gen, device="cuda")
+    positions = torch.randint(0, 4096, (n,), generator=gen).cuda()
+    (ref_q, ref_k), (got_q, got_k) = _both(apply_rotary, q, k, positions, cache)
+    torch.testing.assert_close(got_q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(got_k, ref_k, **TOL[dtype])
+
+    gate_up = _randn(n, 2 * inter, dtype=dtype, gen=gen, device="cuda", scale=3.0)
+    ref, got = _both(silu_and_mul, gate_up)
+    torch.testing.assert_close(got, ref, **TOL[dtype])
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_and_replay():
+    """The three ops capture into one CUDA graph and replay on new inputs."""
+    dtype, n, hidden, hq, hkv, d, inter = torch.bfloat16, 8, 1024, 16, 8, 128, 3072
+    gen = torch.Generator().manual_seed(0)
+    x, residual = (_randn(n, hidden, dtype=dtype, gen=gen, device="cuda") for _ in range(2))
+    weight = _randn(hidden, dtype=dtype, gen=gen, device="cuda")
+    qkv = _randn(n, hq + 2 * hkv, d, dtype=dtype, gen=gen, device="cuda")
+    cache = _cache(512, d, dtype, gen, device="cuda")
+    positions = torch.randint(0, 512, (n,), generator=gen).cuda()
+    gate_up = _randn(n, 2 * inter, dtype=dtype, gen=gen, device="cuda")
+
+    def step():
+        normed, summed = rms_norm(x, weight, 1e-6, residual=residual)
+        q, k, _ = qkv.split([hq, hkv, hkv], dim=1)
+        return normed, summed, *apply_rotary(q, k, positions, cache), silu_and_mul(gate_up)
+
+    step()                                  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for t in (x, residual, qkv, gate_up):   # new inputs in the captured buffers
+        t.copy_(torch.randn(t.shape, generator=gen).to("cuda", dtype))
+    positions.copy_(torch.randint(0, 512, (n,), generator=gen).cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(outs, step()):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
