@@ -51,6 +51,9 @@ class KVCacheManager:
         # Prompt tokens looked up in the cache, and those found (for the hit rate).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        # Blocks registered in the prefix cache since begin_step(): their K/V is written only
+        # by that step's forward, so a failed step takes them back out.
+        self._step_registrations: list[int] = []
 
     # ---- accounting --------------------------------------------------------------------------
     @property
@@ -185,8 +188,21 @@ class KVCacheManager:
         bs, hashes = self.block_size, seq.block_hashes
         for i in range(start, stop):
             parent = hashes[i - 1] if i else ROOT_HASH
-            self.prefix_cache.insert(hashes[i], parent, seq.token_ids[i * bs:(i + 1) * bs],
-                                     seq.block_ids[i])
+            if self.prefix_cache.insert(hashes[i], parent, seq.token_ids[i * bs:(i + 1) * bs],
+                                        seq.block_ids[i]):
+                self._step_registrations.append(seq.block_ids[i])
+
+    def begin_step(self) -> None:
+        """A new step is being scheduled: the previous one's registrations are final."""
+        self._step_registrations.clear()
+
+    def forget_step_registrations(self) -> None:
+        """The step's forward failed: its newly registered blocks never got their K/V, so the
+        prefix cache must not hand them out."""
+        for b in self._step_registrations:
+            if self.prefix_cache.forget(b):
+                self.block_manager.free(b)
+        self._step_registrations.clear()
 
     # ---- sharing and freeing ------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -100,6 +100,18 @@ class PrefixCache:
         """A sequence takes over an evictable block (a cache hit); it stays cached."""
         del self._evictable[block_id]
 
+    def forget(self, block_id: int) -> bool:
+        """Stop finding ``block_id`` (its K/V will never be written). Returns True if it was
+        evictable: the cache's reference then passes to the caller, who frees it."""
+        block_hash = self._hash_of_block.pop(block_id, None)
+        if block_hash is None:
+            return False
+        del self._by_hash[block_hash]
+        if block_id in self._evictable:
+            del self._evictable[block_id]
+            return True
+        return False
+
     def evict(self) -> int:
         """Forget the least recently freed evictable block and return it (its reference passes
         to the caller). Raises KeyError if none is evictable."""

@@ -156,6 +156,7 @@ class Scheduler:
         self._released = []
         budget = self.config.max_num_batched_tokens
         kv = self.kv
+        kv.begin_step()
 
         # 1. Running sequences, oldest first; preempt from the newest end when blocks run out.
         running = self.running
@@ -229,6 +230,22 @@ class Scheduler:
         out.preempted.append(seq)
         out.released_seq_ids.append(seq.seq_id)
         self.num_preemptions += 1
+
+    def rollback(self, out: SchedulerOutput) -> None:
+        """The step's forward failed (an exception, an interrupt): nothing it was to compute
+        exists. Its sequences go back to the front of the waiting queue, in order, holding no
+        blocks (a prefix hit taken in this step may name blocks this step was to fill), and the
+        blocks it registered leave the prefix cache. ``out`` must be the latest schedule."""
+        self.kv.forget_step_registrations()
+        for seq in reversed(out.seqs):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.running.remove(seq)
+            self._released.append(seq.seq_id)
+            self.kv.free(seq)
+            seq.status = SequenceStatus.WAITING
+            seq.num_cached_tokens = 0
+            self.waiting.appendleft(seq)
 
     # ---- results of a step ------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: list[list[int]],

@@ -218,7 +218,13 @@ class LLMEngine:
             for seq_id in out.released_seq_ids:
                 self.runner.release(seq_id)
         else:
-            result = self.runner.execute(out)
+            try:
+                result = self.runner.execute(out)
+            except BaseException:
+                # Requeue the step's sequences and drop the prefix-cache entries it registered
+                # (their K/V were never written), so the engine stays usable.
+                self.scheduler.rollback(out)
+                raise
             sampled, logprobs = [], None
             if result is not None:
                 ids, lps = result.token_ids, result.logprobs

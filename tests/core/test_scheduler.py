@@ -222,6 +222,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not out.is_empty, "no progress with unfinished requests"
         assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
 
+    @precondition(lambda self: self.sched.has_unfinished())
+    @rule()
+    def failed_step(self):
+        """The forward of a scheduled step raises: nothing is written to the device, and the
+        blocks it registered must not be found later (the fake device would read them)."""
+        out = self.sched.schedule()
+        self.sched.rollback(out)
+        assert all(s.status is not SequenceStatus.RUNNING for s in out.seqs)
+
     @precondition(lambda self: self.sched.running)
     @rule(data=st.data())
     def stop_string(self, data):

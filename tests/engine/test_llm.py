@@ -100,6 +100,44 @@ def test_greedy_matches_transformers(arch_case, variant):
     assert_pool_whole(engine)
 
 
+def test_a_failed_step_leaves_the_engine_usable_and_the_prefix_cache_clean(arch_case):
+    """A forward that raises (an error, Ctrl-C in LLM.generate) must not leave blocks that were
+    never written in the prefix cache: the same prompts afterwards still match transformers."""
+    model_dir, prompts, expected = arch_case
+    engine = make_engine(model_dir)
+    llm = LLM.from_engine(engine)
+    execute = engine.runner.execute
+    calls = []
+
+    def fail_on_the_first_step(out):
+        calls.append(out)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return execute(out)
+
+    engine.runner.execute = fail_on_the_first_step
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    # Every prompt was in the failed step, the last two hitting blocks the third registered.
+    assert calls[0].num_seqs == len(prompts)
+    assert calls[0].num_prefill_tokens < sum(map(len, prompts))
+    engine.runner.execute = execute
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] \
+        == expected
+    # The engine also survives a failed step mid-generation (some requests decoding).
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    engine.step()
+    engine.runner.execute = fail_on_the_first_step
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert [finished[i].outputs[0].token_ids for i in ids] == expected
+    assert_pool_whole(engine)
+
+
 def test_n2_samples_share_the_prompt_blocks(arch_case):
     model_dir, prompts, expected = arch_case
     engine = make_engine(model_dir)
