@@ -149,10 +149,9 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(hidden).view(num_tokens, self.num_q_heads + 2 * self.num_kv_heads,
                                          self.head_size)
         q, k, v = qkv.split([self.num_q_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        if self.q_norm is not None:
-            # Per-head norms on the strided views of qkv (the Triton kernel reads them in place).
-            q = self.q_norm(q, backend=meta.backend)
-            k = self.k_norm(k, backend=meta.backend)
-        q, k = apply_rotary(q, k, positions, cos_sin_cache, backend=meta.backend)
+        # Qwen3's per-head q/k norms run inside the rotary kernel (on the strided qkv views).
+        qk_norm = (None if self.q_norm is None else
+                   (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps))
+        q, k = apply_rotary(q, k, positions, cos_sin_cache, qk_norm=qk_norm, backend=meta.backend)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.view(num_tokens, self.num_q_heads * self.head_size))

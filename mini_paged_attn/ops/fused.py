@@ -40,7 +40,12 @@ def rotate_half_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 
 
 def apply_rotary_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                           cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                           cos_sin_cache: torch.Tensor,
+                           qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        q, k = rms_norm_reference(q, q_weight, eps), rms_norm_reference(k, k_weight, eps)
     cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
     return rotate_half_reference(q, cos, sin), rotate_half_reference(k, cos, sin)
 
@@ -104,8 +109,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor, *,
+                 qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embedding ("rotate half", the Llama/Qwen layout) of q and k, one kernel for both.
+    """Rotary embedding ("rotate half", the Llama/Qwen layout) of q and k, one kernel for both;
+    optionally preceded by Qwen3's per-head RMSNorm of q and k, in the same kernel.
 
     Args:
         q: ``[n, num_q_heads, head_size]``, float, last dim contiguous, any other strides (the
@@ -115,6 +122,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
             checked: that would need a host sync).
         cos_sin_cache: ``[max_positions, head_size]`` in q's dtype: the cosines of the
             ``head_size / 2`` pair angles, then their sines (``RotaryEmbedding.cos_sin_cache``).
+        qk_norm: None, or ``(q_weight, k_weight, eps)``: RMSNorm every head of q and k
+            (weights ``[head_size]`` in q's dtype) before rotating, as :func:`rms_norm` would.
         backend: "auto" | "torch" | "triton".
 
     Returns:
@@ -135,14 +144,25 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     if cos_sin_cache.shape[1] != head_size:
         raise _fail("cos_sin_cache", f"shape (max_positions, {head_size})",
                     tuple(cos_sin_cache.shape))
+    if qk_norm is not None:
+        if not isinstance(qk_norm, tuple) or len(qk_norm) != 3:
+            raise _fail("qk_norm", "None or a tuple (q_weight, k_weight, eps)", repr(qk_norm))
+        for name, w in zip(("qk_norm[0] (q_weight)", "qk_norm[1] (k_weight)"), qk_norm[:2]):
+            check_tensor(name, w, ndim=1, dtypes=(q.dtype,), device=q.device)
+            if w.shape[0] != head_size:
+                raise _fail(name, f"shape ({head_size},)", tuple(w.shape))
+        eps = qk_norm[2]
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
+            raise _fail("qk_norm[2] (eps)", "a float >= 0", repr(eps))
     chosen = resolve_backend(backend, q.device)
     if chosen == "torch":
-        return apply_rotary_reference(q, k, positions, cos_sin_cache)
+        return apply_rotary_reference(q, k, positions, cos_sin_cache, qk_norm)
     from .fused_triton import triton_apply_rotary
-    for name, t in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache)):
+    weights = () if qk_norm is None else (("q_weight", qk_norm[0]), ("k_weight", qk_norm[1]))
+    for name, t in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache), *weights):
         if t.stride(-1) != 1:
             raise _fail(name, "a contiguous last dimension (stride 1)", f"strides {t.stride()}")
-    return triton_apply_rotary(q, k, positions, cos_sin_cache)
+    return triton_apply_rotary(q, k, positions, cos_sin_cache, qk_norm)
 
 
 def silu_and_mul(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:

@@ -74,16 +74,24 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _rotate_heads(src_ptr, dst_ptr, stride_head, num_heads, heads, dims, cos, sin,
-                  HALF: tl.constexpr):
+def _rotate_heads(src_ptr, dst_ptr, w_ptr, eps, stride_head, num_heads, heads, dims, cos, sin,
+                  HALF: tl.constexpr, NORM: tl.constexpr):
     """Rotate the (d, d + HALF) pairs of ``num_heads`` heads read at ``src_ptr`` (head stride
-    ``stride_head``) into contiguous heads at ``dst_ptr``. Each product and the sum are rounded
-    to the model dtype like the reference's ``x1 * cos - x2 * sin``."""
+    ``stride_head``) into contiguous heads at ``dst_ptr``; with ``NORM``, RMSNorm each head
+    (weight ``w_ptr`` ``[2 * HALF]``) first. Each product and the sum are rounded to the model
+    dtype like the reference's ``x1 * cos - x2 * sin``."""
     dtype = dst_ptr.dtype.element_ty
     mask = (heads[:, None] < num_heads) & (dims[None, :] < HALF)
     src = src_ptr + heads[:, None] * stride_head + dims[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:   # the rounding of rms_norm_reference: cast, times the weight, cast
+        mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+        rstd = tl.rsqrt(mean_sq + eps)[:, None]
+        w1 = tl.load(w_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+        x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     a = (x1 * cos).to(dtype).to(tl.float32)
     b = (x2 * sin).to(dtype).to(tl.float32)
     c = (x2 * cos).to(dtype).to(tl.float32)
@@ -95,12 +103,12 @@ def _rotate_heads(src_ptr, dst_ptr, stride_head, num_heads, heads, dims, cos, si
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr,
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, q_w_ptr, k_w_ptr, eps,
     stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_cache,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    HEADS_PADDED: tl.constexpr, HALF_PADDED: tl.constexpr,
+    HEADS_PADDED: tl.constexpr, HALF_PADDED: tl.constexpr, NORM: tl.constexpr,
 ):
-    """Grid ``(num_tokens,)``: one program rotates every q and k head of its token."""
+    """Grid ``(num_tokens,)``: one program (norms and) rotates every q and k head of its token."""
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF_PADDED)
@@ -109,15 +117,18 @@ def _rotary_kernel(
     cos = tl.load(row + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(row + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
     _rotate_heads(q_ptr + token * stride_q_token, q_out_ptr + token * (NUM_Q_HEADS * 2 * HALF),
-                  stride_q_head, NUM_Q_HEADS, heads, dims, cos, sin, HALF)
+                  q_w_ptr, eps, stride_q_head, NUM_Q_HEADS, heads, dims, cos, sin, HALF, NORM)
     _rotate_heads(k_ptr + token * stride_k_token, k_out_ptr + token * (NUM_KV_HEADS * 2 * HALF),
-                  stride_k_head, NUM_KV_HEADS, heads, dims, cos, sin, HALF)
+                  k_w_ptr, eps, stride_k_head, NUM_KV_HEADS, heads, dims, cos, sin, HALF, NORM)
 
 
 def triton_apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                        cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                        cos_sin_cache: torch.Tensor,
+                        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``[n, Hq, D]``, k ``[n, Hkv, D]`` (last dim contiguous), positions ``[n]``, table
-    ``[max_positions, D]`` (last dim contiguous) -> new contiguous rotated (q, k)."""
+    ``[max_positions, D]`` (last dim contiguous), optional per-head norm ``(q_weight [D],
+    k_weight [D], eps)`` -> new contiguous rotated (q, k)."""
     num_tokens, num_q_heads, head_size = q.shape
     num_kv_heads = k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -127,11 +138,12 @@ def triton_apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
     half = head_size // 2
     heads_padded = triton.next_power_of_2(max(num_q_heads, num_kv_heads))
     half_padded = triton.next_power_of_2(half)
+    q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
     _rotary_kernel[(num_tokens,)](
-        q, k, q_out, k_out, positions, cos_sin_cache,
+        q, k, q_out, k_out, positions, cos_sin_cache, q_weight, k_weight, float(eps),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
-        HEADS_PADDED=heads_padded, HALF_PADDED=half_padded,
+        HEADS_PADDED=heads_padded, HALF_PADDED=half_padded, NORM=qk_norm is not None,
         num_warps=_num_warps(heads_padded * half_padded))
     return q_out, k_out
 

@@ -135,6 +135,24 @@ def test_rotary_matches_reference_on_qkv_views(dtype, n, hq, hkv, d, pos_dtype):
     assert torch.equal(q, before[0]) and torch.equal(k, before[1])
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("n, hq, hkv, d", [(1, 14, 2, 64), (37, 4, 2, 128), (37, 3, 1, 96)])
+def test_rotary_with_qk_norm_matches_norm_then_rotary(dtype, n, hq, hkv, d):
+    """Qwen3: the per-head q/k RMSNorm fused into the rotary kernel."""
+    gen = torch.Generator().manual_seed(5 * n + d)
+    q, k, _ = _qkv_views(n, hq, hkv, d, dtype, gen)
+    qk_norm = (_randn(d, dtype=dtype, gen=gen), _randn(d, dtype=dtype, gen=gen), 1e-6)
+    cache = _cache(64, d, dtype, gen)
+    positions = torch.randint(0, 64, (n,), generator=gen)
+    (ref_q, ref_k), (got_q, got_k) = _both(apply_rotary, q, k, positions, cache, qk_norm=qk_norm)
+    unfused = apply_rotary_reference(rms_norm_reference(q, qk_norm[0], 1e-6),
+                                     rms_norm_reference(k, qk_norm[1], 1e-6), positions, cache)
+    assert torch.equal(ref_q, unfused[0]) and torch.equal(ref_k, unfused[1])
+    for got, ref in ((got_q, ref_q), (got_k, ref_k)):
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, ref, **TOL[dtype])
+
+
 def test_rotary_position_zero_is_identity_and_contiguous_inputs_work():
     gen = torch.Generator().manual_seed(0)
     q = _randn(6, 4, 64, dtype=torch.float32, gen=gen)
@@ -181,6 +199,12 @@ def test_rotary_rejects_bad_arguments():
         apply_rotary(q, k, pos, torch.randn(10, 32))
     with pytest.raises(ValueError, match="cos_sin_cache"):
         apply_rotary(q, k, pos, cache.half())
+    with pytest.raises(ValueError, match="qk_norm"):
+        apply_rotary(q, k, pos, cache, qk_norm=(torch.ones(64), torch.ones(64)))
+    with pytest.raises(ValueError, match="k_weight"):
+        apply_rotary(q, k, pos, cache, qk_norm=(torch.ones(64), torch.ones(32), 1e-6))
+    with pytest.raises(ValueError, match="eps"):
+        apply_rotary(q, k, pos, cache, qk_norm=(torch.ones(64), torch.ones(64), None))
 
 
 # ---- silu_and_mul -----------------------------------------------------------------------------
@@ -237,9 +261,11 @@ def test_gpu_real_shapes(dtype, n, hidden, hq, hkv, d, inter):
         torch.testing.assert_close(got, ref, **TOL[dtype])
     cache = _cache(4096, d, dtype, gen, device="cuda")
     positions = torch.randint(0, 4096, (n,), generator=gen).cuda()
-    (ref_q, ref_k), (got_q, got_k) = _both(apply_rotary, q, k, positions, cache)
-    torch.testing.assert_close(got_q, ref_q, **TOL[dtype])
-    torch.testing.assert_close(got_k, ref_k, **TOL[dtype])
+    for qk_norm in (None, (head_w, head_w.flip(0), 1e-6)):
+        (ref_q, ref_k), (got_q, got_k) = _both(apply_rotary, q, k, positions, cache,
+                                               qk_norm=qk_norm)
+        torch.testing.assert_close(got_q, ref_q, **TOL[dtype])
+        torch.testing.assert_close(got_k, ref_k, **TOL[dtype])
 
     gate_up = _randn(n, 2 * inter, dtype=dtype, gen=gen, device="cuda", scale=3.0)
     ref, got = _both(silu_and_mul, gate_up)
