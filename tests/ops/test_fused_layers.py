@@ -13,10 +13,11 @@ import torch
 from mini_paged_attn.ops.fused import (apply_rotary, apply_rotary_reference, rms_norm,
                                        rms_norm_reference, silu_and_mul)
 
-# One ulp of fp16 is 2**-10 relative; the kernels differ from the reference only in the float32
-# sum order and rsqrt/exp, so one or two ulps at most.
+# The kernels differ from the reference only in the float32 sum order and the hardware's
+# rsqrt/exp, so by an ulp of the dtype before the last rounding: two ulps at most (an fp16 ulp
+# is <= 2**-10 relative, a bf16 ulp <= 2**-7).
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
-       torch.bfloat16: dict(atol=1e-3, rtol=2 ** -7)}
+       torch.bfloat16: dict(atol=1e-3, rtol=1.6e-2)}
 CPU_DTYPES = (torch.float32, torch.float16)
 
 
