@@ -222,8 +222,11 @@ class LLMEngine:
                 result = self.runner.execute(out)
             except BaseException:
                 # Requeue the step's sequences and drop the prefix-cache entries it registered
-                # (their K/V were never written), so the engine stays usable.
+                # (their K/V were never written), so the engine stays usable. Requests aborted
+                # at this step's start are gone from the scheduler: retire them too (no output
+                # reports them), else their ids would stay live forever.
                 self.scheduler.rollback(out)
+                self._retire([r for r, state in touched.items() if state.request.is_finished])
                 raise
             sampled, logprobs = [], None
             if result is not None:
@@ -256,20 +259,25 @@ class LLMEngine:
             elif state.final_only:
                 continue
             outputs.append(self.output_processor.make_output(state))
-        if finished_ids:
-            with self._lock:
-                self._live.difference_update(finished_ids)
-                # An abort queued while the request was finishing anyway must not reach a new
-                # request that reuses its id.
-                if self._pending_aborts:
-                    done = set(finished_ids)
-                    self._pending_aborts = [r for r in self._pending_aborts if r not in done]
-            for request_id in finished_ids:
-                del self._states[request_id]
-                self.runner.sampler.release(request_id)
-            self._finished += len(finished_ids)
+        self._retire(finished_ids)
         self._maybe_log()
         return outputs
+
+    def _retire(self, finished_ids: list[str]) -> None:
+        """Forget finished requests: their ids are free again."""
+        if not finished_ids:
+            return
+        with self._lock:
+            self._live.difference_update(finished_ids)
+            # An abort queued while the request was finishing anyway must not reach a new
+            # request that reuses its id.
+            if self._pending_aborts:
+                done = set(finished_ids)
+                self._pending_aborts = [r for r in self._pending_aborts if r not in done]
+        for request_id in finished_ids:
+            del self._states[request_id]
+            self.runner.sampler.release(request_id)
+        self._finished += len(finished_ids)
 
     # ---- statistics ---------------------------------------------------------------------------
     def _count(self, out, num_generated: int, start: float) -> None:

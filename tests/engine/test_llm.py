@@ -138,6 +138,37 @@ def test_a_failed_step_leaves_the_engine_usable_and_the_prefix_cache_clean(arch_
     assert_pool_whole(engine)
 
 
+def test_a_request_aborted_in_a_failed_step_is_retired(tiny_llm):
+    engine = tiny_llm.engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    kept = engine.add_request("kept", params)
+    aborted = engine.add_request("aborted", params, request_id="aborted")
+    engine.step()
+    assert engine.abort_request(aborted)
+    execute = engine.runner.execute
+
+    def fail(out):
+        raise RuntimeError("device lost")
+
+    engine.runner.execute = fail
+    try:
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.step()
+    finally:
+        engine.runner.execute = execute
+    finished = {}
+    for _ in range(20):
+        if not engine.has_unfinished_requests():
+            break
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert set(finished) == {kept} and len(finished[kept].outputs[0].token_ids) == 4
+    assert not engine.has_unfinished_requests()
+    engine.add_request("the id is free again", params, request_id="aborted")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_pool_whole(engine)
+
+
 def test_n2_samples_share_the_prompt_blocks(arch_case):
     model_dir, prompts, expected = arch_case
     engine = make_engine(model_dir)
