@@ -143,8 +143,9 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         causal: mask cache positions after each query token (bottom-right aligned).
         scale, out, return_lse, backend: as in :func:`paged_decode` (lse is
             ``[total_q, num_q_heads]``).
-        max_seqlen_q: triton only; an upper bound on ``q_len`` so the launch needs no host sync
-            (None: read from ``cu_seqlens_q``).
+        max_seqlen_q: accepted for callers that know it (FlashAttention-style); unused: the
+            triton launch schedules its tiles without a bound on ``q_len`` and needs no host
+            sync either way.
 
     Returns:
         ``out`` ``[total_q, num_q_heads, head_size]``, or ``(out, lse)`` when ``return_lse``.
