@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.tiny_models import tiny_model_factory  # noqa: F401  (the session fixture)
 
 from mini_paged_attn.ops.fused import (apply_rotary, apply_rotary_reference, rms_norm,
                                        rms_norm_reference, silu_and_mul)
@@ -230,6 +231,56 @@ def test_silu_and_mul_rejects_bad_arguments():
         silu_and_mul(torch.randn(2, 3, 8))
     with pytest.raises(ValueError, match="contiguous"):
         silu_and_mul(torch.randn(8, 4).t(), backend="triton")
+
+
+# ---- the model on CPU: bit-identical to the unfused layer ------------------------------------
+
+def _unfused_forward(model, ids, positions, kv_caches, meta):
+    """The decoder as written before the fused ops: every add, norm and rope step in eager torch."""
+    from mini_paged_attn.models.attention import paged_attention
+    from mini_paged_attn.models.layers import apply_rotary as rotate
+
+    def norm(x, module):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + module.eps)
+        return module.weight * x32.to(x.dtype)
+
+    hidden = model.embed_tokens(ids)
+    cos, sin = model.rotary(positions)
+    for layer, kv_cache in zip(model.layers, kv_caches):
+        attn, n = layer.self_attn, ids.shape[0]
+        qkv = attn.qkv_proj(norm(hidden, layer.input_layernorm)).view(n, -1, attn.head_size)
+        q, k, v = qkv.split([attn.num_q_heads, attn.num_kv_heads, attn.num_kv_heads], dim=1)
+        if attn.q_norm is not None:
+            q, k = norm(q, attn.q_norm), norm(k, attn.k_norm)
+        out = paged_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, kv_cache, meta,
+                              attn.scale)
+        hidden = hidden + attn.o_proj(out.view(n, -1))
+        gate, up = layer.mlp.gate_up_proj(norm(hidden, layer.post_attention_layernorm)).chunk(2, -1)
+        hidden = hidden + layer.mlp.down_proj(torch.nn.functional.silu(gate) * up)
+    return norm(hidden, model.norm)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_model_on_cpu_is_bit_identical_to_unfused_layers(tiny_model_factory, arch, dtype):
+    """On CPU the model runs the torch references: the same bits as the eager layer (and so the
+    transformers parity of tests/models holds unchanged), bf16 rounding of the residual included."""
+    from helpers.paged_batch import PagedBatchBuilder
+
+    from mini_paged_attn.models.loader import load_model
+
+    model, config = load_model(tiny_model_factory(arch), dtype=dtype)
+    results = []
+    for forward in (model, lambda *a: _unfused_forward(model, *a)):
+        batch = PagedBatchBuilder(config, block_size=4, dtype=dtype)
+        ids, pos, meta = batch.step({0: list(range(3, 14)), 1: [5, 6, 7]})
+        prefill = forward(ids, pos, batch.kv_caches, meta)
+        ids, pos, meta = batch.step({0: [8], 1: [9]})
+        results.append((prefill, forward(ids, pos, batch.kv_caches, meta)))
+    for got, want in zip(*results):
+        assert got.dtype == dtype and torch.equal(got, want)
 
 
 # ---- GPU: bf16, real shapes, CUDA graph --------------------------------------------------------
