@@ -33,6 +33,9 @@ class Sequence:
     ``token_ids`` are the prompt then the generated tokens. ``num_computed_tokens`` of them have
     their K/V in the cache (the last sampled token never has: it is the next step's input).
     ``block_ids[i]`` holds tokens ``i*block_size .. (i+1)*block_size - 1``.
+
+    ``token_ids`` and ``logprobs`` are only ever appended to, never shrunk or replaced (not even
+    by preemption): the engine's streamed outputs are views into them (``GrowingListView``).
     """
 
     seq_id: int
