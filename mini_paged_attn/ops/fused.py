@@ -21,6 +21,11 @@ def _fail(name: str, expected: str, got: object) -> ValueError:
     return ValueError(f"{name}: expected {expected}, got {got}")
 
 
+def _check_eps(name: str, eps: object) -> None:
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+        raise _fail(name, "a float >= 0", repr(eps))
+
+
 # ---- torch references (the specification) ----------------------------------------------------
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,8 +87,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     check_tensor("weight", weight, ndim=1, dtypes=(x.dtype,), device=x.device)
     if weight.shape[0] != dim:
         raise _fail("weight", f"shape ({dim},) (x's last dim)", tuple(weight.shape))
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
-        raise _fail("eps", "a float >= 0", repr(eps))
+    _check_eps("eps", eps)
     if residual is not None:
         check_tensor("residual", residual, ndim=2, dtypes=(x.dtype,), device=x.device)
         if x.dim() != 2 or residual.shape != x.shape:
@@ -151,9 +155,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
             check_tensor(name, w, ndim=1, dtypes=(q.dtype,), device=q.device)
             if w.shape[0] != head_size:
                 raise _fail(name, f"shape ({head_size},)", tuple(w.shape))
-        eps = qk_norm[2]
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
-            raise _fail("qk_norm[2] (eps)", "a float >= 0", repr(eps))
+        _check_eps("qk_norm[2] (eps)", qk_norm[2])
     chosen = resolve_backend(backend, q.device)
     if chosen == "torch":
         return apply_rotary_reference(q, k, positions, cos_sin_cache, qk_norm)
