@@ -316,8 +316,14 @@ def test_gpu_real_shapes(dtype, n, hidden, hq, hkv, d, inter):
     for qk_norm in (None, (head_w, head_w.flip(0), 1e-6)):
         (ref_q, ref_k), (got_q, got_k) = _both(apply_rotary, q, k, positions, cache,
                                                qk_norm=qk_norm)
-        torch.testing.assert_close(got_q, ref_q, **TOL[dtype])
-        torch.testing.assert_close(got_k, ref_k, **TOL[dtype])
+        # Rotary outputs are differences of products (x*cos - y*sin). On the GPU the compiler
+        # contracts them into FMAs, so where the two products cancel, kernel and reference
+        # differ by one rounding of the *products*, not of the result: seen on an H100 in bf16,
+        # 1 ulp at magnitude 1 (0.0078) on outputs near 0 (relative error inf). Bound that by
+        # two ulps of the largest input, and keep the relative bound for everything else.
+        for got_t, ref_t, inp in ((got_q, ref_q, q), (got_k, ref_k, k)):
+            atol = 2 * torch.finfo(dtype).eps * inp.float().abs().max().item()
+            torch.testing.assert_close(got_t, ref_t, atol=atol, rtol=TOL[dtype]["rtol"])
 
     gate_up = _randn(n, 2 * inter, dtype=dtype, gen=gen, device="cuda", scale=3.0)
     ref, got = _both(silu_and_mul, gate_up)
