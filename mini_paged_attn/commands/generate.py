@@ -11,12 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
-    return value
+from ._args import add_engine_arguments, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,17 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wrap the prompt as a user message in the model's chat template")
     parser.add_argument("--system", default=None, help="a system message (with --chat)")
     sampling = parser.add_argument_group("sampling")
-    sampling.add_argument("--max-tokens", type=_positive, default=128, help="default 128")
+    sampling.add_argument("--max-tokens", type=positive_int, default=128, help="default 128")
     sampling.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default 0.7)")
     sampling.add_argument("--top-p", type=float, default=1.0, help="default 1.0 (off)")
     sampling.add_argument("--top-k", type=int, default=-1, help="default -1 (off)")
     sampling.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="auto", help="auto (the model's), float16, bfloat16, float32")
-    engine.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
-    engine.add_argument("--max-model-len", type=_positive, default=None,
-                        help="longest prompt + output (default: the model's, capped at 8192)")
-    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add_engine_arguments(parser, serving=False)
     parser.add_argument("--stats", action="store_true", help="print the engine's stats at the end")
 
 

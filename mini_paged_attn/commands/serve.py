@@ -13,12 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
-    return value
+from ._args import add_engine_arguments, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,30 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--api-key", default=os.environ.get("MINI_PAGED_ATTN_API_KEY"),
                       help="require `Authorization: Bearer KEY` on /v1/* "
                            "(default: $MINI_PAGED_ATTN_API_KEY, else no key)")
-    http.add_argument("--max-queue", type=_positive, default=None,
+    http.add_argument("--max-queue", type=positive_int, default=None,
                       help="at most N requests may wait for their first token; more get 429 "
                            "(default: no limit)")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="auto",
-                        help="auto (the model's), float16, bfloat16 or float32")
-    engine.add_argument("--device", default=None,
-                        help="cuda, cuda:1, cpu ... (default: cuda if it can run the dtype, "
-                             "else cpu)")
-    engine.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block")
-    engine.add_argument("--num-kv-blocks", type=_positive, default=None,
-                        help="KV pool size in blocks (default: sized from free memory)")
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="share of GPU memory the engine may use (default 0.9)")
-    engine.add_argument("--max-num-seqs", type=_positive, default=256,
-                        help="most requests in one batch (default 256)")
-    engine.add_argument("--max-num-batched-tokens", type=_positive, default=8192,
-                        help="token budget of one step (default 8192)")
-    engine.add_argument("--max-model-len", type=_positive, default=None,
-                        help="longest prompt + output (default: the model's)")
-    engine.add_argument("--no-prefix-caching", action="store_true",
-                        help="turn automatic prefix caching off")
-    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    engine.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    add_engine_arguments(parser, serving=True)
 
 
 def leave_a_core_for_http() -> int:

@@ -1,0 +1,44 @@
+"""Argument helpers shared by the CLI's sub-commands."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool) -> None:
+    """The engine's options as an "engine" argument group.
+
+    ``serving=False`` (one interactive request): only dtype, device, max model length and eager
+    mode; ``serving=True`` adds the pool and batching knobs a server needs.
+    """
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default="auto",
+                        help="auto (the model's), float16, bfloat16 or float32")
+    engine.add_argument("--device", default=None,
+                        help="cuda, cuda:1, cpu ... (default: cuda if available, else cpu)")
+    engine.add_argument("--max-model-len", type=positive_int, default=None,
+                        help="longest prompt + output (default: the model's"
+                             + ("" if serving else ", capped at 8192") + ")")
+    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    if not serving:
+        return
+    engine.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    engine.add_argument("--num-kv-blocks", type=positive_int, default=None,
+                        help="KV pool size in blocks (default: sized from free memory)")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="share of GPU memory the engine may use (default 0.9)")
+    engine.add_argument("--max-num-seqs", type=positive_int, default=256,
+                        help="most requests in one batch (default 256)")
+    engine.add_argument("--max-num-batched-tokens", type=positive_int, default=8192,
+                        help="token budget of one step (default 8192)")
+    engine.add_argument("--no-prefix-caching", action="store_true",
+                        help="turn automatic prefix caching off")
+    engine.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
