@@ -7,16 +7,15 @@ tables) → ``ops`` (paged attention: torch reference and Triton kernels) → ``
 """
 
 from .errors import BlockStateError, OutOfBlocksError
-# Exports are added here as their modules land (each owner adds its line):
 from .core.block_manager import BlockManager
 from .cache.manager import PagedAttentionManager
-from .ops import (flash_attn_varlen_func, merge_attention_states, num_splits_heuristic,
-                  paged_decode, paged_prefill, store_kv)
-from .ops import explain_decode
+from .ops import (explain_decode, flash_attn_varlen_func, merge_attention_states,
+                  num_splits_heuristic, paged_decode, paged_prefill, store_kv)
 
 __version__ = "0.1.0"
 
-_ENGINE_NAMES = {"LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LLMEngine"}
+_ENGINE_NAMES = {"LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LLMEngine",
+                 "EngineStats"}
 
 
 def __getattr__(name: str):

@@ -11,7 +11,6 @@
   ``fused_triton.py``), one Triton launch each on CUDA.
 """
 
-# Each line is enabled by the owner of its module once the module exists.
 from .dispatch import paged_decode, paged_prefill, resolve_backend, store_kv
 from .explain import explain_decode
 from .fused import apply_rotary, rms_norm, silu_and_mul
