@@ -140,26 +140,24 @@ class CausalLM(nn.Module):
                     "v_proj": slice(c.q_size + c.kv_size, c.q_size + 2 * c.kv_size)}
         mlp_rows = {"gate_proj": slice(0, c.intermediate_size),
                     "up_proj": slice(c.intermediate_size, 2 * c.intermediate_size)}
+        def add_linear(name: str, linear: nn.Linear, rows: slice = slice(None)) -> None:
+            # A checkpoint linear (weight, and bias if the model has one) -> rows of ours.
+            targets[f"{name}.weight"] = linear.weight[rows]
+            if linear.bias is not None:
+                targets[f"{name}.bias"] = linear.bias[rows]
+
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             for name, rows in qkv_rows.items():
-                targets[f"{prefix}self_attn.{name}.weight"] = attn.qkv_proj.weight[rows]
-                if attn.qkv_proj.bias is not None:
-                    targets[f"{prefix}self_attn.{name}.bias"] = attn.qkv_proj.bias[rows]
-            targets[f"{prefix}self_attn.o_proj.weight"] = attn.o_proj.weight
-            if attn.o_proj.bias is not None:
-                targets[f"{prefix}self_attn.o_proj.bias"] = attn.o_proj.bias
+                add_linear(f"{prefix}self_attn.{name}", attn.qkv_proj, rows)
+            add_linear(f"{prefix}self_attn.o_proj", attn.o_proj)
             if attn.q_norm is not None:
                 targets[f"{prefix}self_attn.q_norm.weight"] = attn.q_norm.weight
                 targets[f"{prefix}self_attn.k_norm.weight"] = attn.k_norm.weight
             for name, rows in mlp_rows.items():
-                targets[f"{prefix}mlp.{name}.weight"] = mlp.gate_up_proj.weight[rows]
-                if mlp.gate_up_proj.bias is not None:
-                    targets[f"{prefix}mlp.{name}.bias"] = mlp.gate_up_proj.bias[rows]
-            targets[f"{prefix}mlp.down_proj.weight"] = mlp.down_proj.weight
-            if mlp.down_proj.bias is not None:
-                targets[f"{prefix}mlp.down_proj.bias"] = mlp.down_proj.bias
+                add_linear(f"{prefix}mlp.{name}", mlp.gate_up_proj, rows)
+            add_linear(f"{prefix}mlp.down_proj", mlp.down_proj)
             targets[f"{prefix}input_layernorm.weight"] = layer.input_layernorm.weight
             targets[f"{prefix}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
         return targets
