@@ -25,7 +25,8 @@ import torch
 
 from mini_paged_attn.core.request import SequenceStatus
 from mini_paged_attn.engine import LLMEngine, SamplingParams
-from mini_paged_attn.engine.config import EngineConfig
+from helpers import engines
+from helpers.engines import assert_pool_whole
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 8
@@ -35,21 +36,7 @@ def make_engine(model_dir, **overrides) -> LLMEngine:
     options = dict(block_size=BLOCK_SIZE, num_kv_blocks=12, max_num_seqs=6,
                    max_num_batched_tokens=12, max_model_len=64)
     options.update(overrides)
-    engine = LLMEngine.from_model(model_dir, dtype="float32", device="cpu",
-                                  config=EngineConfig(**options))
-    engine.runner.kv_cache.fill_(float("nan"))   # a read of an unwritten slot shows as NaN
-    return engine
-
-
-def assert_pool_whole(engine: LLMEngine) -> None:
-    kv = engine.kv_manager
-    assert not engine.has_unfinished_requests()
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert kv.num_free_blocks() == kv.num_blocks
-    kv.reset_prefix_cache()
-    bm = kv.block_manager
-    assert bm.get_num_free_blocks() == bm.num_blocks
-    assert all(bm.get_ref_count(b) == 0 for b in range(bm.num_blocks))
+    return engines.make_engine(model_dir, **options)
 
 
 def make_prompts(vocab_size: int) -> list[list[int]]:

@@ -16,7 +16,8 @@ import torch
 from helpers.tiny_models import hf_reference_model
 
 from mini_paged_attn.engine import LLM, LLMEngine, SamplingParams
-from mini_paged_attn.engine.config import EngineConfig
+from helpers import engines
+from helpers.engines import assert_pool_whole
 
 ARCHS = ("llama", "qwen2", "qwen3")
 BLOCK_SIZE = 4
@@ -37,20 +38,7 @@ def make_engine(model_dir, **overrides) -> LLMEngine:
     options = dict(block_size=BLOCK_SIZE, num_kv_blocks=64, max_num_seqs=8,
                    max_num_batched_tokens=256, max_model_len=128)
     options.update(overrides)
-    engine = LLMEngine.from_model(model_dir, dtype="float32", device="cpu",
-                                  config=EngineConfig(**options))
-    engine.runner.kv_cache.fill_(float("nan"))
-    return engine
-
-
-def assert_pool_whole(engine: LLMEngine) -> None:
-    kv = engine.kv_manager
-    assert not engine.has_unfinished_requests()
-    assert kv.num_free_blocks() == kv.num_blocks
-    kv.reset_prefix_cache()
-    bm = kv.block_manager
-    assert bm.get_num_free_blocks() == bm.num_blocks
-    assert all(bm.get_ref_count(b) == 0 for b in range(bm.num_blocks))
+    return engines.make_engine(model_dir, **options)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -388,9 +376,7 @@ def test_greedy_matches_transformers_on_gpu(arch_case, variant):
                    enforce_eager=variant == "eager")
     if variant == "preemption":
         options.update(block_size=4, num_kv_blocks=12)
-    engine = LLMEngine.from_model(model_dir, dtype="float32", device="cuda",
-                                  config=EngineConfig(**options))
-    engine.runner.kv_cache.fill_(float("nan"))
+    engine = engines.make_engine(model_dir, device="cuda", **options)
     assert engine.runner.backend == "triton"
     assert (engine.runner.graphs is None) == (variant == "eager")
     outputs = LLM.from_engine(engine).generate(prompts, GREEDY, use_tqdm=False)

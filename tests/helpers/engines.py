@@ -1,0 +1,31 @@
+"""Engines for tests: the tiny models in fp32, and the check that a drained engine
+holds no KV block.
+
+    from helpers.engines import make_engine, assert_pool_whole
+"""
+
+from __future__ import annotations
+
+from mini_paged_attn.engine import LLMEngine
+from mini_paged_attn.engine.config import EngineConfig
+
+
+def make_engine(model_dir, *, device: str = "cpu", **config) -> LLMEngine:
+    """An fp32 engine with ``EngineConfig(**config)``; the KV pool starts as NaN, so a read of a
+    slot nothing wrote shows in the output."""
+    engine = LLMEngine.from_model(model_dir, dtype="float32", device=device,
+                                  config=EngineConfig(**config))
+    engine.runner.kv_cache.fill_(float("nan"))
+    return engine
+
+
+def assert_pool_whole(engine: LLMEngine) -> None:
+    """No request left, every block free once the prefix cache lets go, every count 0."""
+    kv = engine.kv_manager
+    assert not engine.has_unfinished_requests()
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert kv.num_free_blocks() == kv.num_blocks
+    kv.reset_prefix_cache()
+    bm = kv.block_manager
+    assert bm.get_num_free_blocks() == bm.num_blocks
+    assert all(bm.get_ref_count(b) == 0 for b in range(bm.num_blocks))
