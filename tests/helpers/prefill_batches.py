@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
+from helpers.decode_batches import TOL
 from mini_paged_attn.ops import reference
 from mini_paged_attn.ops.checks import check_paged_prefill_args
 from mini_paged_attn.ops.dispatch import paged_prefill
 from mini_paged_attn.ops.prefill import triton_paged_prefill
 from mini_paged_attn.ops.prefill_plan import PrefillConfig
 
-TOL = {torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 
 @dataclass

@@ -12,13 +12,13 @@ import math
 import pytest
 import torch
 
+from helpers.decode_batches import TOL
 from helpers.prefill_batches import PrefillBatch, make_prefill_batch, run_and_compare
 from mini_paged_attn.ops import reference
 from mini_paged_attn.ops.dispatch import paged_prefill
 from mini_paged_attn.ops.prefill import triton_varlen_contiguous
 from mini_paged_attn.ops.prefill_plan import PrefillConfig
 
-TOL = {torch.float32: 2e-5, torch.float16: 1e-2}
 SMALL = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 
 
