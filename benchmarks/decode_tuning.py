@@ -54,47 +54,66 @@ def launch_overhead() -> list[dict]:
     return rows
 
 
-def run_tune(args, ceilings: Ceilings) -> None:
-    """Tile and split sweeps: batch 1 under CUDA-graph replay, larger batches with do_bench.
+def _ours_tiles(x, shapes, tiles: DecodeTiles, splits: int | None):
+    return lambda: triton_paged_decode(*x.args, shapes, out=x.out, lse=None,
+                                       workspace=x.workspace, tiles=tiles, num_splits=splits)
 
-    Earlier sweeps (H100, recorded in BENCHMARKS.md) settled block_n / warps / stages for long
-    contexts; this one covers batch 1 and short contexts.
-    """
+
+def _cudnn(x, case):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    k = gather_contiguous(x, x.key_cache, case).contiguous()
+    v = gather_contiguous(x, x.value_cache, case).contiguous()
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return sdpa_decode(x.query, k, v, "gqa")
+    return run
+
+
+def run_tune(args, ceilings: Ceilings) -> None:
+    """Tile and split sweeps: batch 1 under CUDA-graph replay (with cuDNN SDPA on contiguous
+    K/V in the same run), larger batches with do_bench. What earlier sweeps found is
+    summarised in BENCHMARKS.md."""
     rows = []
 
     def label(case):
         return f"{case.batch}x{case.context} D{case.head_size} bs{case.block_size}"
 
+    def pct(case, us):
+        return 100 * case.kv_bytes / (us * 1e-6) / 1e9 / ceilings.copy_gbps
+
+    batch1_tiles = [(32, 4, 5), (32, 4, 7), (32, 4, 9), (64, 4, 5), (64, 4, 7), (32, 8, 7)]
     for i, case in enumerate([DecodeCase(1, 4096), DecodeCase(1, 16384), DecodeCase(1, 65536)]):
+        first = len(rows)
         sets = max(1, min(16, math.ceil(ROTATE_BYTES / case.kv_bytes)))
         xs = [make_inputs(case, seed=100 * i + j) for j in range(sets)]
-        for splits in (None, 16, 24, 32, 48):
-            row = dict(case=label(case), forced_splits=splits)
-            row["graph_us"] = time_graph_us([ours(x, num_splits=splits) for x in xs])
-            row["pct_copy"] = 100 * case.kv_bytes / (row["graph_us"] * 1e-6) / 1e9 \
-                / ceilings.copy_gbps
-            rows.append(row)
+        shapes = check_paged_decode_args(*xs[0].args, None, xs[0].out)
+        us = time_graph_us([_cudnn(x, case) for x in xs])
+        rows.append(dict(case=label(case), impl="sdpa_cudnn", graph_us=us, pct_copy=pct(case, us)))
+        for splits in (None, 16, 32, 33):
+            for t in batch1_tiles:
+                us = time_graph_us([_ours_tiles(x, shapes, DecodeTiles(*t), splits) for x in xs])
+                rows.append(dict(case=label(case), impl=f"ours {t}", forced_splits=splits,
+                                 graph_us=us, pct_copy=pct(case, us)))
+        print_table(sorted(rows[first:], key=lambda r: r["graph_us"])[:12],
+                    ["case", "impl", "forced_splits", "graph_us", "pct_copy"])
+        print(flush=True)
         del xs
-    print_table(rows, ["case", "forced_splits", "graph_us", "pct_copy"], )
-    tiles_list = [(64, 4, 3), (32, 4, 5), (64, 4, 2), (32, 4, 3), (128, 4, 2), (64, 8, 3)]
+        torch.cuda.empty_cache()
+    tiles_list = [(64, 4, 3), (32, 4, 5), (32, 4, 7), (32, 4, 9), (64, 4, 5), (64, 4, 7)]
     for i, case in enumerate([DecodeCase(128, 1024), DecodeCase(64, 1024), DecodeCase(32, 4096),
-                              DecodeCase(256, 1024), DecodeCase(8, 16384)]):
+                              DecodeCase(8, 16384), DecodeCase(32, 16384), DecodeCase(8, 65536),
+                              DecodeCase(128, 4096), DecodeCase(256, 4096)]):
         first = len(rows)
         x = make_inputs(case, seed=i)
         shapes = check_paged_decode_args(*x.args, None, x.out)
         for t in tiles_list:
-            for splits in (None, 2):
-                tiles = DecodeTiles(*t)
-                row = dict(case=label(case), block_n=t[0], warps=t[1], stages=t[2],
-                           forced_splits=splits)
-                row["us"] = time_us(lambda: triton_paged_decode(
-                    *x.args, shapes, out=x.out, lse=None, workspace=x.workspace, tiles=tiles,
-                    num_splits=splits))
-                row["pct_copy"] = 100 * case.kv_bytes / (row["us"] * 1e-6) / 1e9 \
-                    / ceilings.copy_gbps
-                rows.append(row)
-        print_table(rows[first:], ["case", "block_n", "warps", "stages", "forced_splits", "us",
-                                   "pct_copy"])
+            for splits in (None, 1, 2):
+                us = time_us(_ours_tiles(x, shapes, DecodeTiles(*t), splits))
+                rows.append(dict(case=label(case), impl=f"ours {t}", forced_splits=splits,
+                                 us=us, pct_copy=pct(case, us)))
+        print_table(sorted(rows[first:], key=lambda r: r["us"])[:10],
+                    ["case", "impl", "forced_splits", "us", "pct_copy"])
         print(flush=True)
         x = None  # free the inputs before the next case
         torch.cuda.empty_cache()

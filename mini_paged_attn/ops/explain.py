@@ -71,8 +71,8 @@ class DecodeTiles:
             raise ValueError(f"block_n: expected a power of two >= 16, got {self.block_n!r}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}")
-        if not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 8):
-            raise ValueError(f"num_stages: expected an int in 1..8, got {self.num_stages!r}")
+        if not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 12):
+            raise ValueError(f"num_stages: expected an int in 1..12, got {self.num_stages!r}")
 
 
 def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool,
@@ -85,9 +85,11 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool,
     Measured on an H100 (benchmarks/bench_attention.py --tune): a large batch saturates HBM
     with any tile of 32-128 tokens and 2-5 stages (95-100% of copy bandwidth), since many
     programs per SM hide the latency. Split launches (small batches) run few, short programs
-    that are latency-bound; there 32-token tiles with 5 stages (K/V of two tiles in flight
-    behind the block-table lookups) were 3-8% faster. The interpreter runs every program in
-    numpy: small tiles keep tests quick and still span several blocks.
+    that are latency-bound; there 32-token tiles with 5 stages were 3-8% faster. The block-table
+    load takes a pipeline stage of its own, so ``num_stages`` S keeps floor((S-1)/2) K/V tiles
+    in flight: 5 stages hold two (4 hold one, up to 20% slower); 7 or 9 gained nothing. The
+    interpreter runs every program in numpy: small tiles keep tests quick and still span
+    several blocks.
     """
     if not on_gpu:
         return DecodeTiles(block_n=16, num_warps=4, num_stages=1)
