@@ -108,6 +108,19 @@ class StepTimes:
 
 
 # ---- offline: the engine without HTTP --------------------------------------------------------
+def device_of(engine) -> tuple[str, str]:
+    """``(device type, a readable name)`` of the engine's device."""
+    import torch
+
+    on = engine.runner.device
+    return on.type, (torch.cuda.get_device_name(on) if on.type == "cuda"
+                     else f"CPU ({os.cpu_count()} cores)")
+
+
+def offline_in_engine(engine, reqs: list[Req], concurrency: int) -> tuple[float, int]:
+    return offline_closed_loop(engine, reqs, concurrency)
+
+
 def offline_closed_loop(engine, reqs: list[Req], concurrency: int) -> tuple[float, int]:
     """Wall seconds and output tokens for ``reqs`` with at most ``concurrency`` in flight."""
     from mini_paged_attn.engine import SamplingParams
@@ -261,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1,
                    help="measure offline and server this many times each, alternating; "
                         "report the best of each")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the engine in its own process (serve's default)")
     p.add_argument("--step-times", action="store_true",
                    help="print step / gap / batch statistics of each offline and server run")
     p.add_argument("--json", help="also write the results here")
@@ -274,11 +289,23 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = tempfile.TemporaryDirectory()
     model_dir = args.model or make_model_dir(args.make_model, Path(tmp.name))
-    llm = LLM(str(model_dir), dtype=args.dtype, device=args.device,
-              num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-              enforce_eager=args.enforce_eager, seed=args.seed)
-    engine = llm.engine
-    if engine.runner.device.type == "cpu":  # as `serve` does (and for the offline runs too)
+    llm_kwargs = dict(dtype=args.dtype, device=args.device, num_kv_blocks=args.num_kv_blocks,
+                      max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+                      seed=args.seed)
+    if args.engine_process:  # offline runs happen in the engine's process too
+        from mini_paged_attn.server.engine_core import EngineCoreClient
+        engine = EngineCoreClient(str(model_dir), llm_kwargs)
+
+        def run_offline(reqs, n):  # in the engine's process
+            return engine.call(offline_in_engine, reqs, n)
+        device_type, device = engine.call(device_of)
+    else:
+        engine = LLM(str(model_dir), **llm_kwargs).engine
+        device_type, device = device_of(engine)
+
+        def run_offline(reqs, n):
+            return offline_closed_loop(engine, reqs, n)
+    if device_type == "cpu":  # as `serve` does (and for the offline runs too)
         from mini_paged_attn.commands.serve import leave_a_core_for_http
         leave_a_core_for_http()
     vocab = engine.model_config.vocab_size
@@ -289,10 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     # kernels compile, CUDA graphs capture, and the KV pool's pages are touched (first touches
     # of a fresh CPU pool are slow) before anything is timed.
     big = max(args.clients)
-    offline_closed_loop(engine, workload(args.seed - 1, len(sets[big]), tuple(args.prompt_len),
+    run_offline(workload(args.seed - 1, len(sets[big]), tuple(args.prompt_len),
                                          tuple(args.output_len), vocab), big)
 
-    steps = StepTimes(engine) if args.step_times else None
+    steps = StepTimes(engine) if args.step_times and not args.engine_process else None
     server, thread, url = start_server(engine, "bench", args.loop, args.http)
     try:
         run_clients(url, "bench", sets[args.clients[0]][:2], 2)  # warm the HTTP path
@@ -302,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             # spell of the machine hits both; the best of each is reported.
             offline_runs, server_runs = [], []
             for _ in range(args.repeats):
-                offline_runs.append(offline_closed_loop(engine, sets[n], n))
+                offline_runs.append(run_offline(sets[n], n))
                 if steps:
                     print(f"N={n} offline: {steps.take()}", flush=True)
                 server_runs.append(run_clients(url, "bench", sets[n], n, args.client_processes))
@@ -328,9 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.should_exit = True
         thread.join(30)
+        if args.engine_process:
+            engine.close()
 
-    on = engine.runner.device
-    device = torch.cuda.get_device_name(on) if on.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
     print(f"\nmodel {args.model or args.make_model} ({engine.model_config.dtype}), device "
           f"{device}, prompt {args.prompt_len[0]}..{args.prompt_len[1]}, output "
           f"{args.output_len[0]}..{args.output_len[1]} tokens, seed {args.seed}, torch "

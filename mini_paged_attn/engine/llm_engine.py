@@ -23,6 +23,7 @@ from ..core.request import FinishReason, Request
 from ..core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ..models.config import ModelConfig
 from ..models.tokenizer import Tokenizer
+from .admission import Admission
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor, RequestState
@@ -79,6 +80,8 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
             self.kv_manager)
         self.output_processor = OutputProcessor(tokenizer)
+        self.admission = Admission(model_config.vocab_size, max_len, self.kv_manager.num_blocks,
+                                   config.block_size, config.max_num_seqs)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
         self._lock = threading.Lock()
         # Held for the whole of step(): two threads stepping at once would corrupt the scheduler
@@ -107,23 +110,6 @@ class LLMEngine:
         return cls(net, tokenizer, model_config, config)
 
     # ---- requests (any thread) ----------------------------------------------------------------
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-            text = prompt
-        elif isinstance(prompt, (list, tuple)):
-            vocab = self.model_config.vocab_size
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                       for t in prompt):
-                raise ValueError(f"prompt: expected token ids in [0, {vocab}), got {prompt!r:.200}")
-            ids, text = list(prompt), None
-        else:
-            raise ValueError(f"prompt: expected a str or a list of token ids, "
-                             f"got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt: expected at least one token, got an empty prompt")
-        return text, ids
-
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, final_only: bool = False) -> str:
         """Queue a request; returns its id. Thread-safe.
@@ -135,23 +121,7 @@ class LLMEngine:
             ValueError: a bad prompt or params, a request id in use, or a request that can
                 never fit (prompt + max_tokens over max_model_len or over the whole KV pool).
         """
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params: expected SamplingParams or None, got {type(params).__name__}")
-        text, ids = self._prompt_ids(prompt)
-        need = len(ids) + params.max_tokens
-        if need > self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
-                             f"= {need} exceeds max_model_len={self.max_model_len}")
-        # The last sampled token's K/V is never computed.
-        blocks = self.kv_manager.blocks_for(need - 1)
-        if blocks > self.kv_manager.num_blocks:
-            raise ValueError(f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
-                             f"need {blocks} KV blocks, more than the whole pool "
-                             f"({self.kv_manager.num_blocks} blocks of {self.config.block_size})")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"params.n: expected <= max_num_seqs={self.config.max_num_seqs}, "
-                             f"got {params.n}")
+        params, text, ids = self.admission.check(prompt, params, self.tokenizer)
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids

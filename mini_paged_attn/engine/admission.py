@@ -1,0 +1,70 @@
+"""The checks a request must pass before it is queued, shared by ``LLMEngine.add_request`` and
+the server's engine-process client (which runs them without an engine at hand)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The limits of one engine that decide whether a request can ever run.
+
+    vocab_size: token ids of a prompt must lie in ``[0, vocab_size)``.
+    max_model_len: prompt + max_tokens may not exceed it.
+    num_blocks, block_size: the KV pool; prompt + max_tokens - 1 tokens must fit in it whole.
+    max_num_seqs: ``n`` samples run side by side, so ``n`` may not exceed it.
+    """
+
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+
+    def prompt_ids(self, prompt: Any, tokenizer: Any) -> tuple[str | None, list[int]]:
+        """``(text or None, token ids)`` of a prompt given as a str or a list of token ids."""
+        if isinstance(prompt, str):
+            ids, text = tokenizer.encode(prompt), prompt
+        elif isinstance(prompt, (list, tuple)):
+            vocab = self.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                       for t in prompt):
+                raise ValueError(f"prompt: expected token ids in [0, {vocab}), got {prompt!r:.200}")
+            ids, text = list(prompt), None
+        else:
+            raise ValueError(f"prompt: expected a str or a list of token ids, "
+                             f"got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt: expected at least one token, got an empty prompt")
+        return text, ids
+
+    def check(self, prompt: Any, params: SamplingParams | None, tokenizer: Any
+              ) -> tuple[SamplingParams, str | None, list[int]]:
+        """Validate one request; returns ``(params, prompt text or None, prompt token ids)``.
+
+        Raises:
+            ValueError: a bad prompt or params, or a request that can never fit (prompt +
+                max_tokens over max_model_len or over the whole KV pool).
+        """
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: expected SamplingParams or None, got {type(params).__name__}")
+        text, ids = self.prompt_ids(prompt, tokenizer)
+        need = len(ids) + params.max_tokens
+        if need > self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
+                             f"= {need} exceeds max_model_len={self.max_model_len}")
+        # The last sampled token's K/V is never computed.
+        blocks = -(-(need - 1) // self.block_size)
+        if blocks > self.num_blocks:
+            raise ValueError(f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
+                             f"need {blocks} KV blocks, more than the whole pool "
+                             f"({self.num_blocks} blocks of {self.block_size})")
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"params.n: expected <= max_num_seqs={self.max_num_seqs}, "
+                             f"got {params.n}")
+        return params, text, ids

@@ -1,0 +1,93 @@
+"""The server with its engine in a child process (``EngineCoreClient``): same answers as the
+in-process engine, blocks freed after cancelled streams, bad input refused before anything is
+sent, and the child stopped on close."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from server_harness import API_KEY, MODEL_NAME, TIMEOUT_S, served
+
+from mini_paged_attn.engine import SamplingParams
+
+PROMPTS = ["The paged cache", "Blocks are shared", "Copy on write", "A tiny random model"]
+LLM_KWARGS = dict(device="cpu", block_size=16, num_kv_blocks=64, max_num_seqs=48,
+                  max_model_len=256, seed=0)
+
+
+def _pool(engine):
+    """Runs in the child: the pool's whole state."""
+    s = engine.stats()
+    return s.kv_blocks_free, s.kv_blocks_total, s.num_running, s.num_waiting
+
+
+@pytest.fixture(scope="module")
+def core(model_dir):
+    from mini_paged_attn.server.engine_core import EngineCoreClient
+
+    client = EngineCoreClient(str(model_dir), LLM_KWARGS, start_timeout=120)
+    yield client
+    client.close()
+    assert client._proc.exitcode is not None  # the child is gone
+
+
+def test_engine_process_matches_in_process_generate(core, llm):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    with served(core, api_key=API_KEY) as server, server.client() as c:
+        got = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPTS,
+                                              "max_tokens": 12, "temperature": 0,
+                                              "ignore_eos": True}).json()
+        assert [ch["text"] for ch in got["choices"]] == [w.text for w in want]
+        assert got["usage"]["completion_tokens"] == 12 * len(PROMPTS)
+
+        body = {"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        import json
+        text = "".join(ch["text"] for e in events[:-1] for ch in json.loads(e)["choices"])
+        assert text == want[1].text
+
+        too_long = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": [5] * 250,
+                                                   "max_tokens": 10})
+        assert too_long.status_code == 400
+        assert too_long.json()["error"]["code"] == "context_length_exceeded"
+        assert c.get("/health").status_code == 200
+
+
+def test_engine_process_cancelled_streams_free_every_block(core):
+    async def run(url: str) -> None:
+        async def cancelled(i: int) -> None:
+            body = {"model": MODEL_NAME, "prompt": f"{PROMPTS[i % 4]} cancel {i}",
+                    "max_tokens": 200, "stream": True, "ignore_eos": True}
+            async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S,
+                                         headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    n = 0
+                    async for line in r.aiter_lines():
+                        n += line.startswith("data: ")
+                        if n == 2:
+                            break  # leaving the block closes the connection mid-stream
+
+        await asyncio.gather(*(cancelled(i) for i in range(8)))
+
+    with served(core, api_key=API_KEY) as server:
+        asyncio.run(run(server.url))
+        server.wait_all_free()
+    free, total, running, waiting = core.call(_pool)
+    assert (free, running, waiting) == (total, 0, 0)
+
+
+def test_engine_process_refuses_bad_requests_before_sending(core):
+    with pytest.raises(ValueError, match="max_model_len"):
+        core.add_request([5] * 250, SamplingParams(max_tokens=10), request_id="too-long")
+    with pytest.raises(ValueError, match="prompt"):
+        core.add_request([], SamplingParams(), request_id="empty")
+    assert not core.has_unfinished_requests()
+    assert core.stats().num_waiting == 0
