@@ -101,3 +101,19 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None) -> di
     if param is not None:
         assert err["param"] == param, err
     return err
+
+
+async def cancel_mid_stream(url: str, prompt: str) -> None:
+    """Open a streamed completion, read two events, then drop the connection (the server must
+    abort the request)."""
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 200, "stream": True,
+            "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S,
+                                 headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            n = 0
+            async for line in r.aiter_lines():
+                n += line.startswith("data: ")
+                if n == 2:
+                    break  # leaving the block closes the connection mid-stream

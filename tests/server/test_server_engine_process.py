@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
 
-from server_harness import API_KEY, MODEL_NAME, TIMEOUT_S, served
+from server_harness import API_KEY, MODEL_NAME, cancel_mid_stream, served
 
 from mini_paged_attn.engine import SamplingParams
 
@@ -62,20 +61,8 @@ def test_engine_process_matches_in_process_generate(core, llm):
 
 def test_engine_process_cancelled_streams_free_every_block(core):
     async def run(url: str) -> None:
-        async def cancelled(i: int) -> None:
-            body = {"model": MODEL_NAME, "prompt": f"{PROMPTS[i % 4]} cancel {i}",
-                    "max_tokens": 200, "stream": True, "ignore_eos": True}
-            async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S,
-                                         headers={"Authorization": f"Bearer {API_KEY}"}) as c:
-                async with c.stream("POST", "/v1/completions", json=body) as r:
-                    assert r.status_code == 200
-                    n = 0
-                    async for line in r.aiter_lines():
-                        n += line.startswith("data: ")
-                        if n == 2:
-                            break  # leaving the block closes the connection mid-stream
-
-        await asyncio.gather(*(cancelled(i) for i in range(8)))
+        await asyncio.gather(*(cancel_mid_stream(url, f"{PROMPTS[i % 4]} cancel {i}")
+                               for i in range(8)))
 
     with served(core, api_key=API_KEY) as server:
         asyncio.run(run(server.url))

@@ -9,11 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
 import openai
 import pytest
 
-from server_harness import API_KEY, MODEL_NAME, TIMEOUT_S, served
+from server_harness import API_KEY, MODEL_NAME, TIMEOUT_S, cancel_mid_stream, served
 
 # English, Chinese and emoji: byte-level tokens split characters, so streamed deltas must hold
 # incomplete characters back and still add up to the offline text.
@@ -185,20 +184,8 @@ def test_concurrent_streams_then_cancelled_ones_free_every_block(server, llm):
         assert [(want, got) for want, got, _ in results] == [(want, want) for want, _, _ in results]
         assert all(reasons == ["length"] for _, _, reasons in results)
 
-        async def cancelled(i: int) -> None:
-            body = {"model": MODEL_NAME, "prompt": f"{PROMPTS[i % 4]} cancel {i}",
-                    "max_tokens": 200, "stream": True, "ignore_eos": True}
-            async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT_S,
-                                         headers={"Authorization": f"Bearer {API_KEY}"}) as c:
-                async with c.stream("POST", "/v1/completions", json=body) as r:
-                    assert r.status_code == 200
-                    n = 0
-                    async for line in r.aiter_lines():
-                        n += line.startswith("data: ")
-                        if n == 2:
-                            break  # leaving the block closes the connection mid-stream
-
-        await asyncio.gather(*(cancelled(i) for i in range(8)))
+        await asyncio.gather(*(cancel_mid_stream(server.url, f"{PROMPTS[i % 4]} cancel {i}")
+                               for i in range(8)))
 
     before = server.metrics()['mini_paged_attn_server_requests_total{outcome="aborted"}']
     asyncio.run(run())
