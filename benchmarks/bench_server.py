@@ -9,7 +9,8 @@ engine's offline throughput for the same requests with the same N in flight (``L
 directly, no HTTP), so ``server/offline`` is the cost of the server alone.
 
 The server runs in this process (uvicorn in a thread, one engine loop thread) on the same engine
-as the offline runs; the clients run in child processes (up to 8), so their JSON parsing takes
+as the offline runs (with ``--engine-process`` that engine runs in a child process, offline runs
+included); the clients run in child processes (up to 8), so their JSON parsing takes
 neither the server's interpreter lock nor the time of one process for all streams.
 
     # CPU, the tiny random model (seconds)
@@ -85,7 +86,7 @@ class StepTimes:
     steps), or fed fewer requests (smaller batches) under the server."""
 
     def __init__(self, engine):
-        self.engine, self.records = engine, []
+        self.records = []
         step = engine.step
 
         def timed_step():
@@ -115,10 +116,6 @@ def device_of(engine) -> tuple[str, str]:
     on = engine.runner.device
     return on.type, (torch.cuda.get_device_name(on) if on.type == "cuda"
                      else f"CPU ({os.cpu_count()} cores)")
-
-
-def offline_in_engine(engine, reqs: list[Req], concurrency: int) -> tuple[float, int]:
-    return offline_closed_loop(engine, reqs, concurrency)
 
 
 def offline_closed_loop(engine, reqs: list[Req], concurrency: int) -> tuple[float, int]:
@@ -275,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure offline and server this many times each, alternating; "
                         "report the best of each")
     p.add_argument("--engine-process", action="store_true",
-                   help="run the engine in its own process (serve's default)")
+                   help="run the engine in its own process (server/engine_core.py)")
     p.add_argument("--step-times", action="store_true",
                    help="print step / gap / batch statistics of each offline and server run")
     p.add_argument("--json", help="also write the results here")
@@ -297,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = EngineCoreClient(str(model_dir), llm_kwargs)
 
         def run_offline(reqs, n):  # in the engine's process
-            return engine.call(offline_in_engine, reqs, n)
+            return engine.call(offline_closed_loop, reqs, n)
         device_type, device = engine.call(device_of)
     else:
         engine = LLM(str(model_dir), **llm_kwargs).engine

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from bench_attention import (ROTATE_BYTES, DecodeCase, gather_contiguous, make_inputs, ours,
-                             sdpa_decode)
+from bench_attention import (ROTATE_BYTES, SDPA_BACKENDS, DecodeCase, gather_contiguous,
+                             make_inputs, ours, sdpa_decode)
 from common import Ceilings, print_table, time_graph_us, time_us, write_csv
 from mini_paged_attn.ops.checks import check_paged_decode_args
 from mini_paged_attn.ops.decode import triton_paged_decode
@@ -60,12 +60,12 @@ def _ours_tiles(x, shapes, tiles: DecodeTiles, splits: int | None):
 
 
 def _cudnn(x, case):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
     k = gather_contiguous(x, x.key_cache, case).contiguous()
     v = gather_contiguous(x, x.value_cache, case).contiguous()
 
     def run():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        with sdpa_kernel(SDPA_BACKENDS["sdpa_cudnn"]):
             return sdpa_decode(x.query, k, v, "gqa")
     return run
 

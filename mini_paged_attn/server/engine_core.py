@@ -44,18 +44,18 @@ class _Sent:
     tokens: int = 0
 
 
-def _delta(out: Any, sent: dict[tuple[str, int], _Sent]) -> tuple:
+def _delta(out: Any, sent: dict[str, dict[int, _Sent]]) -> tuple:
     """One RequestOutput as what changed since the last delta of its request."""
+    per_completion = sent.pop(out.request_id, {}) if out.finished else \
+        sent.setdefault(out.request_id, {})
     completions = []
     for comp in out.outputs:
-        s = sent.setdefault((out.request_id, comp.index), _Sent())
+        s = per_completion.setdefault(comp.index, _Sent())
         keep = len(s.text) if comp.text.startswith(s.text) else 0  # stop strings may cut it
         new_logprobs = None if comp.logprobs is None else list(comp.logprobs[s.tokens:])
         completions.append((comp.index, keep, comp.text[keep:], list(comp.token_ids[s.tokens:]),
                             comp.finish_reason, comp.cumulative_logprob, new_logprobs))
         s.text, s.tokens = comp.text, len(comp.token_ids)
-        if out.finished:
-            del sent[(out.request_id, comp.index)]
     return out.request_id, completions, out.finished, out.metrics
 
 
@@ -70,7 +70,7 @@ def _core_main(model: str, llm_kwargs: dict, commands: Any, results: Any) -> Non
     except BaseException as exc:
         results.send(("error", f"the engine could not start: {type(exc).__name__}: {exc}"))
         return
-    sent: dict[tuple[str, int], _Sent] = {}
+    sent: dict[str, dict[int, _Sent]] = {}   # request id -> completion index -> sent so far
     added = 0
     while True:
         idle = not engine.has_unfinished_requests()
@@ -89,8 +89,7 @@ def _core_main(model: str, llm_kwargs: dict, commands: Any, results: Any) -> Non
                     results.send(("failed", f"the engine rejected {request_id}: {exc}"))
             elif kind == "abort":
                 engine.abort_request(args[0])
-                for key in [k for k in sent if k[0] == args[0]]:
-                    del sent[key]
+                sent.pop(args[0], None)
             elif kind == "call":  # benchmarks and tests: fn(engine, *args) in this process
                 fn, fn_args = args
                 try:
@@ -139,8 +138,8 @@ class EngineCoreClient:
     def __init__(self, model: str, llm_kwargs: dict | None = None, *,
                  start_timeout: float = 900.0) -> None:
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
-        self._commands, child_commands = ctx.Pipe(duplex=False)[::-1]
-        child_results, self._results = ctx.Pipe(duplex=False)[::-1]
+        child_commands, self._commands = ctx.Pipe(duplex=False)  # (receiving, sending) ends
+        self._results, child_results = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=_core_main, name="engine-core", daemon=True,
                                  args=(str(model), dict(llm_kwargs or {}), child_commands,
                                        child_results))

@@ -5,6 +5,7 @@ sent, and the child stopped on close."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -48,7 +49,6 @@ def test_engine_process_matches_in_process_generate(core, llm):
         with c.stream("POST", "/v1/completions", json=body) as r:
             events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
-        import json
         text = "".join(ch["text"] for e in events[:-1] for ch in json.loads(e)["choices"])
         assert text == want[1].text
 
