@@ -2,9 +2,9 @@
 
 - :func:`measure_ceilings`: the run's own device-to-device copy bandwidth (bytes read +
   written) and bf16 matmul rate, the yardsticks every result is reported against.
-- :func:`time_us` (``triton.testing.do_bench``, median, L2 flushed before each call) and
-  :func:`time_graph_us` (``do_bench_cudagraph``, median of replays; pass several input sets to
-  rotate through so small problems are not served from L2).
+- :func:`time_us` (median of per-call CUDA events, L2 flushed before each call; ``flush``
+  says how) and :func:`time_graph_us` (``do_bench_cudagraph``, median of replays; pass several
+  input sets to rotate through so small problems are not served from L2).
 - :func:`print_table`, :func:`markdown_table`, :func:`write_csv` / :func:`read_csv`,
   :func:`plot_lines`.
 """
@@ -42,9 +42,55 @@ def environment() -> dict[str, str]:
     }
 
 
-def time_us(fn: Callable[[], object], warmup_ms: int = 10, rep_ms: int = 60) -> float:
-    """Median microseconds of ``fn`` (events around each call, L2 flushed before each)."""
-    return 1e3 * do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+FLUSH_BYTES = 256 << 20
+
+
+def time_us(fn: Callable[[], object], warmup_ms: int = 10, rep_ms: int = 60,
+            flush: str = "read") -> float:
+    """Median microseconds of ``fn`` (CUDA events around each call, L2 flushed before each).
+
+    flush:
+        ``"read"``: a read-only pass over 256 MB before each call, so ``fn`` finds nothing of
+            its own in L2 and no dirty lines either.
+        ``"zero"``: ``triton.testing.do_bench``'s flush, a 256 MB ``zero_()``. It leaves L2
+            full of dirty lines that are written back while ``fn`` runs (on an H100, 50 MB:
+            ~16 us of HBM writes charged to ``fn``).
+        ``"none"``: nothing (``fn`` should rotate over inputs larger than L2 itself).
+    """
+    if flush == "zero":
+        return 1e3 * do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    if flush not in ("read", "none"):
+        raise ValueError(f"flush: expected 'read', 'zero' or 'none', got {flush!r}")
+    buf = torch.empty(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda").normal_()
+
+    def flushed():
+        if flush == "read":
+            torch.sum(buf)
+        fn()
+    # Estimate one call, as do_bench does, to turn the ms budgets into call counts.
+    fn()
+    torch.cuda.synchronize()
+    est = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    est[0].record()
+    for _ in range(5):
+        flushed()
+    est[1].record()
+    torch.cuda.synchronize()
+    per_call_ms = max(est[0].elapsed_time(est[1]) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / per_call_ms))):
+        flushed()
+    n = max(5, int(rep_ms / per_call_ms))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for start, end in zip(starts, ends):
+        if flush == "read":
+            torch.sum(buf)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return 1e3 * times[len(times) // 2]
 
 
 def time_graph_us(fns: Sequence[Callable[[], object]], rep_ms: int = 40) -> float:
