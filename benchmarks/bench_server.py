@@ -96,6 +96,15 @@ class StepTimes:
             return outputs
         engine.step = timed_step
 
+    @classmethod
+    def install(cls, engine) -> None:
+        """Wrap ``engine.step`` where the engine lives (``EngineCoreClient.call`` target)."""
+        engine._bench_step_times = cls(engine)
+
+    @staticmethod
+    def take_from(engine) -> str:
+        return engine._bench_step_times.take()
+
     def take(self) -> str:
         recs, self.records = self.records, []
         if len(recs) < 2:
@@ -166,27 +175,38 @@ async def _one(client, url: str, model: str, r: Req) -> ClientRecord:
                         gaps=tuple(b - a for a, b in zip(times, times[1:])))
 
 
-async def _clients(base_url: str, model: str, reqs: list[Req], concurrency: int
+def _take_next(counter, total: int) -> int | None:
+    """The index of the next request of the one queue all client processes share."""
+    with counter.get_lock():
+        i = counter.value
+        if i >= total:
+            return None
+        counter.value = i + 1
+        return i
+
+
+async def _clients(base_url: str, model: str, reqs: list[Req], concurrency: int, counter
                    ) -> tuple[float, float, list[ClientRecord]]:
     import httpx
 
-    queue = list(reversed(reqs))
     records: list[ClientRecord] = []
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         async def worker() -> None:
-            while queue:
+            while (i := _take_next(counter, len(reqs))) is not None:
                 records.append(await _one(client, f"{base_url}/v1/completions", model,
-                                          queue.pop()))
+                                          reqs[i]))
 
         start = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return start, time.monotonic(), records
 
 
-def _client_main(base_url: str, model: str, reqs: list[Req], concurrency: int, go, conn) -> None:
+def _client_main(base_url: str, model: str, reqs: list[Req], concurrency: int, counter, go,
+                 conn) -> None:
+    import httpx  # noqa: F401  imported before the start line: the processes start together
     go.wait()
-    start, end, records = asyncio.run(_clients(base_url, model, reqs, concurrency))
+    start, end, records = asyncio.run(_clients(base_url, model, reqs, concurrency, counter))
     conn.send((start, end, [asdict(r) for r in records]))
     conn.close()
 
@@ -195,19 +215,26 @@ def run_clients(base_url: str, model: str, reqs: list[Req], concurrency: int,
                 processes: int = 8) -> tuple[float, list[ClientRecord]]:
     """Wall seconds and one record per request, for ``concurrency`` closed-loop clients spread
     over up to ``processes`` child processes (one Python process parsing 64 streams of JSON
-    chunks is slower than the server it measures)."""
+    chunks is slower than the server it measures).
+
+    The clients take their requests in order from one queue shared by every process, as
+    :func:`offline_closed_loop` does, so both runs keep the same requests in flight (fixed
+    per-process shares made the server's last requests finish later than offline's: up to 9%
+    of the wall time in a simulation of the GPU workload, a cost of the benchmark, not of the
+    server)."""
     ctx = mp.get_context("spawn")
     procs = max(1, min(processes, concurrency))
-    go = ctx.Event()
+    go = ctx.Barrier(procs + 1)
+    counter = ctx.Value("q", 0)
     children = []
     for i in range(procs):
         parent, child = ctx.Pipe(duplex=False)
         share = concurrency // procs + (i < concurrency % procs)
         proc = ctx.Process(target=_client_main,
-                           args=(base_url, model, reqs[i::procs], share, go, child))
+                           args=(base_url, model, reqs, share, counter, go, child))
         proc.start()
         children.append((proc, parent))
-    go.set()
+    go.wait()
     starts, ends, records = [], [], []
     for proc, parent in children:
         start, end, recs = parent.recv()
@@ -316,10 +343,21 @@ def main(argv: list[str] | None = None) -> int:
     run_offline(workload(args.seed - 1, len(sets[big]), tuple(args.prompt_len),
                                          tuple(args.output_len), vocab), big)
 
-    steps = StepTimes(engine) if args.step_times and not args.engine_process else None
+    steps = None
+    if args.step_times and args.engine_process:
+        engine.call(StepTimes.install)
+
+        class _Remote:  # the summaries come from the engine's process
+            def take(self):
+                return engine.call(StepTimes.take_from)
+        steps = _Remote()
+    elif args.step_times:
+        steps = StepTimes(engine)
     server, thread, url = start_server(engine, "bench", args.loop, args.http)
     try:
         run_clients(url, "bench", sets[args.clients[0]][:2], 2)  # warm the HTTP path
+        if steps:
+            steps.take()  # not a measured run's steps
         results = []
         for n in args.clients:
             # Offline and server runs alternate (the engine is idle in between), so a slow
