@@ -1,7 +1,7 @@
 """``mini-paged-attn serve``: an OpenAI-compatible HTTP server over one engine.
 
     mini-paged-attn serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]
-                          [--max-queue N] [engine options]
+                          [--max-queue N] [--engine-process auto|on|off] [engine options]
 
 With no GPU it runs on the CPU, so ``serve --model DIR`` alone works on a laptop (``--model tiny``:
 the embedded tiny Llama with RANDOM weights, to try the API). It binds to 127.0.0.1 unless
@@ -32,7 +32,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--max-queue", type=positive_int, default=None,
                       help="at most N requests may wait for their first token; more get 429 "
                            "(default: no limit)")
+    http.add_argument("--engine-process", choices=("auto", "on", "off"), default="auto",
+                      help="run the engine in a process of its own, so HTTP work does not slow "
+                           "its steps (auto, the default: on when it runs on a GPU)")
     add_engine_arguments(parser, serving=True)
+
+
+def wants_engine_process(choice: str, device: str | None) -> bool:
+    """Whether ``--engine-process choice`` puts the engine in its own process.
+
+    ``auto``: on a GPU, yes: there a step is mostly Python between short kernels, and in one
+    process the HTTP event loop's per-chunk Python takes the interpreter lock from it (steps
+    8-46% longer at 1-64 clients on an H100; in a process of its own +28% output tokens/s at
+    64 clients, BENCHMARKS.md). On the CPU, no: the engine's own threads use the cores.
+    """
+    if choice != "auto":
+        return choice == "on"
+    import torch
+
+    if device is not None:
+        return torch.device(device).type == "cuda"
+    return torch.cuda.is_available()
 
 
 def leave_a_core_for_http() -> int:
@@ -55,24 +75,39 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from mini_paged_attn.engine import LLM
     from mini_paged_attn.server.app import build_app
 
     log = logging.getLogger("mini_paged_attn.serve")
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-              num_kv_blocks=args.num_kv_blocks,
-              gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-              enforce_eager=args.enforce_eager, seed=args.seed)
-    if llm.engine.runner.device.type == "cpu":
-        log.info("torch uses %d CPU threads (one core left for HTTP)", leave_a_core_for_http())
-    name = args.served_model_name or Path(args.model).resolve().name
-    app = build_app(llm.engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue)
-    print(f"serving {name!r} on http://{args.host}:{args.port}/v1 "
-          f"({llm.stats().summary()})", flush=True)
-    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening on %s with no API key: anyone who can reach it can use it",
-                    args.host)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    llm_kwargs = dict(dtype=args.dtype, device=args.device, block_size=args.block_size,
+                      num_kv_blocks=args.num_kv_blocks,
+                      gpu_memory_utilization=args.gpu_memory_utilization,
+                      max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      max_model_len=args.max_model_len,
+                      enable_prefix_caching=not args.no_prefix_caching,
+                      enforce_eager=args.enforce_eager, seed=args.seed)
+    if wants_engine_process(args.engine_process, args.device):
+        from mini_paged_attn.server.engine_core import EngineCoreClient
+        engine = EngineCoreClient(args.model, llm_kwargs)
+        where = "its own process"
+    else:
+        from mini_paged_attn.engine import LLM
+        engine = LLM(args.model, **llm_kwargs).engine
+        where = "a thread of the server"
+        if engine.runner.device.type == "cpu":
+            log.info("torch uses %d CPU threads (one core left for HTTP)",
+                     leave_a_core_for_http())
+    try:
+        name = args.served_model_name or Path(args.model).resolve().name
+        app = build_app(engine, model_name=name, api_key=args.api_key,
+                        max_queue=args.max_queue)
+        print(f"serving {name!r} on http://{args.host}:{args.port}/v1, engine in {where} "
+              f"({engine.stats().summary()})", flush=True)
+        if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("listening on %s with no API key: anyone who can reach it can use it",
+                        args.host)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    finally:
+        if hasattr(engine, "close"):  # the engine's process
+            engine.close()
     return 0

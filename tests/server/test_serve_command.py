@@ -1,0 +1,69 @@
+"""``mini-paged-attn serve`` as a user starts it: where the engine runs, and a real process
+answering on 127.0.0.1 with its engine in a child process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from mini_paged_attn.commands.serve import wants_engine_process
+from mini_paged_attn.engine import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("choice, device, expected", [
+    ("on", "cpu", True), ("off", "cuda", False), ("auto", "cpu", False), ("auto", "cuda", True),
+    ("auto", "cuda:1", True),
+])
+def test_engine_process_choice(choice, device, expected):
+    assert wants_engine_process(choice, device) is expected
+
+
+def test_auto_without_device_follows_cuda_availability():
+    import torch
+
+    assert wants_engine_process("auto", None) is torch.cuda.is_available()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_with_the_engine_in_its_own_process_answers_like_generate():
+    port = _free_port()
+    cmd = [sys.executable, "-m", "mini_paged_attn.cli", "serve", "--model", "tiny",
+           "--port", str(port), "--device", "cpu", "--dtype", "float32",
+           "--num-kv-blocks", "32", "--engine-process", "on"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"serve did not come up: {proc.stdout.read()}")
+            time.sleep(0.2)
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 6, "temperature": 0}
+        got = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        llm = LLM("tiny", device="cpu", dtype="float32", num_kv_blocks=32)
+        expected = llm.generate("hello", SamplingParams(temperature=0, max_tokens=6),
+                                use_tqdm=False)[0].outputs[0]
+        assert got["choices"][0]["text"] == expected.text
+        assert got["usage"]["completion_tokens"] == len(expected.token_ids)
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert "engine in its own process" in out
+    assert proc.returncode is not None
