@@ -111,16 +111,22 @@ class LLMEngine:
 
     # ---- requests (any thread) ----------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, *, final_only: bool = False) -> str:
+                    request_id: str | None = None, *, final_only: bool = False,
+                    detokenize: bool = True) -> str:
         """Queue a request; returns its id. Thread-safe.
 
         ``final_only``: ``step()`` reports the request only when it finishes (no text is
         produced before; what ``LLM.generate`` uses).
+        ``detokenize=False``: the outputs carry token ids and an empty text, unless the request
+        has stop strings (found in the text, so the engine makes it then). For a frontend that
+        turns ids into text itself, off the stepping thread (the server's engine process).
 
         Raises:
             ValueError: a bad prompt or params, a request id in use, or a request that can
                 never fit (prompt + max_tokens over max_model_len or over the whole KV pool).
         """
+        if not isinstance(detokenize, bool):
+            raise ValueError(f"detokenize: expected a bool, got {detokenize!r}")
         params, text, ids = self.admission.check(prompt, params, self.tokenizer)
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
@@ -134,7 +140,8 @@ class LLMEngine:
                 raise ValueError(f"request_id: expected a new str id, got {request_id!r}")
             request = Request(request_id, ids, params.max_tokens, stop_ids, params.n, params,
                               arrival_time=time.time())
-            self._pending_adds.append(RequestState(request, text, final_only, params.stop))
+            self._pending_adds.append(RequestState(request, text, final_only, params.stop,
+                                                   detokenize))
             self._live.add(request_id)
         return request_id
 

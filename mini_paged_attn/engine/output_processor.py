@@ -32,6 +32,7 @@ class RequestState:
     prompt: str | None
     final_only: bool                # only the finished output is wanted (LLM.generate)
     stop: tuple[str, ...] = ()
+    detokenize: bool = True         # False: outputs carry token ids only (text "")
     texts: dict[int, _SampleText] = field(default_factory=dict)
     # One copy of the prompt for all the request's outputs (they share it: read-only).
     prompt_token_ids: list[int] = field(init=False)
@@ -41,7 +42,8 @@ class RequestState:
 
     @property
     def incremental(self) -> bool:
-        return not self.final_only or bool(self.stop)
+        # Stop strings are looked for in the text, so they need it whatever the caller wants.
+        return (self.detokenize and not self.final_only) or bool(self.stop)
 
     @property
     def hold(self) -> int:
@@ -99,7 +101,7 @@ class OutputProcessor:
     def _text_of(self, state: RequestState, seq: Sequence) -> str:
         text = state.texts.get(seq.index)
         if text is None:
-            if not seq.is_finished:
+            if not (seq.is_finished and state.detokenize):
                 return ""
             return self.tokenizer.decode(self._ids_to_decode(seq))
         if text.final_text is not None:

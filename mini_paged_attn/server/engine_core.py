@@ -142,7 +142,10 @@ def _serve_commands(engine: Any, commands: Any, sender: _Sender) -> None:
                 prompt_ids, params, request_id = args
                 added += 1
                 try:
-                    engine.add_request(prompt_ids, params, request_id=request_id)
+                    # Text is made in the server's process (EngineCoreClient._rebuild), off
+                    # this thread, unless stop strings need it here.
+                    engine.add_request(prompt_ids, params, request_id=request_id,
+                                       detokenize=bool(params.stop))
                 except ValueError as exc:  # the client checked the same limits: a bug
                     sender.send(("failed", f"the engine rejected {request_id}: {exc}"))
             elif kind == "abort":
@@ -169,13 +172,35 @@ def _serve_commands(engine: Any, commands: Any, sender: _Sender) -> None:
 
 @dataclass
 class _Rebuilt:
-    """The client's copy of one live request's outputs, grown by deltas."""
+    """The client's copy of one live request's outputs, grown by deltas.
+
+    ``detokenizers`` (completion index -> IncrementalDetokenizer): the text is made here, from
+    the token ids, as the engine would have made it; None when the engine sends the text (the
+    request has stop strings, which the engine finds in it).
+    """
 
     prompt: str | None
     prompt_token_ids: list[int]
+    detokenizers: dict[int, Any] | None
     texts: dict[int, str] = field(default_factory=dict)
     tokens: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, list] = field(default_factory=dict)
+
+    def text_of(self, index: int, keep: int, suffix: str, new_ids: list[int],
+                reason: str | None, tokenizer: Any) -> str:
+        """The completion's text after a delta (``keep`` / ``suffix``: the engine's text edit;
+        used when the engine makes the text)."""
+        if self.detokenizers is None:
+            return self.texts.get(index, "")[:keep] + suffix
+        det = self.detokenizers.get(index)
+        if det is None:
+            det = self.detokenizers[index] = tokenizer.detokenizer(self.prompt_token_ids)
+        # With no stop strings, "stop" means a stop token ended the sample: the engine leaves
+        # that token out of the text.
+        det.add(new_ids[:-1] if reason == "stop" and new_ids else new_ids)
+        if reason is not None:
+            det.flush()
+        return det.text
 
 
 class EngineCoreClient:
@@ -233,7 +258,7 @@ class EngineCoreClient:
         with self._state_lock:
             if request_id in self._live:
                 raise ValueError(f"request_id: expected a new id, got {request_id!r}")
-            self._live[request_id] = _Rebuilt(text, ids)
+            self._live[request_id] = _Rebuilt(text, ids, None if params.stop else {})
             self._sent_adds += 1
         self._send(("add", ids, params, request_id))
         return request_id
@@ -347,7 +372,7 @@ class EngineCoreClient:
             return None
         outs = []
         for index, keep, suffix, new_ids, reason, cum_logprob, new_logprobs in completions:
-            text = state.texts.get(index, "")[:keep] + suffix
+            text = state.text_of(index, keep, suffix, new_ids, reason, self.tokenizer)
             tokens = state.tokens.setdefault(index, [])
             tokens += new_ids
             state.texts[index] = text

@@ -47,3 +47,35 @@ def test_streamed_outputs_are_snapshots_and_the_final_one_holds_lists():
             assert len(c.logprobs) == k and list(c.logprobs) == final.outputs[c.index].logprobs[:k]
             assert final.outputs[c.index].text.startswith(c.text)
     assert all(o.prompt_token_ids == [5, 6, 7, 8, 9] for o in seen)
+
+
+def _tiny_engine() -> LLMEngine:
+    return LLMEngine.from_model("tiny", dtype="float32", device="cpu",
+                                config=EngineConfig(block_size=4, num_kv_blocks=32,
+                                                    max_num_seqs=4, max_model_len=64))
+
+
+def test_detokenize_false_gives_token_ids_only_unless_stop_strings_need_text():
+    engine = _tiny_engine()
+    greedy = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+    plain = engine.add_request("paged", SamplingParams(**greedy), detokenize=False)
+    with_stop = engine.add_request("paged", SamplingParams(**greedy, stop=["\x00never"]),
+                                   detokenize=False)
+    normal = engine.add_request("paged", SamplingParams(**greedy))
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == plain:
+                assert out.outputs[0].text == ""
+            if out.finished:
+                final[out.request_id] = out.outputs[0]
+    assert list(final[plain].token_ids) == list(final[normal].token_ids)
+    assert final[plain].text == ""
+    assert final[with_stop].text == final[normal].text != ""
+
+
+def test_detokenize_must_be_a_bool():
+    engine = _tiny_engine()
+    with pytest.raises(ValueError, match="detokenize"):
+        engine.add_request("paged", SamplingParams(max_tokens=2), detokenize="no")
+    assert not engine.has_unfinished_requests()

@@ -78,3 +78,45 @@ def test_engine_process_refuses_bad_requests_before_sending(core):
         core.add_request([], SamplingParams(), request_id="empty")
     assert not core.has_unfinished_requests()
     assert core.stats().num_waiting == 0
+
+
+def _final_outputs(core, requests):
+    """Add ``(prompt, params)`` pairs to the engine process, step until all finish; the last
+    output of each (what the server streams from)."""
+    ids = [core.add_request(p, params, request_id=f"direct-{i}")
+           for i, (p, params) in enumerate(requests)]
+    final = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finished:
+                final[out.request_id] = out
+    return [final[i] for i in ids]
+
+
+def test_text_made_in_the_server_process_equals_the_engines(core, llm):
+    """Without stop strings the engine process sends token ids only and the client makes the
+    text; with them the engine makes it. Either way: what generate gives in one process."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    base = llm.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0]
+    stop_token = base.token_ids[5]
+    stop_string = base.text[3:5]
+    assert stop_string, "the tiny model's greedy text is too short for this test"
+    cases = [
+        (PROMPTS[0], greedy),
+        # A stop token ends the sample: finish reason "stop", and its text is not in the text.
+        (PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                    stop_token_ids=[stop_token])),
+        # A stop string: the engine finds it in the text, which it then makes and sends.
+        (PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                    stop=[stop_string])),
+        # Two samples of one request, each with its own text.
+        (PROMPTS[2], SamplingParams(temperature=1.0, max_tokens=10, n=2, seed=7,
+                                    ignore_eos=True)),
+    ]
+    want = [llm.generate(p, params, use_tqdm=False)[0] for p, params in cases]
+    got = _final_outputs(core, cases)
+    assert want[1].outputs[0].finish_reason == "stop"
+    assert stop_string not in want[2].outputs[0].text
+    for w, g in zip(want, got):
+        assert [(c.text, list(c.token_ids), c.finish_reason) for c in g.outputs] == \
+               [(c.text, list(c.token_ids), c.finish_reason) for c in w.outputs]
