@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -161,22 +162,38 @@ class LLMEngine:
             return bool(self._live)
 
     # ---- stepping (one thread) -----------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, overlap: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Run one scheduler step; an output for every request that got tokens or finished.
+
+        ``overlap``: called exactly once during the step, once its device work is enqueued
+        and before the host waits for the sampled tokens (at the end, for a step without
+        device work): host work that then costs no step time. The server's engine process
+        sends the previous step's outputs there. Not called if the step raises first.
 
         Raises:
             RuntimeError: another thread is inside ``step()`` (one thread steps an engine; nothing
                 is changed by the refused call).
         """
+        if overlap is not None and not callable(overlap):
+            raise ValueError(f"overlap: expected None or a callable, got {overlap!r}")
         if not self._step_lock.acquire(blocking=False):
             raise RuntimeError("step(): another thread is stepping this engine; only one thread "
                                "may call step() (others use add_request / abort_request)")
+        called = overlap is None
+
+        def overlap_once() -> None:
+            nonlocal called
+            if not called:
+                called = True
+                overlap()
         try:
-            return self._step()
+            outputs = self._step(overlap_once)
+            overlap_once()
+            return outputs
         finally:
             self._step_lock.release()
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, overlap: Callable[[], None]) -> list[RequestOutput]:
         start = time.perf_counter()
         with self._lock:
             adds, self._pending_adds = self._pending_adds, []
@@ -196,7 +213,7 @@ class LLMEngine:
                 self.runner.release(seq_id)
         else:
             try:
-                result = self.runner.execute(out)
+                result = self.runner.execute(out, overlap)
             except BaseException:
                 # Requeue the step's sequences and drop the prefix-cache entries it registered
                 # (their K/V were never written), so the engine stays usable. Requests aborted

@@ -8,6 +8,8 @@ sampled token ids.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import logging
 import time
 
@@ -189,9 +191,13 @@ class ModelRunner:
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput):
+    def execute(self, out: SchedulerOutput, overlap: Callable[[], None] | None = None):
         """Run one scheduled step; returns the :class:`~.sampler.SamplerOutput` of its sample
-        rows (``sum(out.num_samples)`` of them, in batch order), or None if none samples."""
+        rows (``sum(out.num_samples)`` of them, in batch order), or None if none samples.
+
+        ``overlap`` is called once the step's device work is enqueued, before the host waits
+        for its sampled tokens; not at all if no row samples.
+        """
         for seq_id in out.released_seq_ids:
             self.release(seq_id)
         if out.block_copies:
@@ -224,7 +230,7 @@ class ModelRunner:
                 params.append(p)
                 seeds.append(None if p.seed is None else
                              (seq.request.request_id, seq.index if k == 1 else j))
-        return self.sampler(logits, params, seeds)
+        return self.sampler(logits, params, seeds, overlap)
 
 
 __all__ = ["ModelRunner", "kv_block_bytes"]

@@ -9,6 +9,8 @@ or in any batch (for the same logits).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +62,8 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 seeds: list[tuple[int, int] | None]) -> SamplerOutput:
+                 seeds: list[tuple[int, int] | None],
+                 overlap: Callable[[], None] | None = None) -> SamplerOutput:
         """Sample one token per row.
 
         Args:
@@ -68,6 +71,8 @@ class Sampler:
             params: the sampling parameters of each row's request.
             seeds: per row, None (use the engine's generator) or ``(request_id, sample index)``
                 of a seeded request (its ``params.seed`` seeds that sample's own generator).
+            overlap: called once all the step's device work is enqueued, before the host waits
+                for it (host work that then runs in the device's shadow).
 
         Returns:
             :class:`SamplerOutput` (one host sync: the sampled ids).
@@ -83,6 +88,8 @@ class Sampler:
         else:
             sampled = self._sample(logits, params, seeds, greedy)
 
+        if overlap is not None:
+            overlap()
         token_ids = sampled.tolist()
         if raw_logprobs is None:
             return SamplerOutput(token_ids)

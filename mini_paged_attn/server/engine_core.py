@@ -3,8 +3,8 @@
 In one process the engine thread and the HTTP event loop take turns on the interpreter lock: on a
 GPU, where a step is mostly Python waiting on short kernels, the event loop's per-chunk work
 made steps 8-46% longer (BENCHMARKS.md). Here the engine steps in a child process, unhindered,
-and a thread of that child sends each step's outputs as deltas (new token ids and text) through
-a pipe;
+and sends each step's outputs as deltas (new token ids; text only where stop strings need it)
+through a pipe while its next step runs on the GPU;
 :class:`EngineCoreClient` rebuilds the cumulative ``RequestOutput`` objects the server expects,
 so :class:`~mini_paged_attn.server.engine_loop.EngineLoop` runs on it unchanged.
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import queue
 import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -61,53 +60,38 @@ def _delta(out: Any, sent: dict[str, dict[int, _Sent]]) -> tuple:
     return out.request_id, completions, out.finished, out.metrics
 
 
-class _Sender:
-    """The child's one writer to the results pipe, on a thread of its own.
-
-    The stepping thread hands it each step's outputs and goes on with the next step; turning
-    outputs into deltas, pickling and writing them then overlaps that step's GPU work (torch
-    releases the interpreter lock while it waits). Done inline, this cost a gap of 0.3 ms
-    (1 request) to 1 ms (64 requests) between steps on an H100 host. Everything the child
-    sends goes through here, in order.
-    """
+class _Outbox:
+    """Everything the child sends, in order. A step's outputs wait to be sent until the next
+    step has enqueued its device work (``LLMEngine.step(overlap=...)``): turning them into
+    deltas, pickling and writing them then runs while the GPU computes, not between steps
+    (inline, that left a 0.3-1 ms gap between steps on an H100 host; on a thread of its own,
+    the interpreter lock put the same work inside the next step's host phase)."""
 
     def __init__(self, results: Any) -> None:
         self._results = results
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sent: dict[str, dict[int, _Sent]] = {}  # request id -> completion -> sent so far
-        self._thread = threading.Thread(target=self._run, name="engine-core-sender",
-                                        daemon=True)
-        self._thread.start()
+        self._pending: tuple | None = None            # the last step's (outputs, stats, added)
 
     def outputs(self, outputs: list[Any], stats: Any, added: int) -> None:
-        self._outbox.put(("outputs", outputs, stats, added))
+        self.flush()
+        self._pending = (outputs, stats, added)
+
+    def flush(self) -> None:
+        """Send the waiting step's outputs now."""
+        if self._pending is None:
+            return
+        outputs, stats, added = self._pending
+        self._pending = None
+        self._results.send(("outputs", [_delta(o, self._sent) for o in outputs], stats, added))
 
     def forget(self, request_id: str) -> None:
-        """The request was aborted: drop what was sent of it (after its earlier outputs)."""
-        self._outbox.put(("forget", request_id))
+        """The request was aborted: drop what was sent of it."""
+        self.flush()
+        self._sent.pop(request_id, None)
 
     def send(self, message: tuple) -> None:
-        self._outbox.put(("send", message))
-
-    def close(self) -> None:
-        """Send everything queued, then stop."""
-        self._outbox.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (item := self._outbox.get()) is not None:
-            kind, *args = item
-            try:
-                if kind == "outputs":
-                    outputs, stats, added = args
-                    deltas = [_delta(o, self._sent) for o in outputs]
-                    self._results.send(("outputs", deltas, stats, added))
-                elif kind == "forget":
-                    self._sent.pop(args[0], None)
-                else:
-                    self._results.send(args[0])
-            except (OSError, EOFError):  # the server is gone; the command loop will see it
-                return
+        self.flush()
+        self._results.send(message)
 
 
 def _core_main(model: str, llm_kwargs: dict, commands: Any, results: Any) -> None:
@@ -121,17 +105,22 @@ def _core_main(model: str, llm_kwargs: dict, commands: Any, results: Any) -> Non
     except BaseException as exc:
         results.send(("error", f"the engine could not start: {type(exc).__name__}: {exc}"))
         return
-    sender = _Sender(results)
+    outbox = _Outbox(results)
     try:
-        _serve_commands(engine, commands, sender)
+        _serve_commands(engine, commands, outbox)
     finally:
-        sender.close()
+        try:
+            outbox.flush()
+        except OSError:  # the server is gone
+            pass
 
 
-def _serve_commands(engine: Any, commands: Any, sender: _Sender) -> None:
+def _serve_commands(engine: Any, commands: Any, outbox: _Outbox) -> None:
     added = 0
     while True:
         idle = not engine.has_unfinished_requests()
+        if idle:  # no step will carry the last outputs out: send them now
+            outbox.flush()
         while idle or commands.poll():
             try:
                 kind, *args = commands.recv()
@@ -147,27 +136,27 @@ def _serve_commands(engine: Any, commands: Any, sender: _Sender) -> None:
                     engine.add_request(prompt_ids, params, request_id=request_id,
                                        detokenize=bool(params.stop))
                 except ValueError as exc:  # the client checked the same limits: a bug
-                    sender.send(("failed", f"the engine rejected {request_id}: {exc}"))
+                    outbox.send(("failed", f"the engine rejected {request_id}: {exc}"))
             elif kind == "abort":
                 engine.abort_request(args[0])
-                sender.forget(args[0])
+                outbox.forget(args[0])
             elif kind == "call":  # benchmarks and tests: fn(engine, *args) in this process
                 fn, fn_args = args
                 try:
-                    sender.send(("called", fn(engine, *fn_args)))
+                    outbox.send(("called", fn(engine, *fn_args)))
                 except Exception as exc:
-                    sender.send(("called_error", f"{type(exc).__name__}: {exc}"))
+                    outbox.send(("called_error", f"{type(exc).__name__}: {exc}"))
             elif kind == "shutdown":
                 return
         if not engine.has_unfinished_requests():
             continue
         try:
-            outputs = engine.step()
+            outputs = engine.step(overlap=outbox.flush)
         except Exception as exc:
             logger.exception("engine step failed")
-            sender.send(("failed", f"{type(exc).__name__}: {exc}"))
+            outbox.send(("failed", f"{type(exc).__name__}: {exc}"))
             continue
-        sender.outputs(outputs, engine.stats(), added)
+        outbox.outputs(outputs, engine.stats(), added)
 
 
 @dataclass

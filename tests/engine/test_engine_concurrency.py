@@ -232,10 +232,10 @@ def test_two_threads_stepping_is_refused(case):
     inside, release = threading.Event(), threading.Event()
     execute = engine.runner.execute
 
-    def slow_execute(out):
+    def slow_execute(out, overlap=None):
         inside.set()
         assert release.wait(30)
-        return execute(out)
+        return execute(out, overlap)
 
     engine.runner.execute = slow_execute
     engine.add_request(prompts[1], GREEDY, request_id="a")

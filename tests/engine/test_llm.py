@@ -97,11 +97,11 @@ def test_a_failed_step_leaves_the_engine_usable_and_the_prefix_cache_clean(arch_
     execute = engine.runner.execute
     calls = []
 
-    def fail_on_the_first_step(out):
+    def fail_on_the_first_step(out, overlap=None):
         calls.append(out)
         if len(calls) == 1:
             raise KeyboardInterrupt
-        return execute(out)
+        return execute(out, overlap)
 
     engine.runner.execute = fail_on_the_first_step
     with pytest.raises(KeyboardInterrupt):
@@ -135,7 +135,7 @@ def test_a_request_aborted_in_a_failed_step_is_retired(tiny_llm):
     assert engine.abort_request(aborted)
     execute = engine.runner.execute
 
-    def fail(out):
+    def fail(out, overlap=None):
         raise RuntimeError("device lost")
 
     engine.runner.execute = fail
