@@ -89,9 +89,9 @@ class StepTimes:
         self.records = []
         step = engine.step
 
-        def timed_step():
+        def timed_step(*args, **kwargs):
             start = time.perf_counter()
-            outputs = step()
+            outputs = step(*args, **kwargs)
             self.records.append((start, time.perf_counter(), len(outputs)))
             return outputs
         engine.step = timed_step
@@ -376,8 +376,9 @@ def main(argv: list[str] | None = None) -> int:
             # Each server run against the offline run just before it: the machine's speed
             # drifts (offline alone varied by up to 1.5x between repeats on the H100 host), and
             # a best-of pairs the luckiest run of each side.
-            paired = sorted(off_w / srv_w for (off_w, _), (srv_w, _) in
-                            zip(offline_runs, server_runs))
+            paired = sorted(
+                (sum(r.completion_tokens for r in recs if r.ok) / srv_w) / (off_tok / off_w)
+                for (off_w, off_tok), (srv_w, recs) in zip(offline_runs, server_runs))
             bad = [r for r in records if not r.ok]
             if bad:
                 print(f"N={n}: {len(bad)} requests failed, e.g. {bad[0].error}", file=sys.stderr)
