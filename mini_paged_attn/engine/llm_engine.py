@@ -99,6 +99,7 @@ class LLMEngine:
         self._generation_tokens = 0
         self._finished = 0
         self._recent: deque[tuple[float, float, int]] = deque()   # (start, end, tokens)
+        self._recent_tokens = 0                                    # sum of their tokens
         self._last_log = time.monotonic()
         # What the latest step computed (batch composition), for people watching the engine.
         self.last_schedule: SchedulerOutput | None = None
@@ -281,18 +282,22 @@ class LLMEngine:
         self._generation_tokens += num_generated
         with self._lock:    # stats() may read it from another thread
             self._recent.append((start, end, num_generated))
+            self._recent_tokens += num_generated
             while self._recent and self._recent[0][1] < end - RATE_WINDOW_S:
-                self._recent.popleft()
+                self._recent_tokens -= self._recent.popleft()[2]
 
     def stats(self) -> EngineStats:
-        """A snapshot of the pool, the queues and the throughput (cheap; any thread)."""
+        """A snapshot of the pool, the queues and the throughput (O(1); any thread: the server's
+        engine process takes one after every step)."""
         with self._lock:
-            recent = list(self._recent)
+            first = self._recent[0] if self._recent else None
+            last = self._recent[-1] if self._recent else None
+            tokens = self._recent_tokens
             pending = len(self._pending_adds)
         rate = 0.0
-        if recent and recent[-1][1] > time.perf_counter() - RATE_WINDOW_S:
-            span = recent[-1][1] - recent[0][0]
-            rate = sum(r[2] for r in recent) / span if span > 0 else 0.0
+        if last is not None and last[1] > time.perf_counter() - RATE_WINDOW_S:
+            span = last[1] - first[0]
+            rate = tokens / span if span > 0 else 0.0
         kv = self.kv_manager
         return EngineStats(
             kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks(),

@@ -79,3 +79,23 @@ def test_detokenize_must_be_a_bool():
     with pytest.raises(ValueError, match="detokenize"):
         engine.add_request("paged", SamplingParams(max_tokens=2), detokenize="no")
     assert not engine.has_unfinished_requests()
+
+
+def test_generation_rate_counts_the_steps_of_the_last_window(monkeypatch):
+    import time as real_time
+    from types import SimpleNamespace
+
+    from mini_paged_attn.engine import llm_engine
+
+    engine = _tiny_engine()
+    clock = [1000.0]
+    monkeypatch.setattr(llm_engine, "time", SimpleNamespace(
+        perf_counter=lambda: clock[0], monotonic=real_time.monotonic, time=real_time.time))
+    step = SimpleNamespace(num_prefill_tokens=0)
+    for now, tokens in ((1000.0, 10), (1005.0, 20), (1012.0, 30)):
+        clock[0] = now
+        engine._count(step, tokens, start=now - 1.0)
+    # The first step ended more than RATE_WINDOW_S (10 s) before the last: it is out.
+    assert engine.stats().generation_tokens_per_s == pytest.approx((20 + 30) / (1012.0 - 1004.0))
+    clock[0] = 1030.0  # nothing in the last window
+    assert engine.stats().generation_tokens_per_s == 0.0
