@@ -4,7 +4,9 @@ Decode part (issue 3): bf16, 32 query heads / 8 KV heads, head_size 128, block_s
 physical blocks in random order, the manager's seed-layout pool ``(num_blocks, block_size, 2,
 H_kv, D)``; batch {1, 8, 32, 64, 128, 256} x context {1k, 4k, 16k, 64k} (skipping more than
 ``--max-tokens`` tokens), plus head_size 64 and block_size 1 and 128 at batch 64 x 4k.
-Each shape is checked for correctness first, then timed (``do_bench`` median, L2 flushed):
+Each shape is checked for correctness first, then timed (``common.time_us``: median of CUDA
+events, L2 flushed by a read-only pass and the host given a head start, so the GPU's time is
+measured, not the host's launch path nor the write-back of a flush's dirty lines):
 
   ours          paged_decode (Triton, heuristic num_splits, preallocated workspace)
   ours_s1       the same with num_splits=1 (batch <= 8 only: what splitting buys)

@@ -9,6 +9,7 @@ the system C++ compiler, where the types themselves give float and double arithm
 from __future__ import annotations
 
 import math
+import random
 import shutil
 import struct
 import subprocess
@@ -192,3 +193,32 @@ def test_matches_compiled_cpp_on_a_grid(tmp_path):
 def test_bad_arguments_raise_value_error_naming_them(name, args):
     with pytest.raises(ValueError, match=f"^{name}:"):
         num_splits_heuristic(*args)
+
+
+def test_balance_splits_evens_out_the_splits_within_the_same_waves():
+    from mini_paged_attn.ops.explain import balance_splits
+
+    # Batch 1, 8 KV heads, 2048 tiles (64k tokens in 32-token tiles) on 132 SMs x 2 slots:
+    # FlashAttention's 29 splits run 71 tiles each; 32 run 64 and still fit one wave.
+    assert balance_splits(29, 8, 264, 2048, 128) == 32
+    # A workspace with room for 30 splits caps it.
+    assert balance_splits(29, 8, 264, 2048, 30) == 30
+    # Already even, or no room in the wave: unchanged.
+    assert balance_splits(32, 8, 264, 128, 128) == 32
+    assert balance_splits(4, 64, 264, 512, 128) == 4
+
+
+def test_balance_splits_never_adds_waves_or_lengthens_a_split():
+    from mini_paged_attn.ops.explain import balance_splits
+
+    rng = random.Random(3)
+    for _ in range(2000):
+        slots = rng.choice([16, 108 * 2, 132 * 2])
+        units = rng.randint(1, slots)
+        tiles = rng.randint(2, 5000)
+        cap = rng.randint(2, 128)
+        fa = num_splits_heuristic(units, slots, tiles, cap)
+        got = balance_splits(fa, units, slots, tiles, cap)
+        assert fa <= got <= max(fa, min(cap, 128))
+        assert -(-units * got // slots) == -(-units * fa // slots)
+        assert -(-tiles // got) <= -(-tiles // fa)
