@@ -271,7 +271,7 @@ def evaluate_targets(rows: list[dict]) -> list[str]:
             best = min(sd, key=lambda s: s["us"])
             out.append(f"{'PASS' if r['us'] <= best['us'] else 'FAIL'}  batch 1 x {ctx}: ours "
                        f"{r['us']:.1f} us vs fastest SDPA {best['impl']}[{best.get('form')}] "
-                       f"{best['us']:.1f} us (do_bench)")
+                       f"{best['us']:.1f} us (events, L2 flushed)")
             if r.get("graph_us") and best.get("graph_us"):
                 ok = r["graph_us"] <= best["graph_us"]
                 out.append(f"{'PASS' if ok else 'FAIL'}  batch 1 x {ctx} under CUDA graphs: ours "
