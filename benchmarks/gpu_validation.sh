@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that re-validates everything GPU-side and writes logs to $OUT (or ./gpu_out):
-#   the GPU test suite, the engine benchmark with transformers and the bf16 parity check in the
-#   same run, and the server load benchmark.
+#   the GPU test suite (server tests included), the engine benchmark with transformers and the
+#   bf16 parity check in the same run, and the server load benchmark (engine process and engine
+#   thread).
 # The server needs packages the GPU image lacks: download the wheels into .whl/ first
 # (see .library/device/README.md) and pass `.whl` in the call's `carry`.
 set -uo pipefail
@@ -10,19 +11,29 @@ out=${OUT:-gpu_out}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 
-PYTHONPATH=.:tests timeout 240 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider \
-    --ignore=tests/server tests/ 2>&1 | tee "$out/gpu_tests.log" | tail -15
+site=""
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && site=/tmp/site || echo "wheel install failed"
+else
+    echo "no .whl/ carried: server tests and benchmark skipped"
+fi
+
+ignore=()
+[ -n "$site" ] || ignore=(--ignore=tests/server)
+PYTHONPATH=.:tests:$site timeout 300 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider \
+    "${ignore[@]}" tests/ 2>&1 | tee "$out/gpu_tests.log" | tail -15
 
 PYTHONPATH=. timeout 240 python3 benchmarks/bench_engine.py --workloads b,parity,a \
     --hf-requests 32 --hf-batch 32 --parity-requests 16 --out "$out" 2>&1 \
     | tee "$out/bench_engine.log" | grep -E "^\(|parity|transformers|Traceback|Error"
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || echo "wheel install failed"
-    PYTHONPATH=.:/tmp/site timeout 240 python3 benchmarks/bench_server.py \
-        --make-model qwen2.5-0.5b --prompt-len 64 512 --output-len 64 256 \
-        --requests-per-client 2 --json "$out/server.json" 2>&1 | tee "$out/bench_server.log" | tail -12
-else
-    echo "no .whl/ carried: server benchmark skipped"
+if [ -n "$site" ]; then
+    args=(--make-model qwen2.5-0.5b --prompt-len 64 512 --output-len 64 256
+          --requests-per-client 4 --repeats 3 --loop asyncio --http h11)
+    PYTHONPATH=.:$site timeout 280 python3 benchmarks/bench_server.py "${args[@]}" \
+        --engine-process --json "$out/server_process.json" 2>&1 \
+        | tee "$out/bench_server_process.log" | grep "^|"
+    PYTHONPATH=.:$site timeout 280 python3 benchmarks/bench_server.py "${args[@]}" \
+        --json "$out/server_thread.json" 2>&1 | tee "$out/bench_server_thread.log" | grep "^|"
 fi

@@ -120,3 +120,31 @@ def test_text_made_in_the_server_process_equals_the_engines(core, llm):
     for w, g in zip(want, got):
         assert [(c.text, list(c.token_ids), c.finish_reason) for c in g.outputs] == \
                [(c.text, list(c.token_ids), c.finish_reason) for c in w.outputs]
+
+
+@pytest.mark.gpu
+def test_engine_process_on_the_gpu_matches_generate(model_dir):
+    """On CUDA (Triton kernels, CUDA-graph decode, outputs sent in the next step's shadow),
+    fp32 so the ids are exact: the engine process gives what generate gives in one process."""
+    import torch
+
+    from mini_paged_attn.engine import LLM
+    from mini_paged_attn.server.engine_core import EngineCoreClient
+
+    kwargs = dict(device="cuda", dtype="float32", block_size=16, num_kv_blocks=64,
+                  max_num_seqs=8, max_model_len=256, seed=0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    cases = [(p, greedy) for p in PROMPTS] + [
+        (PROMPTS[3], SamplingParams(temperature=1.0, max_tokens=16, n=2, seed=5))]
+    llm = LLM(str(model_dir), **kwargs)
+    want = [llm.generate(p, params, use_tqdm=False)[0] for p, params in cases]
+    del llm
+    torch.cuda.empty_cache()
+    core = EngineCoreClient(str(model_dir), kwargs, start_timeout=300)
+    try:
+        got = _final_outputs(core, cases)
+    finally:
+        core.close()
+    for w, g in zip(want, got):
+        assert [(c.text, list(c.token_ids), c.finish_reason) for c in g.outputs] == \
+               [(c.text, list(c.token_ids), c.finish_reason) for c in w.outputs]
