@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure offline and server this many times each, alternating; "
                         "report the best of each and the median of paired ratios")
     p.add_argument("--engine-process", action="store_true",
-                   help="run the engine in its own process (server/engine_core.py)")
+                   help="run the engine in its own process (server/engine_core_client.py)")
     p.add_argument("--step-times", action="store_true",
                    help="print step / gap / batch statistics of each offline and server run")
     p.add_argument("--json", help="also write the results here")
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                       max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
                       seed=args.seed)
     if args.engine_process:  # offline runs happen in the engine's process too
-        from mini_paged_attn.server.engine_core import EngineCoreClient
+        from mini_paged_attn.server.engine_core_client import EngineCoreClient
         engine = EngineCoreClient(str(model_dir), llm_kwargs)
 
         def run_offline(reqs, n):  # in the engine's process

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                       enable_prefix_caching=not args.no_prefix_caching,
                       enforce_eager=args.enforce_eager, seed=args.seed)
     if wants_engine_process(args.engine_process, args.device):
-        from mini_paged_attn.server.engine_core import EngineCoreClient
+        from mini_paged_attn.server.engine_core_client import EngineCoreClient
         engine = EngineCoreClient(args.model, llm_kwargs)
         where = "its own process"
     else:

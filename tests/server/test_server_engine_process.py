@@ -26,7 +26,7 @@ def _pool(engine):
 
 @pytest.fixture(scope="module")
 def core(model_dir):
-    from mini_paged_attn.server.engine_core import EngineCoreClient
+    from mini_paged_attn.server.engine_core_client import EngineCoreClient
 
     client = EngineCoreClient(str(model_dir), LLM_KWARGS, start_timeout=120)
     yield client
@@ -129,7 +129,7 @@ def test_engine_process_on_the_gpu_matches_generate(model_dir):
     import torch
 
     from mini_paged_attn.engine import LLM
-    from mini_paged_attn.server.engine_core import EngineCoreClient
+    from mini_paged_attn.server.engine_core_client import EngineCoreClient
 
     kwargs = dict(device="cuda", dtype="float32", block_size=16, num_kv_blocks=64,
                   max_num_seqs=8, max_model_len=256, seed=0)
