@@ -6,7 +6,8 @@ N closed-loop clients (each sends its next request when the previous one ends), 
 ``stream_options.include_usage``. Reported: requests/s, output tokens/s, time to first token and
 inter-token latency (gaps between streamed chunks; a chunk is one step's tokens) p50/p99, and the
 engine's offline throughput for the same requests with the same N in flight (``LLMEngine``
-directly, no HTTP), so ``server/offline`` is the cost of the server alone.
+directly, no HTTP, requests added as ``LLM.generate`` adds them), so ``server/offline`` is the
+cost of the server alone.
 
 The server runs in this process (uvicorn in a thread, one engine loop thread) on the same engine
 as the offline runs (with ``--engine-process`` that engine runs in a child process, offline runs
@@ -36,6 +37,9 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+START_TIMEOUT_S = 120.0   # client processes: imports done and at the start line
+
 
 @dataclass(frozen=True)
 class Req:
@@ -128,7 +132,10 @@ def device_of(engine) -> tuple[str, str]:
 
 
 def offline_closed_loop(engine, reqs: list[Req], concurrency: int) -> tuple[float, int]:
-    """Wall seconds and output tokens for ``reqs`` with at most ``concurrency`` in flight."""
+    """Wall seconds and output tokens for ``reqs`` with at most ``concurrency`` in flight.
+
+    Requests are added as ``LLM.generate`` adds them (``final_only``: no text or outputs until
+    a request finishes), the baseline the server is held to."""
     from mini_paged_attn.engine import SamplingParams
 
     pending = list(reqs)
@@ -138,7 +145,7 @@ def offline_closed_loop(engine, reqs: list[Req], concurrency: int) -> tuple[floa
         while pending and in_flight < concurrency:
             r = pending.pop(0)
             engine.add_request(r.prompt, SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
-                                                        ignore_eos=True))
+                                                        ignore_eos=True), final_only=True)
             in_flight += 1
         for out in engine.step():
             if out.finished:
@@ -205,7 +212,7 @@ async def _clients(base_url: str, model: str, reqs: list[Req], concurrency: int,
 def _client_main(base_url: str, model: str, reqs: list[Req], concurrency: int, counter, go,
                  conn) -> None:
     import httpx  # noqa: F401  imported before the start line: the processes start together
-    go.wait()
+    go.wait(timeout=START_TIMEOUT_S)
     start, end, records = asyncio.run(_clients(base_url, model, reqs, concurrency, counter))
     conn.send((start, end, [asdict(r) for r in records]))
     conn.close()
@@ -234,7 +241,12 @@ def run_clients(base_url: str, model: str, reqs: list[Req], concurrency: int,
                            args=(base_url, model, reqs, share, counter, go, child))
         proc.start()
         children.append((proc, parent))
-    go.wait()
+    try:
+        go.wait(timeout=START_TIMEOUT_S)
+    except threading.BrokenBarrierError:
+        for proc, _ in children:
+            proc.kill()
+        raise RuntimeError(f"the client processes did not start within {START_TIMEOUT_S} s")
     starts, ends, records = [], [], []
     for proc, parent in children:
         start, end, recs = parent.recv()

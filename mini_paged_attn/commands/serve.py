@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 
 from ._args import add_engine_arguments, positive_int
 
@@ -106,8 +107,21 @@ def run(args: argparse.Namespace) -> int:
         if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("listening on %s with no API key: anyone who can reach it can use it",
                         args.host)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        # uvicorn shuts down on SIGTERM, then raises the signal again: make that an ordinary
+        # exit, so the engine's process is closed below rather than left to notice it is alone.
+        previous = signal.signal(signal.SIGTERM, _exit_quietly)
+        try:
+            uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                        access_log=False)
+        except KeyboardInterrupt:   # Ctrl-C, re-raised the same way
+            pass
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     finally:
         if hasattr(engine, "close"):  # the engine's process
             engine.close()
     return 0
+
+
+def _exit_quietly(signum: int, frame: object) -> None:
+    raise SystemExit(0)

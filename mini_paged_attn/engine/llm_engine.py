@@ -169,7 +169,10 @@ class LLMEngine:
         ``overlap``: called exactly once during the step, once its device work is enqueued
         and before the host waits for the sampled tokens (at the end, for a step without
         device work): host work that then costs no step time. The server's engine process
-        sends the previous step's outputs there. Not called if the step raises first.
+        sends the previous step's outputs there. Not called if the step raises first. If
+        ``overlap`` raises, ``step()`` raises that error: from the sampler, the step is rolled
+        back like any failed forward; from the end of a step without device work, the step
+        has happened and its outputs are lost.
 
         Raises:
             RuntimeError: another thread is inside ``step()`` (one thread steps an engine; nothing

@@ -9,7 +9,8 @@ through a pipe while its next step runs on the GPU. The server's side is
 validates and sends requests, and rebuilds the outputs.
 
 Messages, child to client: ``("ready", CoreInfo)`` or ``("error", text)`` once; then
-``("outputs", deltas, stats, adds_seen)`` per step, ``("failed", text)`` for a step that raised,
+``("outputs", deltas, stats, adds_seen)`` per step, ``("failed", text, request_ids)`` for a
+step that raised (those requests are aborted) or a request the engine refused,
 ``("called", result)`` / ``("called_error", text)`` for ``call``. Client to child:
 ``("add", prompt_ids, params, request_id)``, ``("abort", request_id)``,
 ``("call", fn, args)``, ``("shutdown",)``.
@@ -82,11 +83,6 @@ class _Outbox:
         self._pending = None
         self._results.send(("outputs", [_delta(o, self._sent) for o in outputs], stats, added))
 
-    def forget(self, request_id: str) -> None:
-        """The request was aborted: drop what was sent of it."""
-        self.flush()
-        self._sent.pop(request_id, None)
-
     def send(self, message: tuple) -> None:
         self.flush()
         self._results.send(message)
@@ -115,6 +111,7 @@ def core_main(model: str, llm_kwargs: dict, commands: Any, results: Any) -> None
 
 def _serve_commands(engine: Any, commands: Any, outbox: _Outbox) -> None:
     added = 0
+    live: set[str] = set()   # requests added here and not yet finished or aborted
     while True:
         idle = not engine.has_unfinished_requests()
         if idle:  # no step will carry the last outputs out: send them now
@@ -133,11 +130,14 @@ def _serve_commands(engine: Any, commands: Any, outbox: _Outbox) -> None:
                     # this thread, unless stop strings need it here.
                     engine.add_request(prompt_ids, params, request_id=request_id,
                                        detokenize=bool(params.stop))
+                    live.add(request_id)
                 except ValueError as exc:  # the client checked the same limits: a bug
-                    outbox.send(("failed", f"the engine rejected {request_id}: {exc}"))
+                    outbox.send(("failed", f"the engine rejected {request_id}: {exc}",
+                                 [request_id]))
             elif kind == "abort":
+                # Its last output (finished, reason "abort") comes out of the next step.
                 engine.abort_request(args[0])
-                outbox.forget(args[0])
+                live.discard(args[0])
             elif kind == "call":  # benchmarks and tests: fn(engine, *args) in this process
                 fn, fn_args = args
                 try:
@@ -152,8 +152,16 @@ def _serve_commands(engine: Any, commands: Any, outbox: _Outbox) -> None:
             outputs = engine.step(overlap=outbox.flush)
         except Exception as exc:
             logger.exception("engine step failed")
-            outbox.send(("failed", f"{type(exc).__name__}: {exc}"))
+            # The server fails every request in flight when a step fails (it cannot tell which
+            # one broke it): abort them here at once, so the failing step is not retried until
+            # the server's aborts arrive, each retry sending one more failure.
+            failed = sorted(live)
+            for request_id in failed:
+                engine.abort_request(request_id)
+            live.clear()
+            outbox.send(("failed", f"{type(exc).__name__}: {exc}", failed))
             continue
+        live.difference_update(o.request_id for o in outputs if o.finished)
         outbox.outputs(outputs, engine.stats(), added)
 
 

@@ -95,6 +95,7 @@ class EngineCoreClient:
         self._state_lock = threading.Lock()
         self._live: dict[str, _Rebuilt] = {}
         self._early: list[Any] = []            # outputs read by _drain_when_idle
+        self._early_failure: str | None = None  # a failure it read, for the next step()
         self._sent_adds = 0
         self._seen_adds = 0
 
@@ -137,19 +138,35 @@ class EngineCoreClient:
         Raises:
             RuntimeError: that step failed in the child, or the child is gone.
         """
-        with self._state_lock:
-            early, self._early = self._early, []
-        if early:
-            return early
-        if not self.has_unfinished_requests():
-            return []
-        with self._recv_lock:
+        with self._recv_lock:  # the drain may be filling _early: wait for it
+            failure = None
+            with self._state_lock:
+                early, self._early = self._early, []
+                if not early:  # outputs read before a failure go out first
+                    failure, self._early_failure = self._early_failure, None
+            if early:
+                return early
+            if failure is not None:
+                raise RuntimeError(failure)
+            if not self.has_unfinished_requests():
+                return []
             return self._take(self._recv())
+
+    def _failed(self, message: tuple) -> str | None:
+        """A failure from the child: forget the requests it aborted; its text if any of them
+        was live here (else it is about requests already aborted or finished here)."""
+        _, text, request_ids = message
+        with self._state_lock:
+            hit = [rid for rid in request_ids if self._live.pop(rid, None) is not None]
+        return text if hit else None
 
     def _take(self, message: tuple) -> list[Any]:
         kind = message[0]
         if kind == "failed":
-            raise RuntimeError(message[1])
+            text = self._failed(message)
+            if text is not None:
+                raise RuntimeError(text)
+            return []
         if kind != "outputs":
             raise RuntimeError(f"unexpected message from the engine process: {kind}")
         _, deltas, stats, seen_adds = message
@@ -170,6 +187,11 @@ class EngineCoreClient:
                     outputs = self._take(message)
                     with self._state_lock:
                         self._early += outputs
+                elif message[0] == "failed":  # of a request added meanwhile: the next step()
+                    text = self._failed(message)
+                    if text is not None:
+                        with self._state_lock:
+                            self._early_failure = text
         finally:
             self._recv_lock.release()
 
@@ -179,8 +201,8 @@ class EngineCoreClient:
         (benchmarks and tests: offline runs, pool checks). Only while no request is live."""
         if self.has_unfinished_requests():
             raise RuntimeError("call(): requests are live; call between them")
-        self._send(("call", fn, args))
-        with self._recv_lock:
+        with self._recv_lock:  # before sending: a drain must not take the reply
+            self._send(("call", fn, args))
             while True:
                 message = self._recv()
                 if message[0] == "called":

@@ -3,6 +3,7 @@ answering on 127.0.0.1 with its engine in a child process."""
 
 from __future__ import annotations
 
+import glob
 import os
 import socket
 import subprocess
@@ -28,6 +29,30 @@ def test_auto_without_device_follows_cuda_availability():
     import torch
 
     assert wants_engine_process("auto", None) is torch.cuda.is_available()
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (Linux /proc)."""
+    kids = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = open(stat).read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.split("/")[2]))
+    return kids
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _free_port() -> int:
@@ -62,8 +87,11 @@ def test_serve_with_the_engine_in_its_own_process_answers_like_generate():
                                 use_tqdm=False)[0].outputs[0]
         assert got["choices"][0]["text"] == expected.text
         assert got["usage"]["completion_tokens"] == len(expected.token_ids)
+        engine_pids = _children(proc.pid)
+        assert engine_pids, "no engine process under serve"
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
     assert "engine in its own process" in out
-    assert proc.returncode is not None
+    assert proc.returncode == 0, out   # SIGTERM: uvicorn stops, then the engine process
+    assert all(_gone(pid, timeout=10) for pid in engine_pids)

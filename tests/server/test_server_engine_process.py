@@ -148,3 +148,37 @@ def test_engine_process_on_the_gpu_matches_generate(model_dir):
     for w, g in zip(want, got):
         assert [(c.text, list(c.token_ids), c.finish_reason) for c in g.outputs] == \
                [(c.text, list(c.token_ids), c.finish_reason) for c in w.outputs]
+
+
+def _poison(engine):
+    """Runs in the child: every step holding a request whose id starts with "poison" raises."""
+    execute = engine.runner.execute
+
+    def execute_or_fail(out, overlap=None):
+        if any(seq.request.request_id.startswith("poison") for seq in out.seqs):
+            raise RuntimeError("poison request")
+        return execute(out, overlap)
+    engine.runner.execute = execute_or_fail
+
+
+def test_a_failed_step_fails_its_requests_once_and_later_requests_run(model_dir, llm):
+    """The child aborts the requests of a failed step itself, so it does not retry the step
+    (each retry used to queue one more failure, which then failed later, healthy requests)."""
+    from mini_paged_attn.server.engine_core_client import EngineCoreClient
+
+    client = EngineCoreClient(str(model_dir), LLM_KWARGS, start_timeout=120)
+    try:
+        client.call(_poison)
+        client.add_request([5, 6, 7, 8], SamplingParams(max_tokens=4), request_id="poison-1")
+        with pytest.raises(RuntimeError, match="poison request"):
+            while client.has_unfinished_requests():
+                client.step()
+        assert not client.has_unfinished_requests()   # aborted there, forgotten here
+        greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        want = llm.generate(PROMPTS[:2], greedy, use_tqdm=False)
+        got = _final_outputs(client, [(p, greedy) for p in PROMPTS[:2]])
+        assert [g.outputs[0].text for g in got] == [w.outputs[0].text for w in want]
+        free, total, running, waiting = client.call(_pool)
+        assert (free, running, waiting) == (total, 0, 0)
+    finally:
+        client.close()
