@@ -182,3 +182,28 @@ def test_a_failed_step_fails_its_requests_once_and_later_requests_run(model_dir,
         assert (free, running, waiting) == (total, 0, 0)
     finally:
         client.close()
+
+
+def test_streamed_texts_equal_the_in_process_engines_step_by_step(core, model_dir):
+    """Every intermediate text the server would stream (made in the server's process from token
+    ids) equals what an in-process engine streams for the same requests."""
+    from mini_paged_attn.engine import LLM
+
+    cases = [("héllo wörld ✓ 你好", SamplingParams(temperature=1.0, max_tokens=20, seed=3)),
+             ([7, 8, 9, 10], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
+             (PROMPTS[1], SamplingParams(temperature=0.8, max_tokens=14, n=2, seed=11))]
+    engine = LLM(str(model_dir), **LLM_KWARGS).engine
+    want: dict[str, list] = {}
+    for i, (prompt, params) in enumerate(cases):
+        engine.add_request(prompt, params, request_id=f"s-{i}")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            want.setdefault(out.request_id, []).append([c.text for c in out.outputs])
+    got: dict[str, list] = {}
+    for i, (prompt, params) in enumerate(cases):
+        core.add_request(prompt, params, request_id=f"s-{i}")
+    while core.has_unfinished_requests():
+        for out in core.step():
+            got.setdefault(out.request_id, []).append([c.text for c in out.outputs])
+    assert got == want
+    assert any(len(texts) > 5 for texts in want.values())
