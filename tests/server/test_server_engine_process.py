@@ -192,18 +192,18 @@ def test_streamed_texts_equal_the_in_process_engines_step_by_step(core, model_di
     cases = [("héllo wörld ✓ 你好", SamplingParams(temperature=1.0, max_tokens=20, seed=3)),
              ([7, 8, 9, 10], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
              (PROMPTS[1], SamplingParams(temperature=0.8, max_tokens=14, n=2, seed=11))]
-    engine = LLM(str(model_dir), **LLM_KWARGS).engine
-    want: dict[str, list] = {}
+    want = _streamed_texts(LLM(str(model_dir), **LLM_KWARGS).engine, cases)
+    assert _streamed_texts(core, cases) == want
+    assert any(len(texts) > 5 for texts in want.values())
+
+
+def _streamed_texts(engine, cases) -> dict[str, list[list[str]]]:
+    """Request id -> the completions' texts of each output, in order (an LLMEngine or an
+    EngineCoreClient)."""
+    texts: dict[str, list[list[str]]] = {}
     for i, (prompt, params) in enumerate(cases):
         engine.add_request(prompt, params, request_id=f"s-{i}")
     while engine.has_unfinished_requests():
         for out in engine.step():
-            want.setdefault(out.request_id, []).append([c.text for c in out.outputs])
-    got: dict[str, list] = {}
-    for i, (prompt, params) in enumerate(cases):
-        core.add_request(prompt, params, request_id=f"s-{i}")
-    while core.has_unfinished_requests():
-        for out in core.step():
-            got.setdefault(out.request_id, []).append([c.text for c in out.outputs])
-    assert got == want
-    assert any(len(texts) > 5 for texts in want.values())
+            texts.setdefault(out.request_id, []).append([c.text for c in out.outputs])
+    return texts
