@@ -31,6 +31,8 @@ def test_generate_streams_the_same_text_as_llm_generate(capsys):
 @pytest.mark.parametrize("argv", [
     ["generate", "--model", "tiny", "--prompt", "x", "--max-tokens", "0"],
     ["serve", "--model", "tiny", "--max-queue", "-1"],
+    ["serve", "--model", "tiny", "--device", "bogus"],
+    ["generate", "--model", "tiny", "--prompt", "x", "--device", "gpu0"],
     ["demo", "--block-size", "many"],
 ])
 def test_bad_arguments_exit_with_usage_error(argv, capsys):

@@ -13,6 +13,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def device_name(text: str) -> str:
+    """argparse type: a torch device string (cpu, cuda, cuda:1, ...)."""
+    import torch
+
+    try:
+        torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a torch device such as cpu, cuda or cuda:1, got {text!r}") from None
+    return text
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool) -> None:
     """The engine's options as an "engine" argument group.
 
@@ -22,7 +34,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool) -> N
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default="auto",
                         help="auto (the model's), float16, bfloat16 or float32")
-    engine.add_argument("--device", default=None,
+    engine.add_argument("--device", type=device_name, default=None,
                         help="cuda, cuda:1, cpu ... (default: cuda if available, else cpu)")
     engine.add_argument("--max-model-len", type=positive_int, default=None,
                         help="longest prompt + output (default: the model's"

@@ -8,10 +8,9 @@ sampled token ids.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
