@@ -10,7 +10,6 @@ or in any batch (for the same logits).
 from __future__ import annotations
 
 from collections.abc import Callable
-
 from dataclasses import dataclass
 
 import torch
