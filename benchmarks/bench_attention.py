@@ -132,6 +132,18 @@ def sdpa_decode(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=True).reshape(b, hq, d)
 
 
+def sdpa_on_contiguous(x: DecodeInputs, case: DecodeCase, backend: str, form: str):
+    """A call of SDPA ``backend`` (a key of SDPA_BACKENDS) in ``form`` (see sdpa_decode) on
+    contiguous copies of ``x``'s paged K/V, made once, here."""
+    k = gather_contiguous(x, x.key_cache, case).contiguous()
+    v = gather_contiguous(x, x.value_cache, case).contiguous()
+
+    def run():
+        with sdpa_kernel(SDPA_BACKENDS[backend]):
+            return sdpa_decode(x.query, k, v, form)
+    return run
+
+
 def ours(x: DecodeInputs, **kw):
     return lambda: paged_decode(*x.args, out=x.out, workspace=x.workspace, **kw)
 

@@ -20,11 +20,10 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.nn.attention import sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import (SDPA_BACKENDS, DecodeCase, gather_contiguous,  # noqa: E402
-                             make_inputs, ours, sdpa_decode)
+from bench_attention import (DecodeCase, make_inputs, ours,  # noqa: E402
+                             sdpa_on_contiguous)
 from common import measure_ceilings, print_table, time_graph_us, time_us, write_csv  # noqa: E402
 
 from mini_paged_attn.ops import decode as decode_mod  # noqa: E402
@@ -35,25 +34,15 @@ FLUSH_CASES = [(32, 4096), (128, 1024), (8, 16384), (64, 1024), (64, 4096), (256
                (32, 16384), (64, 16384), (1, 65536)]
 
 
-def _sdpa(x, case, backend, form):
-    k = gather_contiguous(x, x.key_cache, case).contiguous()
-    v = gather_contiguous(x, x.value_cache, case).contiguous()
-
-    def run():
-        with sdpa_kernel(SDPA_BACKENDS[backend]):
-            return sdpa_decode(x.query, k, v, form)
-    return run
-
-
 def flush_check(copy_gbps: float) -> list[dict]:
     rows = []
     for batch, ctx in FLUSH_CASES:
         case = DecodeCase(batch, ctx)
         sets = [make_inputs(case, seed=s) for s in (1, 2)]
         impls = {"ours": [ours(x) for x in sets],
-                 "sdpa_cudnn": [_sdpa(x, case, "sdpa_cudnn", "rows" if batch > 1 else "gqa")
+                 "sdpa_cudnn": [sdpa_on_contiguous(x, case, "sdpa_cudnn", "rows" if batch > 1 else "gqa")
                                 for x in sets],
-                 "sdpa_flash": [_sdpa(x, case, "sdpa_flash", "rows") for x in sets]}
+                 "sdpa_flash": [sdpa_on_contiguous(x, case, "sdpa_flash", "rows") for x in sets]}
         for name, fns in impls.items():
             row = dict(case=f"{batch}x{ctx}", impl=name)
             for flush in ("zero", "read"):
@@ -103,7 +92,7 @@ def batch1_parts() -> list[dict]:
                 decode_mod._merge_splits_kernel = real_merge
             rows.append(row)
             print(row, flush=True)
-        cud = [_sdpa(x, case, "sdpa_cudnn", "gqa") for x in sets]
+        cud = [sdpa_on_contiguous(x, case, "sdpa_cudnn", "gqa") for x in sets]
         rows.append(dict(case=f"1x{ctx}", variant="sdpa_cudnn[gqa]", graph_us=time_graph_us(cud)))
         print(rows[-1], flush=True)
         del sets, cud

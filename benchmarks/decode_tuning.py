@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from bench_attention import (ROTATE_BYTES, SDPA_BACKENDS, DecodeCase, gather_contiguous,
-                             make_inputs, ours, sdpa_decode)
+from bench_attention import (ROTATE_BYTES, DecodeCase, gather_contiguous, make_inputs, ours,
+                             sdpa_decode, sdpa_on_contiguous)
 from common import Ceilings, print_table, time_graph_us, time_us, write_csv
 from mini_paged_attn.ops.checks import check_paged_decode_args
 from mini_paged_attn.ops.decode import triton_paged_decode
@@ -59,17 +59,6 @@ def _ours_tiles(x, shapes, tiles: DecodeTiles, splits: int | None):
                                        workspace=x.workspace, tiles=tiles, num_splits=splits)
 
 
-def _cudnn(x, case):
-    from torch.nn.attention import sdpa_kernel
-    k = gather_contiguous(x, x.key_cache, case).contiguous()
-    v = gather_contiguous(x, x.value_cache, case).contiguous()
-
-    def run():
-        with sdpa_kernel(SDPA_BACKENDS["sdpa_cudnn"]):
-            return sdpa_decode(x.query, k, v, "gqa")
-    return run
-
-
 def run_tune(args, ceilings: Ceilings) -> None:
     """Tile and split sweeps: batch 1 under CUDA-graph replay (with cuDNN SDPA on contiguous
     K/V in the same run), larger batches with do_bench. What earlier sweeps found is
@@ -88,7 +77,7 @@ def run_tune(args, ceilings: Ceilings) -> None:
         sets = max(1, min(16, math.ceil(ROTATE_BYTES / case.kv_bytes)))
         xs = [make_inputs(case, seed=100 * i + j) for j in range(sets)]
         shapes = check_paged_decode_args(*xs[0].args, None, xs[0].out)
-        us = time_graph_us([_cudnn(x, case) for x in xs])
+        us = time_graph_us([sdpa_on_contiguous(x, case, "sdpa_cudnn", "gqa") for x in xs])
         rows.append(dict(case=label(case), impl="sdpa_cudnn", graph_us=us, pct_copy=pct(case, us)))
         for splits in (None, 16, 32, 33):
             for t in batch1_tiles:
