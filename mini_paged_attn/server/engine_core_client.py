@@ -25,7 +25,7 @@ class _Rebuilt:
 
     ``detokenizers`` (completion index -> IncrementalDetokenizer): the text is made here, from
     the token ids, as the engine would have made it; None when the engine sends the text (the
-    request has stop strings, which the engine finds in it).
+    request has stop strings, which the engine finds in it) and ``texts`` keeps it.
     """
 
     prompt: str | None
@@ -40,7 +40,8 @@ class _Rebuilt:
         """The completion's text after a delta (``keep`` / ``suffix``: the engine's text edit;
         used when the engine makes the text)."""
         if self.detokenizers is None:
-            return self.texts.get(index, "")[:keep] + suffix
+            text = self.texts[index] = self.texts.get(index, "")[:keep] + suffix
+            return text
         det = self.detokenizers.get(index)
         if det is None:
             det = self.detokenizers[index] = tokenizer.detokenizer(self.prompt_token_ids)
@@ -246,7 +247,6 @@ class EngineCoreClient:
             text = state.text_of(index, keep, suffix, new_ids, reason, self.tokenizer)
             tokens = state.tokens.setdefault(index, [])
             tokens += new_ids
-            state.texts[index] = text
             logprobs = None
             if new_logprobs is not None:
                 all_logprobs = state.logprobs.setdefault(index, [])
