@@ -37,6 +37,7 @@ import gc
 import importlib.util
 import math
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ from mini_paged_attn.ops.explain import MAX_SPLITS, explain_decode  # noqa: E402
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION,
                  "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
                  "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
+SETTLE_S = 0.5                       # idle before each case (see check_and_time)
 GRAPH_MAX_TOKENS = 64 * 1024         # shapes up to this many tokens are also graph-timed
 ROTATE_BYTES = 256 << 20             # graph timing rotates over >= this many bytes of inputs
 
@@ -184,6 +186,11 @@ def check_and_time(case: DecodeCase, ceilings: Ceilings, flex: bool, seed: int) 
     rows = []
     plan = explain_decode(case.batch, case.num_q_heads, case.num_kv_heads, case.head_size,
                           case.context, case.block_size, case.dtype)
+    # Right after the previous, heavy case the GPU ran the next ~0.1 s some 15% slower (power
+    # management; 128x1k after 64x64k: 216 instead of 186 us), which charged the first
+    # implementation timed, always ours. Start every case from a GPU idle for a moment.
+    torch.cuda.synchronize()
+    time.sleep(SETTLE_S)
     for name, fn in implementations(case, x, k, v, flex).items():
         row = dict(impl=name, batch=case.batch, context=case.context,
                    head_size=case.head_size, block_size=case.block_size,
@@ -311,6 +318,8 @@ def evaluate_targets(rows: list[dict]) -> list[str]:
 def run_decode(args, ceilings: Ceilings, env: dict, out_dir: Path) -> None:
     rows = []
     for i, case in enumerate(decode_cases(args.max_tokens, args.quick)):
+        if args.cases and f"{case.batch}x{case.context}" not in args.cases.split(","):
+            continue
         flex = args.flex and (case.batch, case.context) in {(1, 4096), (64, 4096)} \
             and case.head_size == 128 and case.block_size == 16
         rows += check_and_time(case, ceilings, flex, seed=i)
@@ -382,6 +391,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=4 << 20,
                    help="skip decode shapes with more batch x context tokens")
     p.add_argument("--quick", action="store_true", help="fewer shapes")
+    p.add_argument("--cases", metavar="BxC,...",
+                   help="only these decode shapes, e.g. 64x4096,1x65536 (seeds as in a full run)")
     p.add_argument("--flex", action="store_true", help="also time flex_attention (compiles)")
     p.add_argument("--tune", action="store_true", help="run the decode tile sweep and exit")
     p.add_argument("--launch-overhead", action="store_true",

@@ -298,6 +298,8 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         scale_log2, qs[0], qs[1], *cache_strides, block_tables.stride(0),
         po_seq, po_head, po_split, 1, pl_seq, pl_head,
         SPLIT_KV=True, WRITE_LSE=True, **meta)
+    # One warp per (sequence, query head): at batch 1 (32 programs) the merge is pure latency,
+    # and 1 warp measured 0.6-0.8 us faster than 4 under CUDA graphs on an H100.
     use_pdl = device.type == "cuda"
     _merge_splits_kernel[(h, n)](
         part_out, part_lse, out, lse_arg, splits,
@@ -305,7 +307,7 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         os_[0], os_[1], os_[2], lse_seq, lse_head,
         HEAD_SIZE=d, HEAD_SIZE_PADDED=meta["HEAD_SIZE_PADDED"],
         SPLIT_TILE=min(32, max(16, triton.next_power_of_2(splits))),
-        WRITE_LSE=lse is not None, USE_PDL=use_pdl, launch_pdl=use_pdl, num_warps=4)
+        WRITE_LSE=lse is not None, USE_PDL=use_pdl, launch_pdl=use_pdl, num_warps=1)
 
 
 @functools.lru_cache(maxsize=256)

@@ -28,8 +28,10 @@ MAX_SPLITS = 128
 """The most KV splits of one sequence (FlashAttention's cap, too)."""
 
 PROGRAMS_PER_SM = 2
-"""Decode programs resident on one SM at a time (4 warps and about 100 KB of pipelined K/V
-tiles each): the heuristic counts a wave as ``num_sms * PROGRAMS_PER_SM`` programs."""
+"""Programs per SM in the split heuristic's wave (``num_sms * PROGRAMS_PER_SM``), as
+FlashAttention counts (two thread blocks per SM). Our unsplit programs at head_size 128 use
+~190 registers a thread, so 2 fit on an SM; the split launches' smaller tiles would fit 5, but
+the heuristic's choices were tuned (measured) with this count."""
 
 ASSUMED_NUM_SMS = 132
 """SM count used for planning when no CUDA device is given (an H100 or H200)."""
@@ -76,31 +78,41 @@ class DecodeTiles:
 
 
 def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool,
-                  split: bool = False) -> DecodeTiles:
-    """Tiles for a head size and dtype, and whether the launch splits the KV.
+                  split: bool = False, block_size: int = 16) -> DecodeTiles:
+    """Tiles for a head size, dtype and cache block size, and whether the launch splits the KV.
 
     They never depend on the batch itself, so that a sequence's result with ``num_splits=1``
     does not depend on which batch it is in.
 
-    Measured on an H100 (benchmarks/bench_attention.py --tune): a large batch saturates HBM
-    with any tile of 32-128 tokens and 2-5 stages (95-100% of copy bandwidth), since many
-    programs per SM hide the latency. Split launches (small batches) run few, short programs
-    that are latency-bound; there 32-token tiles with 5 stages were 3-8% faster. The block-table
-    load takes a pipeline stage of its own, so ``num_stages`` S keeps floor((S-1)/2) K/V tiles
-    in flight: 5 stages hold two (4 hold one, up to 20% slower); 7 or 9 gained nothing. The
-    interpreter runs every program in numpy: small tiles keep tests quick and still span
+    Measured on an H100 (``benchmarks/decode_experiments.py``, 2026-11-24, read-only L2 flush):
+
+    - Unsplit launches (enough sequences to fill the GPU): K tiles of 32 KB (128 tokens at
+      head_size 128 in 16-bit; 4 warps, 3 stages, 2 programs per SM by registers) read HBM
+      2.7% faster than 16 KB tiles (4 programs per SM) at 32x4k, 32x16k and 32x64k, and within
+      0.5% elsewhere (1k contexts a little slower). With cache blocks of 128 tokens or more,
+      the 16 KB tiles were 6% faster at 64x4k and 0.8% slower at 32x16k: they keep 16 KB.
+      With block_size 1 every token needs its own table lookup: 8 warps share them (4 warps
+      were 10% slower at 64x4k).
+    - Split launches (small batches) run few, short programs that are latency-bound: 32-token
+      tiles with 5 stages were 3-8% faster there, and 128-token tiles gained nothing. The
+      block-table load takes a pipeline stage of its own, so ``num_stages`` S keeps
+      floor((S-1)/2) K/V tiles in flight: 5 stages hold two (4 hold one, up to 20% slower).
+
+    The interpreter runs every program in numpy: small tiles keep tests quick and still span
     several blocks.
     """
     if not on_gpu:
         return DecodeTiles(block_n=16, num_warps=4, num_stages=1)
-    tile_bytes = 64 * _next_pow2(head_size) * torch.finfo(dtype).bits // 8
-    if tile_bytes <= 8192:        # head_size <= 64 in 16-bit: longer tiles, same bytes
-        return DecodeTiles(block_n=128, num_warps=4, num_stages=3)
-    if tile_bytes <= 16384:       # head_size <= 128 in 16-bit
-        if split:
+    row_bytes = _next_pow2(head_size) * torch.finfo(dtype).bits // 8   # one token of K
+    if split:
+        if row_bytes <= 128:      # head_size <= 64 in 16-bit
+            return DecodeTiles(block_n=128, num_warps=4, num_stages=3)
+        if row_bytes <= 256:      # head_size <= 128 in 16-bit
             return DecodeTiles(block_n=32, num_warps=4, num_stages=5)
-        return DecodeTiles(block_n=64, num_warps=4, num_stages=3)
-    return DecodeTiles(block_n=32, num_warps=4, num_stages=3)
+        return DecodeTiles(block_n=32, num_warps=4, num_stages=3)
+    tile_bytes = 16384 if block_size >= 128 else 32768
+    return DecodeTiles(block_n=max(16, tile_bytes // row_bytes),
+                       num_warps=8 if block_size == 1 else 4, num_stages=3)
 
 
 BALANCE_TOLERANCE = 0.02
@@ -264,7 +276,7 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
         splits, reason = num_splits, "forced"
     else:
         # Count KV tiles with the tiles a split launch would use; keep them if it splits.
-        split_tiles = tiles or default_tiles(head_size, dtype, on_gpu, split=True)
+        split_tiles = tiles or default_tiles(head_size, dtype, on_gpu, True, block_size)
         n_tiles = max(1, _cdiv(max_context_len, split_tiles.block_n))
         cap = max(1, min(max_splits, MAX_SPLITS, n_tiles))
         chosen = splits = num_splits_heuristic(max(units, 1), slots, n_tiles, cap)
@@ -272,7 +284,7 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
         reason = "enough programs" if units >= 0.8 * slots else "heuristic"
         if splits > 1:
             splits = balance_splits(splits, max(units, 1), slots, n_tiles, cap)
-    tiles = tiles or default_tiles(head_size, dtype, on_gpu, split=splits > 1)
+    tiles = tiles or default_tiles(head_size, dtype, on_gpu, splits > 1, block_size)
     return DecodePlan(num_seqs, num_q_heads, num_kv_heads, head_size, block_size, dtype,
                       max_context_len, tiles, num_sms, splits, reason, chosen)
 

@@ -12,12 +12,13 @@ import logging
 
 import pytest
 import torch
+import triton
 
 from helpers.decode_batches import assert_decode_matches_reference, make_decode_batch
 from mini_paged_attn.ops.checks import check_paged_decode_args
 from mini_paged_attn.ops.decode import triton_paged_decode, workspace_size
 from mini_paged_attn.ops.dispatch import paged_decode
-from mini_paged_attn.ops.explain import DecodeTiles, explain_decode, plan_decode
+from mini_paged_attn.ops.explain import DecodeTiles, default_tiles, explain_decode, plan_decode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -160,6 +161,21 @@ def test_explain_decode_says_what_runs_and_why():
     assert unsplit == {big.tiles} and small.block_h == 16
     with pytest.raises(ValueError, match="num_q_heads"):
         explain_decode(1, 30, 8, 128, 4096)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("block_size", [1, 2, 16, 64, 128, 256])
+def test_gpu_tiles_follow_the_documented_rule(dtype, head_size, block_size):
+    row_bytes = triton.next_power_of_2(head_size) * dtype.itemsize
+    unsplit = default_tiles(head_size, dtype, True, False, block_size)
+    # Unsplit: 32 KB K tiles, 16 KB with cache blocks of >= 128 tokens; 8 warps at block_size 1.
+    assert unsplit.block_n * row_bytes == (16384 if block_size >= 128 else 32768)
+    assert unsplit.num_warps == (8 if block_size == 1 else 4)
+    split = default_tiles(head_size, dtype, True, True, block_size)
+    # Split launches are latency-bound: short tiles (128 tokens only at head_size <= 64).
+    assert split.block_n == (128 if row_bytes <= 128 else 32)
+    assert plan_decode(256, 32, 8, head_size, 4096, block_size, dtype, 132).tiles == unsplit
 
 
 def test_explain_flag_logs_the_plan(caplog):

@@ -1,0 +1,218 @@
+"""Decode experiments behind the tile choice, the merge launch and the benchmark's settle
+(GPU). What they found is in BENCHMARKS.md; the rows of the H100 run are in
+``benchmarks/results/decode_experiments_h100/``.
+
+- ``tiles``: unsplit tiles over batch x context, head sizes and block sizes; split tiles at
+  small batches (events) and batch 1 (graph replay). Each row names the kernel's shared memory,
+  registers and spills (how many programs fit on an SM).
+- ``layout``: the seed's pool layout ``(num_blocks, block_size, 2, H_kv, D)`` against a
+  head-major one ``(num_blocks, 2, H_kv, block_size, D)`` (each head's tokens of a block
+  contiguous), the same data through strided views.
+- ``settle``: 128x1k timed right after the 64x64k case of the full benchmark, after 1 s idle,
+  and again: the transient that ``bench_attention.SETTLE_S`` waits out.
+- ``merge``: batch 1 under graph replay with the merge launched with PDL or plainly, with 1, 2
+  or 4 warps, and skipped (the split kernel alone).
+
+    PYTHONPATH=. python3 benchmarks/decode_experiments.py --parts tiles,layout,settle,merge \
+        --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import (DecodeCase, DecodeInputs, check_and_time,  # noqa: E402
+                             make_inputs, sdpa_on_contiguous)
+from common import (Ceilings, measure_ceilings, print_table, time_graph_us,  # noqa: E402
+                    time_us, write_csv)
+
+from mini_paged_attn.ops import decode as decode_mod  # noqa: E402
+from mini_paged_attn.ops.checks import check_paged_decode_args  # noqa: E402
+from mini_paged_attn.ops.explain import DecodeTiles  # noqa: E402
+
+
+def call(x: DecodeInputs, splits: int | None = None, tiles: tuple | None = None):
+    """Our decode on ``x`` with forced splits / tiles (None: planned)."""
+    shapes = check_paged_decode_args(*x.args, None, x.out)
+    t = DecodeTiles(*tiles) if tiles else None
+    return lambda: decode_mod.triton_paged_decode(*x.args, shapes, out=x.out, lse=None,
+                                                  workspace=x.workspace, num_splits=splits,
+                                                  tiles=t)
+
+
+def pct(case: DecodeCase, us: float, copy: float) -> float:
+    return 100 * case.kv_bytes / (us * 1e-6) / 1e9 / copy
+
+
+def label(case: DecodeCase) -> str:
+    return f"{case.batch}x{case.context} D{case.head_size} bs{case.block_size}"
+
+
+def kernel_stats(seen: set) -> str:
+    """Shared memory / registers / spills of the decode kernels compiled since the last call."""
+    out = []
+    for caches in decode_mod._paged_decode_kernel.device_caches.values():
+        for k in caches[0].values():
+            if id(k) not in seen:
+                seen.add(id(k))
+                out.append(f"smem {k.metadata.shared // 1024}K regs {k.n_regs} "
+                           f"spills {k.n_spills}")
+    return "; ".join(out)
+
+
+def free():
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+UNSPLIT = {128: [(64, 4, 3), (128, 4, 3), (128, 4, 2), (128, 8, 3), (256, 4, 2), (256, 4, 3)],
+           64: [(128, 4, 3), (256, 4, 3), (256, 4, 2), (256, 8, 2), (64, 4, 3)],
+           256: [(32, 4, 3), (64, 4, 3), (64, 4, 2), (128, 4, 2), (128, 8, 2)]}
+SPLIT = [(32, 4, 5), (128, 4, 3), (128, 4, 5), (64, 4, 3), (128, 4, 2), (128, 8, 2)]
+
+
+def tiles(rows: list, copy: float) -> None:
+    seen: set = set()
+    cases = [DecodeCase(b, c) for b, c in ((32, 1024), (64, 1024), (128, 1024), (256, 1024),
+                                            (32, 4096), (64, 4096), (256, 4096), (32, 16384),
+                                            (32, 65536))]
+    cases += [DecodeCase(b, c, head_size=d) for d in (64, 256)
+              for b, c in ((64, 4096), (32, 4096), (32, 16384))]
+    cases += [DecodeCase(b, c, block_size=bs) for bs in (1, 2, 4, 8, 32, 64, 128, 256)
+              for b, c in ((64, 4096), (32, 16384))]
+    for case in cases:
+        x = make_inputs(case, seed=3)
+        for t in UNSPLIT[case.head_size] if case.block_size == 16 else UNSPLIT[128][:4]:
+            us = time_us(call(x, 1, t))
+            rows.append(dict(case=label(case), tiles=str(t), splits=1, us=us,
+                             pct_copy=pct(case, us, copy), kernel=kernel_stats(seen)))
+        del x
+        free()
+    for b, c in ((8, 16384), (8, 65536), (4, 16384), (2, 16384)):
+        case = DecodeCase(b, c)
+        x = make_inputs(case, seed=3)
+        for t in SPLIT:
+            us = time_us(call(x, None, t))
+            rows.append(dict(case=label(case), tiles=str(t), splits="planned", us=us,
+                             pct_copy=pct(case, us, copy), kernel=kernel_stats(seen)))
+        del x
+        free()
+    for c in (4096, 16384, 65536):
+        case = DecodeCase(1, c)
+        sets = [make_inputs(case, seed=10 + i)
+                for i in range(max(2, min(32, (256 << 20) // case.kv_bytes + 1)))]
+        cudnn = [sdpa_on_contiguous(x, case, "sdpa_cudnn", "gqa") for x in sets]
+        rows.append(dict(case=label(case), tiles="sdpa_cudnn", graph_us=time_graph_us(cudnn)))
+        for t in SPLIT:
+            for s in (None, 16, 32):
+                g = time_graph_us([call(x, s, t) for x in sets])
+                rows.append(dict(case=label(case), tiles=str(t), splits=s or "planned",
+                                 graph_us=g, kernel=kernel_stats(seen)))
+        del sets, cudnn
+        free()
+
+
+def head_major(x: DecodeInputs) -> DecodeInputs:
+    """The same K/V in a pool ``(num_blocks, 2, H_kv, block_size, D)``, as strided
+    ``[num_blocks, block_size, H_kv, D]`` views."""
+    pool = torch.stack([x.key_cache, x.value_cache], dim=1)      # [nb, 2, bs, H, D]
+    pool = pool.permute(0, 1, 3, 2, 4).contiguous()              # [nb, 2, H, bs, D]
+    return DecodeInputs(x.query, pool[:, 0].permute(0, 2, 1, 3), pool[:, 1].permute(0, 2, 1, 3),
+                        x.block_tables, x.context_lens, x.workspace, x.out)
+
+
+def layout(rows: list, copy: float) -> None:
+    for b, c in ((32, 4096), (64, 4096), (128, 1024), (32, 16384), (8, 16384), (8, 65536)):
+        case = DecodeCase(b, c)
+        x = make_inputs(case, seed=3)
+        hm = head_major(x)
+        for name, inputs in (("seed layout", x), ("head-major", hm)):
+            for t in (None, (64, 4, 3)):
+                us = time_us(call(inputs, None, t))
+                rows.append(dict(case=label(case), layout=name, tiles=str(t or "planned"),
+                                 us=us, pct_copy=pct(case, us, copy)))
+        del x, hm
+        free()
+
+
+def settle(rows: list, copy: float) -> None:
+    case = DecodeCase(128, 1024)
+    x = make_inputs(case, seed=16)
+
+    def measure(what):
+        us = time_us(call(x))
+        rows.append(dict(case=label(case), when=what, us=us, pct_copy=pct(case, us, copy)))
+    measure("before")
+    check_and_time(DecodeCase(64, 65536), Ceilings(copy, 0.0), False, seed=15)
+    time.sleep(1.0)
+    measure("after the 64x64k case and 1 s idle")
+    check_and_time(DecodeCase(64, 65536), Ceilings(copy, 0.0), False, seed=15)
+    measure("right after the 64x64k case")
+    measure("right after the 64x64k case, timed again")
+    del x
+    free()
+
+
+def merge(rows: list, copy: float) -> None:
+    real = decode_mod._merge_splits_kernel
+
+    class Patched:
+        """Stands in for the merge kernel: launches it with overridden options, or skips it."""
+        def __init__(self, **over):
+            self.over = over
+
+        def __getitem__(self, grid):
+            if self.over.get("skip"):
+                return lambda *a, **k: None
+            return lambda *a, **k: real[grid](*a, **{**k, **self.over})
+    variants = {"PDL, 1 warp (default)": None, "PDL, 4 warps": Patched(num_warps=4),
+                "PDL, 2 warps": Patched(num_warps=2),
+                "plain, 1 warp": Patched(USE_PDL=False, launch_pdl=False),
+                "plain, 4 warps": Patched(USE_PDL=False, launch_pdl=False, num_warps=4),
+                "no merge (split kernel alone)": Patched(skip=True)}
+    for c in (4096, 16384, 65536):
+        case = DecodeCase(1, c)
+        sets = [make_inputs(case, seed=10 + i)
+                for i in range(max(2, min(32, (256 << 20) // case.kv_bytes + 1)))]
+        fns = [call(x) for x in sets]
+        cudnn = [sdpa_on_contiguous(x, case, "sdpa_cudnn", "gqa") for x in sets]
+        rows.append(dict(case=label(case), variant="sdpa_cudnn",
+                         graph_us=time_graph_us(cudnn)))
+        for name, patch in variants.items():
+            decode_mod._merge_splits_kernel = patch or real
+            try:
+                rows.append(dict(case=label(case), variant=name, graph_us=time_graph_us(fns)))
+            finally:
+                decode_mod._merge_splits_kernel = real
+        del sets, fns, cudnn
+        free()
+
+
+PARTS = {"tiles": tiles, "layout": layout, "settle": settle, "merge": merge}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("."))
+    p.add_argument("--parts", default=",".join(PARTS))
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    copy = measure_ceilings().copy_gbps
+    print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s", flush=True)
+    for name in args.parts.split(","):
+        rows: list[dict] = []
+        PARTS[name](rows, copy)
+        write_csv(args.out / f"{name}.csv", rows)
+        print_table(rows, list(dict.fromkeys(k for r in rows for k in r)))
+        print(flush=True)
+
+
+if __name__ == "__main__":
+    main()
