@@ -10,8 +10,8 @@
   contiguous), the same data through strided views.
 - ``settle``: 128x1k timed right after the 64x64k case of the full benchmark, after 1 s idle,
   and again: the transient that ``bench_attention.SETTLE_S`` waits out.
-- ``merge``: batch 1 under graph replay with the merge launched with PDL or plainly, with 1, 2
-  or 4 warps, and skipped (the split kernel alone).
+- ``merge``: batch 1 under graph replay with the merge launched with 1, 2 or 4 warps, and
+  skipped (the split kernel alone).
 
     PYTHONPATH=. python3 benchmarks/decode_experiments.py --parts tiles,layout,settle,merge \
         --out DIR
@@ -156,8 +156,6 @@ def settle(rows: list, copy: float) -> None:
     check_and_time(DecodeCase(64, 65536), Ceilings(copy, 0.0), False, seed=15)
     measure("right after the 64x64k case")
     measure("right after the 64x64k case, timed again")
-    del x
-    free()
 
 
 def merge(rows: list, copy: float) -> None:
@@ -172,10 +170,10 @@ def merge(rows: list, copy: float) -> None:
             if self.over.get("skip"):
                 return lambda *a, **k: None
             return lambda *a, **k: real[grid](*a, **{**k, **self.over})
-    variants = {"PDL, 1 warp (default)": None, "PDL, 4 warps": Patched(num_warps=4),
-                "PDL, 2 warps": Patched(num_warps=2),
-                "plain, 1 warp": Patched(USE_PDL=False, launch_pdl=False),
-                "plain, 4 warps": Patched(USE_PDL=False, launch_pdl=False, num_warps=4),
+    # (A programmatic dependent launch, the merge waiting in-kernel, was 0.5 us slower than a
+    # plain one: results/decode_experiments_h100/merge.csv, run before the switch.)
+    variants = {"1 warp (default)": None, "2 warps": Patched(num_warps=2),
+                "4 warps": Patched(num_warps=4),
                 "no merge (split kernel alone)": Patched(skip=True)}
     for c in (4096, 16384, 65536):
         case = DecodeCase(1, c)

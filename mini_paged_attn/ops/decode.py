@@ -14,10 +14,8 @@ equal runs; each split writes its normalised partial output and log-sum-exp to a
 workspace, and ``_merge_splits_kernel`` combines them (the online-softmax merge). Splits past a
 sequence's last tile load nothing and write 0 with lse ``-inf`` (weight 0 in the merge), so the
 grid is fixed by the launch arguments alone (CUDA-graph friendly) and nothing is read
-uninitialised. On CUDA the merge is launched as a programmatic dependent launch (PDL): it is
-scheduled while the decode kernel drains and waits (``gdc_wait``) before reading its results.
-``num_splits == 1`` is one launch writing ``out`` directly: a sequence's result then depends
-only on its own data (batch-invariant, deterministic).
+uninitialised. ``num_splits == 1`` is one launch writing ``out`` directly: a sequence's result
+then depends only on its own data (batch-invariant, deterministic).
 """
 
 from __future__ import annotations
@@ -149,7 +147,7 @@ def _merge_splits_kernel(
     stride_pl_seq, stride_pl_head,
     stride_o_seq, stride_o_head, stride_o_dim, stride_lse_seq, stride_lse_head,
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr, SPLIT_TILE: tl.constexpr,
-    WRITE_LSE: tl.constexpr, USE_PDL: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     """Grid ``(num_q_heads, num_seqs)``: out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max).
 
@@ -159,9 +157,6 @@ def _merge_splits_kernel(
     """
     head = tl.program_id(0)
     seq = tl.program_id(1)
-    if USE_PDL:
-        # Launched as a programmatic dependent of the decode kernel: wait for its results.
-        tl.extra.cuda.gdc_wait()
     lse_row = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + head * stride_pl_head
     out_row = part_out_ptr + seq.to(tl.int64) * stride_po_seq + head * stride_po_head
     dims = tl.arange(0, HEAD_SIZE_PADDED)                           # [HEAD_SIZE_PADDED]
@@ -298,16 +293,16 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         scale_log2, qs[0], qs[1], *cache_strides, block_tables.stride(0),
         po_seq, po_head, po_split, 1, pl_seq, pl_head,
         SPLIT_KV=True, WRITE_LSE=True, **meta)
-    # One warp per (sequence, query head): at batch 1 (32 programs) the merge is pure latency,
-    # and 1 warp measured 0.6-0.8 us faster than 4 under CUDA graphs on an H100.
-    use_pdl = device.type == "cuda"
+    # One warp per (sequence, query head), launched plainly: at batch 1 (32 programs) the merge
+    # is pure latency. Under CUDA graphs on an H100, 1 warp was 0.6-0.7 us faster than 4, and a
+    # plain launch 0.5 us faster than a programmatic dependent launch (PDL) waiting in-kernel.
     _merge_splits_kernel[(h, n)](
         part_out, part_lse, out, lse_arg, splits,
         po_seq, po_head, po_split, pl_seq, pl_head,
         os_[0], os_[1], os_[2], lse_seq, lse_head,
         HEAD_SIZE=d, HEAD_SIZE_PADDED=meta["HEAD_SIZE_PADDED"],
         SPLIT_TILE=min(32, max(16, triton.next_power_of_2(splits))),
-        WRITE_LSE=lse is not None, USE_PDL=use_pdl, launch_pdl=use_pdl, num_warps=1)
+        WRITE_LSE=lse is not None, num_warps=1)
 
 
 @functools.lru_cache(maxsize=256)
