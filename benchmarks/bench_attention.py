@@ -317,9 +317,13 @@ def evaluate_targets(rows: list[dict]) -> list[str]:
 
 def run_decode(args, ceilings: Ceilings, env: dict, out_dir: Path) -> None:
     rows = []
-    for i, case in enumerate(decode_cases(args.max_tokens, args.quick)):
-        if args.cases and f"{case.batch}x{case.context}" not in args.cases.split(","):
-            continue
+    cases = list(enumerate(decode_cases(args.max_tokens, args.quick)))
+    if args.cases:
+        wanted = set(args.cases.split(","))
+        cases = [(i, c) for i, c in cases if f"{c.batch}x{c.context}" in wanted]
+        if not cases:
+            sys.exit(f"--cases: no decode shape matches {args.cases!r} (BxC, e.g. 64x4096)")
+    for i, case in cases:
         flex = args.flex and (case.batch, case.context) in {(1, 4096), (64, 4096)} \
             and case.head_size == 128 and case.block_size == 16
         rows += check_and_time(case, ceilings, flex, seed=i)
@@ -392,7 +396,8 @@ def main(argv=None) -> None:
                    help="skip decode shapes with more batch x context tokens")
     p.add_argument("--quick", action="store_true", help="fewer shapes")
     p.add_argument("--cases", metavar="BxC,...",
-                   help="only these decode shapes, e.g. 64x4096,1x65536 (seeds as in a full run)")
+                   help="only these decode shapes, e.g. 64x4096,1x65536, with their head_size / "
+                        "block_size variants (seeds as in a full run)")
     p.add_argument("--flex", action="store_true", help="also time flex_attention (compiles)")
     p.add_argument("--tune", action="store_true", help="run the decode tile sweep and exit")
     p.add_argument("--launch-overhead", action="store_true",

@@ -48,10 +48,13 @@ def call(x: DecodeInputs, splits: int | None = None, tiles: tuple | None = None)
 
 
 def pct(case: DecodeCase, us: float, copy: float) -> float:
+    """Percent of the copy bandwidth ``copy`` (GB/s) that reading the case's K/V in ``us``
+    makes."""
     return 100 * case.kv_bytes / (us * 1e-6) / 1e9 / copy
 
 
 def label(case: DecodeCase) -> str:
+    """``BxC Dd bsN``: the shape's row label."""
     return f"{case.batch}x{case.context} D{case.head_size} bs{case.block_size}"
 
 
@@ -68,6 +71,7 @@ def kernel_stats(seen: set) -> str:
 
 
 def free():
+    """Return the previous shape's memory before allocating the next."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -79,6 +83,7 @@ SPLIT = [(32, 4, 5), (128, 4, 3), (128, 4, 5), (64, 4, 3), (128, 4, 2), (128, 8,
 
 
 def tiles(rows: list, copy: float) -> None:
+    """Tile sweeps (see the module docstring); appends rows."""
     seen: set = set()
     cases = [DecodeCase(b, c) for b, c in ((32, 1024), (64, 1024), (128, 1024), (256, 1024),
                                             (32, 4096), (64, 4096), (256, 4096), (32, 16384),
@@ -129,6 +134,7 @@ def head_major(x: DecodeInputs) -> DecodeInputs:
 
 
 def layout(rows: list, copy: float) -> None:
+    """Seed layout against head-major, planned tiles and 64-token tiles; appends rows."""
     for b, c in ((32, 4096), (64, 4096), (128, 1024), (32, 16384), (8, 16384), (8, 65536)):
         case = DecodeCase(b, c)
         x = make_inputs(case, seed=3)
@@ -143,6 +149,7 @@ def layout(rows: list, copy: float) -> None:
 
 
 def settle(rows: list, copy: float) -> None:
+    """128x1k before, right after and 1 s after the full benchmark's 64x64k case."""
     case = DecodeCase(128, 1024)
     x = make_inputs(case, seed=16)
 
@@ -159,6 +166,7 @@ def settle(rows: list, copy: float) -> None:
 
 
 def merge(rows: list, copy: float) -> None:
+    """Batch-1 graph times with the merge kernel's launch options overridden."""
     real = decode_mod._merge_splits_kernel
 
     class Patched:

@@ -294,15 +294,17 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         po_seq, po_head, po_split, 1, pl_seq, pl_head,
         SPLIT_KV=True, WRITE_LSE=True, **meta)
     # One warp per (sequence, query head), launched plainly: at batch 1 (32 programs) the merge
-    # is pure latency. Under CUDA graphs on an H100, 1 warp was 0.6-0.7 us faster than 4, and a
-    # plain launch 0.5 us faster than a programmatic dependent launch (PDL) waiting in-kernel.
+    # is pure latency. Under CUDA graphs on an H100 (head_size 128), 1 warp was 0.6-0.7 us
+    # faster than 4, and a plain launch 0.5 us faster than a programmatic dependent launch
+    # (PDL) waiting in-kernel. Wider heads take 2 warps, to keep a chunk of 32 float32 partials
+    # at <= 128 values a thread.
     _merge_splits_kernel[(h, n)](
         part_out, part_lse, out, lse_arg, splits,
         po_seq, po_head, po_split, pl_seq, pl_head,
         os_[0], os_[1], os_[2], lse_seq, lse_head,
         HEAD_SIZE=d, HEAD_SIZE_PADDED=meta["HEAD_SIZE_PADDED"],
         SPLIT_TILE=min(32, max(16, triton.next_power_of_2(splits))),
-        WRITE_LSE=lse is not None, num_warps=1)
+        WRITE_LSE=lse is not None, num_warps=1 if meta["HEAD_SIZE_PADDED"] <= 128 else 2)
 
 
 @functools.lru_cache(maxsize=256)

@@ -27,6 +27,9 @@ from .heuristics import num_splits_heuristic
 MAX_SPLITS = 128
 """The most KV splits of one sequence (FlashAttention's cap, too)."""
 
+MAX_BLOCK_N = 256
+"""The longest KV tile a planned launch uses (the longest measured: head_size 64, 16-bit)."""
+
 PROGRAMS_PER_SM = 2
 """Programs per SM in the split heuristic's wave (``num_sms * PROGRAMS_PER_SM``), as
 FlashAttention counts (two thread blocks per SM). Our unsplit programs at head_size 128 use
@@ -77,8 +80,8 @@ class DecodeTiles:
             raise ValueError(f"num_stages: expected an int in 1..12, got {self.num_stages!r}")
 
 
-def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool,
-                  split: bool = False, block_size: int = 16) -> DecodeTiles:
+def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool, *,
+                  block_size: int) -> DecodeTiles:
     """Tiles for a head size, dtype and cache block size, and whether the launch splits the KV.
 
     They never depend on the batch itself, so that a sequence's result with ``num_splits=1``
@@ -98,12 +101,16 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool,
       block-table load takes a pipeline stage of its own, so ``num_stages`` S keeps
       floor((S-1)/2) K/V tiles in flight: 5 stages hold two (4 hold one, up to 20% slower).
 
+    Tiles never exceed :data:`MAX_BLOCK_N` tokens: small head sizes (never measured) would
+    otherwise get tiles of thousands of tokens, slow to compile and heavy in registers.
+
     The interpreter runs every program in numpy: small tiles keep tests quick and still span
     several blocks.
     """
     if not on_gpu:
         return DecodeTiles(block_n=16, num_warps=4, num_stages=1)
-    row_bytes = _next_pow2(head_size) * torch.finfo(dtype).bits // 8   # one token of K
+    # One token of K as the kernel holds it (head_size padded to a power of two >= 16).
+    row_bytes = max(16, _next_pow2(head_size)) * torch.finfo(dtype).bits // 8
     if split:
         if row_bytes <= 128:      # head_size <= 64 in 16-bit
             return DecodeTiles(block_n=128, num_warps=4, num_stages=3)
@@ -111,7 +118,7 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool,
             return DecodeTiles(block_n=32, num_warps=4, num_stages=5)
         return DecodeTiles(block_n=32, num_warps=4, num_stages=3)
     tile_bytes = 16384 if block_size >= 128 else 32768
-    return DecodeTiles(block_n=max(16, tile_bytes // row_bytes),
+    return DecodeTiles(block_n=min(MAX_BLOCK_N, max(16, tile_bytes // row_bytes)),
                        num_warps=8 if block_size == 1 else 4, num_stages=3)
 
 
@@ -164,6 +171,7 @@ class DecodePlan:
     num_splits: int
     split_reason: str         # "forced", "enough programs", "heuristic"
     heuristic_splits: int = 0  # FlashAttention's choice, before balance_splits (0: not asked)
+    heuristic_kv_tiles: int = 0  # the num_n_blocks it was given (split tiles; 0: not asked)
 
     @property
     def group_size(self) -> int:
@@ -189,8 +197,8 @@ class DecodePlan:
 
     @property
     def num_kv_tiles(self) -> int:
-        """KV tiles of the longest planned sequence (the heuristic's ``num_n_blocks`` when it
-        split)."""
+        """KV tiles of the longest planned sequence, in this launch's tiles (the heuristic counted
+        split tiles: :attr:`heuristic_kv_tiles`)."""
         return max(1, _cdiv(self.max_context_len, self.tiles.block_n))
 
     @property
@@ -242,12 +250,13 @@ class DecodePlan:
             why = (f"{self.units} programs >= 80% of {self.wave_slots} slots: no split "
                    "needed (FlashAttention's rule)")
         else:
-            why = (f"{unsplit}; FlashAttention's split heuristic over {self.num_kv_tiles} kv "
-                   f"tiles chose {self.heuristic_splits} splits")
+            why = (f"{unsplit}; FlashAttention's split heuristic over "
+                   f"{self.heuristic_kv_tiles} kv tiles chose {self.heuristic_splits} split"
+                   + ("s" if self.heuristic_splits != 1 else ""))
             if self.heuristic_splits != self.num_splits:
                 why += (f", balanced to {self.num_splits} in as many waves (each split "
-                        f"{_cdiv(self.num_kv_tiles, self.num_splits)} tiles instead of "
-                        f"{_cdiv(self.num_kv_tiles, self.heuristic_splits)})")
+                        f"{_cdiv(self.heuristic_kv_tiles, self.num_splits)} tiles instead of "
+                        f"{_cdiv(self.heuristic_kv_tiles, self.heuristic_splits)})")
             why += f"; {self.efficiency:.0%} of the last wave"
         lines.append(f"  why:      {why}")
         return "\n".join(lines)
@@ -271,12 +280,12 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
                          f"got {num_splits!r}")
     units = num_seqs * num_kv_heads
     slots = num_sms * PROGRAMS_PER_SM
-    chosen = 0
+    chosen = n_tiles = 0
     if num_splits is not None:
         splits, reason = num_splits, "forced"
     else:
         # Count KV tiles with the tiles a split launch would use; keep them if it splits.
-        split_tiles = tiles or default_tiles(head_size, dtype, on_gpu, True, block_size)
+        split_tiles = tiles or default_tiles(head_size, dtype, on_gpu, True, block_size=block_size)
         n_tiles = max(1, _cdiv(max_context_len, split_tiles.block_n))
         cap = max(1, min(max_splits, MAX_SPLITS, n_tiles))
         chosen = splits = num_splits_heuristic(max(units, 1), slots, n_tiles, cap)
@@ -284,9 +293,9 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
         reason = "enough programs" if units >= 0.8 * slots else "heuristic"
         if splits > 1:
             splits = balance_splits(splits, max(units, 1), slots, n_tiles, cap)
-    tiles = tiles or default_tiles(head_size, dtype, on_gpu, splits > 1, block_size)
+    tiles = tiles or default_tiles(head_size, dtype, on_gpu, splits > 1, block_size=block_size)
     return DecodePlan(num_seqs, num_q_heads, num_kv_heads, head_size, block_size, dtype,
-                      max_context_len, tiles, num_sms, splits, reason, chosen)
+                      max_context_len, tiles, num_sms, splits, reason, chosen, n_tiles)
 
 
 def explain_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: int,

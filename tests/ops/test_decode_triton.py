@@ -153,6 +153,10 @@ def test_explain_decode_says_what_runs_and_why():
     assert small.merge_programs == 32 and small.efficiency > small.efficiency_unsplit
     text = str(small)
     assert "split-KV" in text and f"{small.num_splits} splits" in text and "132 SMs" in text
+    # The heuristic counts split tiles (32 tokens), whatever tiles the launch then uses.
+    few = explain_decode(17, 32, 8, 128, 48, device="cpu")
+    assert few.num_splits == 1 and few.heuristic_kv_tiles == 2
+    assert "over 2 kv tiles chose 1 split;" in str(few)
     big = explain_decode(256, 32, 8, 128, 4096, device="cpu")
     assert big.num_splits == 1 and big.merge_programs == 0 and "no split" in str(big)
     # Unsplit tiles never depend on the batch: the precondition of batch invariance.
@@ -163,19 +167,36 @@ def test_explain_decode_says_what_runs_and_why():
         explain_decode(1, 30, 8, 128, 4096)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
-@pytest.mark.parametrize("block_size", [1, 2, 16, 64, 128, 256])
-def test_gpu_tiles_follow_the_documented_rule(dtype, head_size, block_size):
-    row_bytes = triton.next_power_of_2(head_size) * dtype.itemsize
-    unsplit = default_tiles(head_size, dtype, True, False, block_size)
-    # Unsplit: 32 KB K tiles, 16 KB with cache blocks of >= 128 tokens; 8 warps at block_size 1.
-    assert unsplit.block_n * row_bytes == (16384 if block_size >= 128 else 32768)
-    assert unsplit.num_warps == (8 if block_size == 1 else 4)
-    split = default_tiles(head_size, dtype, True, True, block_size)
-    # Split launches are latency-bound: short tiles (128 tokens only at head_size <= 64).
-    assert split.block_n == (128 if row_bytes <= 128 else 32)
-    assert plan_decode(256, 32, 8, head_size, 4096, block_size, dtype, 132).tiles == unsplit
+@pytest.mark.parametrize("head_size, dtype, block_size, split, expected", [
+    (128, torch.bfloat16, 16, False, DecodeTiles(128, 4, 3)),   # 32 KB K tiles
+    (128, torch.float16, 1, False, DecodeTiles(128, 8, 3)),     # per-token lookups: 8 warps
+    (128, torch.bfloat16, 128, False, DecodeTiles(64, 4, 3)),   # big blocks: 16 KB tiles
+    (64, torch.bfloat16, 16, False, DecodeTiles(256, 4, 3)),
+    (256, torch.bfloat16, 16, False, DecodeTiles(64, 4, 3)),
+    (256, torch.float32, 128, False, DecodeTiles(16, 4, 3)),
+    (8, torch.float16, 16, False, DecodeTiles(256, 4, 3)),      # capped, not 2048
+    (128, torch.bfloat16, 16, True, DecodeTiles(32, 4, 5)),     # split launches: short tiles
+    (64, torch.float16, 16, True, DecodeTiles(128, 4, 3)),
+])
+def test_gpu_tiles_as_measured(head_size, dtype, block_size, split, expected):
+    assert default_tiles(head_size, dtype, True, split, block_size=block_size) == expected
+
+
+def test_gpu_tiles_stay_bounded_and_follow_the_block_size():
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for head_size in range(1, 257):
+            padded = max(16, triton.next_power_of_2(head_size))
+            for block_size in (1, 2, 16, 64, 128, 256):
+                for split in (False, True):
+                    t = default_tiles(head_size, dtype, True, split, block_size=block_size)
+                    # What the kernel holds of one K tile: at most 32 KB, at most 256 tokens.
+                    assert 16 <= t.block_n <= 256
+                    assert t.block_n * padded * dtype.itemsize <= 32768
+            # The planner passes the cache's block size on (tiles differ at 1 and 128).
+            plans = {bs: plan_decode(256, 32, 8, head_size, 4096, bs, dtype, 132).tiles
+                     for bs in (1, 16, 128)}
+            assert plans == {bs: default_tiles(head_size, dtype, True, False, block_size=bs)
+                             for bs in (1, 16, 128)}
 
 
 def test_explain_flag_logs_the_plan(caplog):
