@@ -138,12 +138,12 @@ def balance_splits(splits: int, units: int, wave_slots: int, num_tiles: int,
     On an H100 at batch 1 (8 KV heads, 2048 tiles at 64k): FlashAttention's 29 splits run 71
     tiles each; 32 splits run 64 and were 1.5-2% faster at 16k and 64k.
     """
-    waves = -(-units * splits // wave_slots)
+    waves = _cdiv(units * splits, wave_slots)
     candidates = [s for s in range(splits, max(splits, max_splits) + 1)
-                  if -(-units * s // wave_slots) == waves]
-    shortest = min(-(-num_tiles // s) for s in candidates)
+                  if _cdiv(units * s, wave_slots) == waves]
+    shortest = min(_cdiv(num_tiles, s) for s in candidates)
     return next(s for s in candidates
-                if -(-num_tiles // s) <= shortest * (1 + BALANCE_TOLERANCE))
+                if _cdiv(num_tiles, s) <= shortest * (1 + BALANCE_TOLERANCE))
 
 
 def wave_efficiency(programs: int, wave_slots: int) -> float:
@@ -194,12 +194,6 @@ class DecodePlan:
     @property
     def wave_slots(self) -> int:
         return self.num_sms * PROGRAMS_PER_SM
-
-    @property
-    def num_kv_tiles(self) -> int:
-        """KV tiles of the longest planned sequence, in this launch's tiles (the heuristic counted
-        split tiles: :attr:`heuristic_kv_tiles`)."""
-        return max(1, _cdiv(self.max_context_len, self.tiles.block_n))
 
     @property
     def programs(self) -> int:
@@ -285,7 +279,8 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
         splits, reason = num_splits, "forced"
     else:
         # Count KV tiles with the tiles a split launch would use; keep them if it splits.
-        split_tiles = tiles or default_tiles(head_size, dtype, on_gpu, True, block_size=block_size)
+        split_tiles = tiles or default_tiles(head_size, dtype, on_gpu, True,
+                                             block_size=block_size)
         n_tiles = max(1, _cdiv(max_context_len, split_tiles.block_n))
         cap = max(1, min(max_splits, MAX_SPLITS, n_tiles))
         chosen = splits = num_splits_heuristic(max(units, 1), slots, n_tiles, cap)
