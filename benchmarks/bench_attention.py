@@ -51,8 +51,9 @@ from common import (Ceilings, environment, markdown_table, measure_ceilings,  # 
                     plot_lines, print_table, read_csv, time_graph_us, time_us, write_csv)
 
 from mini_paged_attn.ops import paged_decode  # noqa: E402
-from mini_paged_attn.ops.decode import workspace_size  # noqa: E402
-from mini_paged_attn.ops.explain import MAX_SPLITS, explain_decode  # noqa: E402
+from mini_paged_attn.ops.checks import check_paged_decode_args  # noqa: E402
+from mini_paged_attn.ops.decode import triton_paged_decode, workspace_size  # noqa: E402
+from mini_paged_attn.ops.explain import MAX_SPLITS, DecodeTiles, explain_decode  # noqa: E402
 
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION,
                  "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -80,6 +81,10 @@ class DecodeCase:
     def kv_bytes(self) -> int:
         """Bytes of K and V the step must read."""
         return 2 * self.tokens * self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+    def pct_of_copy(self, us: float, copy_gbps: float) -> float:
+        """Reading the K/V in ``us`` microseconds, as a percentage of the copy bandwidth."""
+        return 100 * self.kv_bytes / (us * 1e-6) / 1e9 / copy_gbps
 
 
 @dataclass
@@ -150,6 +155,14 @@ def ours(x: DecodeInputs, **kw):
     return lambda: paged_decode(*x.args, out=x.out, workspace=x.workspace, **kw)
 
 
+def ours_launch(x: DecodeInputs, tiles: DecodeTiles | None = None, splits: int | None = None):
+    """Our kernel launched directly (``triton_paged_decode``: arguments checked once, here),
+    with forced tiles and split count (None: planned). For sweeps."""
+    shapes = check_paged_decode_args(*x.args, None, x.out)
+    return lambda: triton_paged_decode(*x.args, shapes, out=x.out, lse=None,
+                                       workspace=x.workspace, tiles=tiles, num_splits=splits)
+
+
 def implementations(case: DecodeCase, x: DecodeInputs, k: torch.Tensor, v: torch.Tensor,
                     flex: bool) -> dict:
     impls = {"ours": ours(x)}
@@ -203,7 +216,7 @@ def check_and_time(case: DecodeCase, ceilings: Ceilings, flex: bool, seed: int) 
             row["max_err"] = err
             row["us"] = time_us(fn)
             row["gbps"] = case.kv_bytes / (row["us"] * 1e-6) / 1e9
-            row["pct_copy"] = 100 * row["gbps"] / ceilings.copy_gbps
+            row["pct_copy"] = case.pct_of_copy(row["us"], ceilings.copy_gbps)
         except Exception as e:  # noqa: BLE001  a peer that does not run is reported, not fatal
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
             if name.startswith("ours"):

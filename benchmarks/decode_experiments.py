@@ -29,28 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import (DecodeCase, DecodeInputs, check_and_time,  # noqa: E402
-                             make_inputs, sdpa_on_contiguous)
+                             make_inputs, ours_launch, sdpa_on_contiguous)
 from common import (Ceilings, measure_ceilings, print_table, time_graph_us,  # noqa: E402
                     time_us, write_csv)
 
 from mini_paged_attn.ops import decode as decode_mod  # noqa: E402
-from mini_paged_attn.ops.checks import check_paged_decode_args  # noqa: E402
 from mini_paged_attn.ops.explain import DecodeTiles  # noqa: E402
-
-
-def call(x: DecodeInputs, splits: int | None = None, tiles: tuple | None = None):
-    """Our decode on ``x`` with forced splits / tiles (None: planned)."""
-    shapes = check_paged_decode_args(*x.args, None, x.out)
-    t = DecodeTiles(*tiles) if tiles else None
-    return lambda: decode_mod.triton_paged_decode(*x.args, shapes, out=x.out, lse=None,
-                                                  workspace=x.workspace, num_splits=splits,
-                                                  tiles=t)
-
-
-def pct(case: DecodeCase, us: float, copy: float) -> float:
-    """Percent of the copy bandwidth ``copy`` (GB/s) that reading the case's K/V in ``us``
-    makes."""
-    return 100 * case.kv_bytes / (us * 1e-6) / 1e9 / copy
 
 
 def label(case: DecodeCase) -> str:
@@ -95,18 +79,18 @@ def tiles(rows: list, copy: float) -> None:
     for case in cases:
         x = make_inputs(case, seed=3)
         for t in UNSPLIT[case.head_size] if case.block_size == 16 else UNSPLIT[128][:4]:
-            us = time_us(call(x, 1, t))
+            us = time_us(ours_launch(x, DecodeTiles(*t), 1))
             rows.append(dict(case=label(case), tiles=str(t), splits=1, us=us,
-                             pct_copy=pct(case, us, copy), kernel=kernel_stats(seen)))
+                             pct_copy=case.pct_of_copy(us, copy), kernel=kernel_stats(seen)))
         del x
         free()
     for b, c in ((8, 16384), (8, 65536), (4, 16384), (2, 16384)):
         case = DecodeCase(b, c)
         x = make_inputs(case, seed=3)
         for t in SPLIT:
-            us = time_us(call(x, None, t))
+            us = time_us(ours_launch(x, DecodeTiles(*t)))
             rows.append(dict(case=label(case), tiles=str(t), splits="planned", us=us,
-                             pct_copy=pct(case, us, copy), kernel=kernel_stats(seen)))
+                             pct_copy=case.pct_of_copy(us, copy), kernel=kernel_stats(seen)))
         del x
         free()
     for c in (4096, 16384, 65536):
@@ -117,7 +101,7 @@ def tiles(rows: list, copy: float) -> None:
         rows.append(dict(case=label(case), tiles="sdpa_cudnn", graph_us=time_graph_us(cudnn)))
         for t in SPLIT:
             for s in (None, 16, 32):
-                g = time_graph_us([call(x, s, t) for x in sets])
+                g = time_graph_us([ours_launch(x, DecodeTiles(*t), s) for x in sets])
                 rows.append(dict(case=label(case), tiles=str(t), splits=s or "planned",
                                  graph_us=g, kernel=kernel_stats(seen)))
         del sets, cudnn
@@ -141,9 +125,9 @@ def layout(rows: list, copy: float) -> None:
         hm = head_major(x)
         for name, inputs in (("seed layout", x), ("head-major", hm)):
             for t in (None, (64, 4, 3)):
-                us = time_us(call(inputs, None, t))
+                us = time_us(ours_launch(inputs, DecodeTiles(*t) if t else None))
                 rows.append(dict(case=label(case), layout=name, tiles=str(t or "planned"),
-                                 us=us, pct_copy=pct(case, us, copy)))
+                                 us=us, pct_copy=case.pct_of_copy(us, copy)))
         del x, hm
         free()
 
@@ -154,8 +138,8 @@ def settle(rows: list, copy: float) -> None:
     x = make_inputs(case, seed=16)
 
     def measure(what):
-        us = time_us(call(x))
-        rows.append(dict(case=label(case), when=what, us=us, pct_copy=pct(case, us, copy)))
+        us = time_us(ours_launch(x))
+        rows.append(dict(case=label(case), when=what, us=us, pct_copy=case.pct_of_copy(us, copy)))
     measure("before")
     check_and_time(DecodeCase(64, 65536), Ceilings(copy, 0.0), False, seed=15)
     time.sleep(1.0)
@@ -187,7 +171,7 @@ def merge(rows: list, copy: float) -> None:
         case = DecodeCase(1, c)
         sets = [make_inputs(case, seed=10 + i)
                 for i in range(max(2, min(32, (256 << 20) // case.kv_bytes + 1)))]
-        fns = [call(x) for x in sets]
+        fns = [ours_launch(x) for x in sets]
         cudnn = [sdpa_on_contiguous(x, case, "sdpa_cudnn", "gqa") for x in sets]
         rows.append(dict(case=label(case), variant="sdpa_cudnn",
                          graph_us=time_graph_us(cudnn)))

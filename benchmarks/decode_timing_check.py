@@ -1,4 +1,4 @@
-"""How the timing method moves decode results, and what the split path's parts cost (GPU).
+"""How the timing method moves decode results, and the host time per decode call (GPU).
 
 1. Flush check: the same calls (ours, cuDNN and flash SDPA on contiguous K/V) timed three ways:
    ``zero`` (``do_bench``'s 256 MB ``zero_()`` before each call: L2 left full of dirty lines,
@@ -6,9 +6,7 @@
    (no flush; two input sets larger than L2 alternate). If dirty-line write-back is what keeps
    mid-size shapes under the copy bandwidth, ``read`` and ``none`` agree and ``zero`` is a
    constant ~50 MB / bandwidth slower.
-2. Batch 1 under CUDA-graph replay: the split kernel alone (merge launch skipped) against the
-   whole call, for the heuristic's plan and two forced ones.
-3. ``--launch-overhead``: host microseconds per call, with a profile.
+2. ``--launch-overhead``: host microseconds per call, with a profile.
 
     PYTHONPATH=. python3 benchmarks/decode_timing_check.py --out DIR
 """
@@ -24,11 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import (DecodeCase, make_inputs, ours,  # noqa: E402
                              sdpa_on_contiguous)
-from common import measure_ceilings, print_table, time_graph_us, time_us, write_csv  # noqa: E402
-
-from mini_paged_attn.ops import decode as decode_mod  # noqa: E402
-from mini_paged_attn.ops.checks import check_paged_decode_args  # noqa: E402
-from mini_paged_attn.ops.explain import DecodeTiles, explain_decode  # noqa: E402
+from common import measure_ceilings, print_table, time_us, write_csv  # noqa: E402
 
 FLUSH_CASES = [(32, 4096), (128, 1024), (8, 16384), (64, 1024), (64, 4096), (256, 1024),
                (32, 16384), (64, 16384), (1, 65536)]
@@ -54,48 +48,10 @@ def flush_check(copy_gbps: float) -> list[dict]:
                 return fns[turn[0]]()
             row["none_us"] = time_us(lambda: (alternate(), alternate()), flush="none") / 2
             for flush in ("zero", "read", "none"):
-                row[f"{flush}_pct"] = 100 * case.kv_bytes / (row[f"{flush}_us"] * 1e-6) / 1e9 \
-                    / copy_gbps
+                row[f"{flush}_pct"] = case.pct_of_copy(row[f"{flush}_us"], copy_gbps)
             rows.append(row)
             print(row, flush=True)
         del sets, impls
-        torch.cuda.empty_cache()
-    return rows
-
-
-def batch1_parts() -> list[dict]:
-    """Batch 1 under graph replay: the whole call, and the split kernel alone (merge skipped)."""
-    rows = []
-    real_merge = decode_mod._merge_splits_kernel
-
-    class _NoMerge:
-        def __getitem__(self, grid):
-            return lambda *a, **k: None
-    for ctx in (4096, 16384, 65536):
-        case = DecodeCase(1, ctx)
-        sets = [make_inputs(case, seed=10 + i)
-                for i in range(max(2, (256 << 20) // case.kv_bytes + 1))]
-        shapes = check_paged_decode_args(*sets[0].args, None, sets[0].out)
-        plan = explain_decode(1, 32, 8, 128, ctx, 16, torch.bfloat16)
-        variants = {"heuristic": (None, None), "(32, 4, 5) s32": (DecodeTiles(32, 4, 5), 32),
-                    "(16, 2, 5) s64": (DecodeTiles(16, 2, 5), 64)}
-        for name, (tiles, splits) in variants.items():
-            fns = [lambda x=x, t=tiles, s=splits: decode_mod.triton_paged_decode(
-                *x.args, shapes, out=x.out, lse=None, workspace=x.workspace, tiles=t,
-                num_splits=s) for x in sets]
-            row = dict(case=f"1x{ctx}", variant=name, splits=splits or plan.num_splits,
-                       graph_us=time_graph_us(fns))
-            decode_mod._merge_splits_kernel = _NoMerge()
-            try:
-                row["no_merge_graph_us"] = time_graph_us(fns)
-            finally:
-                decode_mod._merge_splits_kernel = real_merge
-            rows.append(row)
-            print(row, flush=True)
-        cud = [sdpa_on_contiguous(x, case, "sdpa_cudnn", "gqa") for x in sets]
-        rows.append(dict(case=f"1x{ctx}", variant="sdpa_cudnn[gqa]", graph_us=time_graph_us(cud)))
-        print(rows[-1], flush=True)
-        del sets, cud
         torch.cuda.empty_cache()
     return rows
 
@@ -112,16 +68,12 @@ def main() -> None:
     ceilings = measure_ceilings()
     print(f"{torch.cuda.get_device_name()}: copy {ceilings.copy_gbps:.0f} GB/s (read flush)",
           flush=True)
-    parts = batch1_parts()
-    write_csv(args.out / "batch1_parts.csv", parts)
     if args.launch_overhead:
         from decode_tuning import launch_overhead
         print_table(launch_overhead(), ["case", "experiment", "us"])
     flush = flush_check(ceilings.copy_gbps) if args.flush else []
     if flush:
         write_csv(args.out / "flush_check.csv", flush)
-    print_table(parts, ["case", "variant", "splits", "graph_us", "no_merge_graph_us"])
-    if flush:
         print_table(flush, ["case", "impl", "zero_us", "read_us", "none_us", "zero_pct",
                             "read_pct", "none_pct"])
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from bench_attention import (ROTATE_BYTES, DecodeCase, gather_contiguous, make_inputs, ours,
-                             sdpa_decode, sdpa_on_contiguous)
+                             ours_launch, sdpa_decode, sdpa_on_contiguous)
 from common import Ceilings, print_table, time_graph_us, time_us, write_csv
 from mini_paged_attn.ops.checks import check_paged_decode_args
 from mini_paged_attn.ops.decode import triton_paged_decode
@@ -54,11 +54,6 @@ def launch_overhead() -> list[dict]:
     return rows
 
 
-def _ours_tiles(x, shapes, tiles: DecodeTiles, splits: int | None):
-    return lambda: triton_paged_decode(*x.args, shapes, out=x.out, lse=None,
-                                       workspace=x.workspace, tiles=tiles, num_splits=splits)
-
-
 def run_tune(args, ceilings: Ceilings) -> None:
     """Tile and split sweeps: batch 1 under CUDA-graph replay (with cuDNN SDPA on contiguous
     K/V in the same run), larger batches with do_bench. What earlier sweeps found is
@@ -69,19 +64,18 @@ def run_tune(args, ceilings: Ceilings) -> None:
         return f"{case.batch}x{case.context} D{case.head_size} bs{case.block_size}"
 
     def pct(case, us):
-        return 100 * case.kv_bytes / (us * 1e-6) / 1e9 / ceilings.copy_gbps
+        return case.pct_of_copy(us, ceilings.copy_gbps)
 
     batch1_tiles = [(32, 4, 5), (32, 4, 7), (32, 4, 9), (64, 4, 5), (64, 4, 7), (32, 8, 7)]
     for i, case in enumerate([DecodeCase(1, 4096), DecodeCase(1, 16384), DecodeCase(1, 65536)]):
         first = len(rows)
         sets = max(1, min(16, math.ceil(ROTATE_BYTES / case.kv_bytes)))
         xs = [make_inputs(case, seed=100 * i + j) for j in range(sets)]
-        shapes = check_paged_decode_args(*xs[0].args, None, xs[0].out)
         us = time_graph_us([sdpa_on_contiguous(x, case, "sdpa_cudnn", "gqa") for x in xs])
         rows.append(dict(case=label(case), impl="sdpa_cudnn", graph_us=us, pct_copy=pct(case, us)))
         for splits in (None, 16, 32, 33):
             for t in batch1_tiles:
-                us = time_graph_us([_ours_tiles(x, shapes, DecodeTiles(*t), splits) for x in xs])
+                us = time_graph_us([ours_launch(x, DecodeTiles(*t), splits) for x in xs])
                 rows.append(dict(case=label(case), impl=f"ours {t}", forced_splits=splits,
                                  graph_us=us, pct_copy=pct(case, us)))
         print_table(sorted(rows[first:], key=lambda r: r["graph_us"])[:12],
@@ -95,10 +89,9 @@ def run_tune(args, ceilings: Ceilings) -> None:
                               DecodeCase(128, 4096), DecodeCase(256, 4096)]):
         first = len(rows)
         x = make_inputs(case, seed=i)
-        shapes = check_paged_decode_args(*x.args, None, x.out)
         for t in tiles_list:
             for splits in (None, 1, 2):
-                us = time_us(_ours_tiles(x, shapes, DecodeTiles(*t), splits))
+                us = time_us(ours_launch(x, DecodeTiles(*t), splits))
                 rows.append(dict(case=label(case), impl=f"ours {t}", forced_splits=splits,
                                  us=us, pct_copy=pct(case, us)))
         print_table(sorted(rows[first:], key=lambda r: r["us"])[:10],
