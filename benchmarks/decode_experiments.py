@@ -12,9 +12,13 @@
   and again: the transient that ``bench_attention.SETTLE_S`` waits out.
 - ``merge``: batch 1 under graph replay with the merge launched with 1, 2 or 4 warps, and
   skipped (the split kernel alone).
+- ``order``: the benchmark's physical blocks in random order against the same pool read in
+  order (each sequence's blocks consecutive), with a read-only pass over the pool
+  (``pool.sum()``, contiguous) and cuDNN on contiguous K/V for scale.
+- ``splits``: forced split counts against the planned one at batch 4-16.
 
-    PYTHONPATH=. python3 benchmarks/decode_experiments.py --parts tiles,layout,settle,merge \
-        --out DIR
+    PYTHONPATH=. python3 benchmarks/decode_experiments.py \
+        --parts tiles,layout,settle,merge,order,splits --out DIR
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ from common import (Ceilings, measure_ceilings, print_table, time_graph_us,  # n
                     time_us, write_csv)
 
 from mini_paged_attn.ops import decode as decode_mod  # noqa: E402
-from mini_paged_attn.ops import explain_decode  # noqa: E402
 from mini_paged_attn.ops.explain import DecodeTiles  # noqa: E402
 
 
@@ -189,7 +192,6 @@ def merge(rows: list, copy: float) -> None:
 def order(rows: list, copy: float) -> None:
     """Physical blocks in random order (the benchmark's) against in order (block i of a
     sequence right after block i-1), with a read-only pass over the pool for scale."""
-    from tma_probe import tma_decode
     for b, c in ((32, 4096), (32, 16384), (64, 4096), (128, 1024), (8, 65536), (32, 65536),
                  (1, 65536)):
         case = DecodeCase(b, c)
@@ -202,48 +204,35 @@ def order(rows: list, copy: float) -> None:
                                torch.arange(x.block_tables.numel(), dtype=torch.int32,
                                             device="cuda").view_as(x.block_tables),
                                x.context_lens, x.workspace, x.out)
-        splits = explain_decode(b, 32, 8, 128, c, 16, torch.bfloat16).num_splits
         for name, inputs in (("random", x), ("in order", inorder)):
-            impls = {"ours": ours_launch(inputs),
-                     "tma 16,2,12": lambda y=inputs: tma_decode(
-                         *y.args, y.out, y.workspace, block_n=16, num_warps=2, num_stages=12,
-                         num_splits=splits)}
-            for impl, fn in impls.items():
-                us = time_us(fn)
-                rows.append(dict(case=label(case), order=name, impl=impl, us=us,
-                                 pct_copy=case.pct_of_copy(us, copy)))
-        us = time_us(sdpa_on_contiguous(x, case, "sdpa_cudnn", "rows" if b > 1 else "gqa"))
+            us = time_us(ours_launch(inputs))
+            rows.append(dict(case=label(case), order=name, impl="ours", us=us,
+                             pct_copy=case.pct_of_copy(us, copy)))
+        us = min(time_us(sdpa_on_contiguous(x, case, "sdpa_cudnn", form))
+                 for form in ("rows", "gqa"))
         rows.append(dict(case=label(case), order="contiguous", impl="sdpa_cudnn", us=us,
                          pct_copy=case.pct_of_copy(us, copy)))
         del x, inorder, pool
         free()
 
 
-def prefetch(rows: list, copy: float) -> None:
-    """L2 prefetch of the tile ``d`` tiles ahead: one line per cache block (a TLB touch) or
-    every K/V row, against none; random physical order, planned tiles and splits."""
-    real = decode_mod._constexprs
-    variants = [(0, False, 0), (1, False, 0)] + [(0, False, t) for t in (1, 2, 4)]
-    for b, c in ((32, 4096), (32, 16384), (64, 4096), (128, 1024), (8, 16384), (8, 65536),
-                 (32, 65536), (1, 65536)):
+def splits(rows: list, copy: float) -> None:
+    """Split counts 2-8 against the planned one at small batches, split tiles and 128-token
+    tiles (random physical order)."""
+    for b, c in ((4, 16384), (8, 16384), (16, 16384), (4, 65536), (8, 65536), (16, 65536)):
         case = DecodeCase(b, c)
         x = make_inputs(case, seed=3)
-        for d, r, t in variants:
-            decode_mod._constexprs = lambda plan, d=d, r=r, t=t: {
-                **real(plan), "PREFETCH": d, "PREFETCH_ROWS": r, "TOUCH": t}
-            try:
-                us = time_us(ours_launch(x))
-            finally:
-                decode_mod._constexprs = real
-            rows.append(dict(case=label(case), prefetch=f"ld touch +{t}" if t else "none" if not d else
-                             f"{'rows' if r else 'block touch'} +{d}", us=us,
-                             pct_copy=case.pct_of_copy(us, copy)))
+        for t in ((32, 4, 5), (128, 4, 3)):
+            for s in (None, 2, 3, 4, 5, 6, 8):
+                us = time_us(ours_launch(x, DecodeTiles(*t), s))
+                rows.append(dict(case=label(case), tiles=str(t), splits=s or "planned", us=us,
+                                 pct_copy=case.pct_of_copy(us, copy)))
         del x
         free()
 
 
 PARTS = {"tiles": tiles, "layout": layout, "settle": settle, "merge": merge, "order": order,
-         "prefetch": prefetch}
+         "splits": splits}
 
 
 def main() -> None:

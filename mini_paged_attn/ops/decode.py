@@ -38,37 +38,6 @@ MAX_GRID_Z = 65535
 
 
 @triton.jit
-def _prefetch_l2(ptrs, valid, NBYTES: tl.constexpr):
-    size = tl.full(valid.shape, NBYTES, tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; "
-        "mov.u32 $0, 0; }",
-        "=r,l,r,r", [ptrs, valid.to(tl.int32), size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_tile(table_row, k_head, v_head, tile, context_len,
-                   stride_k_block, stride_k_token, stride_v_block, stride_v_token,
-                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROW_BYTES: tl.constexpr,
-                   ROWS: tl.constexpr):
-    if ROWS:
-        tokens = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = tokens < context_len
-        blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        _prefetch_l2(k_head + blocks * stride_k_block + (tokens % BLOCK_SIZE) * stride_k_token,
-                     valid, ROW_BYTES)
-        _prefetch_l2(v_head + blocks * stride_v_block + (tokens % BLOCK_SIZE) * stride_v_token,
-                     valid, ROW_BYTES)
-    else:
-        NB: tl.constexpr = (BLOCK_N + BLOCK_SIZE - 1) // BLOCK_SIZE
-        tokens = tile * BLOCK_N + tl.arange(0, NB) * BLOCK_SIZE
-        valid = tokens < context_len
-        blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        _prefetch_l2(k_head + blocks * stride_k_block + (tokens % BLOCK_SIZE) * stride_k_token,
-                     valid, 16)
-
-
-@triton.jit
 def _paged_decode_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, lse_ptr, scale_log2,
@@ -81,7 +50,6 @@ def _paged_decode_kernel(
     GROUP_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr = 0, PREFETCH_ROWS: tl.constexpr = False, TOUCH: tl.constexpr = 0,
 ):
     """Grid ``(num_kv_heads, num_splits, num_seqs)``: the KV heads of one sequence run side by
     side, so the token rows of a block (all heads' K and V) are read at about the same time.
@@ -122,25 +90,7 @@ def _paged_decode_kernel(
 
     # Masking every tile (not only the sequence's last) measured the same on an H100: the loop
     # is bound by memory, not by the mask arithmetic.
-    NB: tl.constexpr = (BLOCK_N + BLOCK_SIZE - 1) // BLOCK_SIZE
-    sink = tl.zeros([NB], tl.float32)
-    prev = tl.zeros([NB], tl.float32)
-    t_tok = (tile_begin + TOUCH) * BLOCK_N + tl.arange(0, NB) * BLOCK_SIZE
-    t_valid = t_tok < context_len
-    t_blk = tl.load(table_row + t_tok // BLOCK_SIZE, mask=t_valid, other=0).to(tl.int64)
     for tile in range(tile_begin, tile_end):
-        if TOUCH > 0:
-            touched = tl.load(k_head + t_blk * stride_k_block, mask=t_valid, other=0.0)
-            sink += prev
-            prev = touched.to(tl.float32)
-            t_tok = (tile + 1 + TOUCH) * BLOCK_N + tl.arange(0, NB) * BLOCK_SIZE
-            t_valid = t_tok < context_len
-            t_blk = tl.load(table_row + t_tok // BLOCK_SIZE, mask=t_valid, other=0).to(tl.int64)
-        if PREFETCH > 0:
-            _prefetch_tile(table_row, k_head, v_head, tile + PREFETCH, context_len,
-                           stride_k_block, stride_k_token, stride_v_block, stride_v_token,
-                           BLOCK_N, BLOCK_SIZE, HEAD_SIZE * key_cache_ptr.dtype.element_ty.primitive_bitwidth // 8,
-                           PREFETCH_ROWS)
         tokens = tile * BLOCK_N + tl.arange(0, BLOCK_N)       # [BLOCK_N] positions
         token_valid = tokens < context_len                     # [BLOCK_N]
         if BLOCK_SIZE >= BLOCK_N:
@@ -170,10 +120,6 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if TOUCH > 0:
-        flag = tl.sum(sink + prev) == 1.2345e38
-        tl.store(lse_ptr + seq.to(tl.int64) * stride_lse_seq + heads * stride_lse_head,
-                 m_i, mask=row_valid & flag)
     has_keys = l_i > 0.0                                       # [BLOCK_H]; False: no tokens
     l_safe = tl.where(has_keys, l_i, 1.0)
     o = acc / l_safe[:, None]                                  # [BLOCK_H, HEAD_SIZE_PADDED]
