@@ -15,7 +15,8 @@
 - ``order``: the benchmark's physical blocks in random order against the same pool read in
   order (each sequence's blocks consecutive), with a read-only pass over the pool
   (``pool.sum()``, contiguous) and cuDNN on contiguous K/V for scale.
-- ``splits``: forced split counts against the planned one at batch 4-16.
+- ``splits``: forced split counts against the planned one at batch 4-16 (events) and at
+  batch 1 (graph replay).
 
     PYTHONPATH=. python3 benchmarks/decode_experiments.py \
         --parts tiles,layout,settle,merge,order,splits --out DIR
@@ -228,6 +229,18 @@ def splits(rows: list, copy: float) -> None:
                 rows.append(dict(case=label(case), tiles=str(t), splits=s or "planned", us=us,
                                  pct_copy=case.pct_of_copy(us, copy)))
         del x
+        free()
+    for c in (4096, 16384, 65536):
+        case = DecodeCase(1, c)
+        sets = [make_inputs(case, seed=10 + i)
+                for i in range(max(2, min(32, (256 << 20) // case.kv_bytes + 1)))]
+        cudnn = [sdpa_on_contiguous(x, case, "sdpa_cudnn", "gqa") for x in sets]
+        rows.append(dict(case=label(case), tiles="sdpa_cudnn", graph_us=time_graph_us(cudnn)))
+        for s in (None, 33, 40, 48, 64):
+            g = time_graph_us([ours_launch(x, None, s) for x in sets])
+            rows.append(dict(case=label(case), tiles="planned", splits=s or "planned",
+                             graph_us=g))
+        del sets, cudnn
         free()
 
 
