@@ -65,6 +65,22 @@ def free():
     torch.cuda.empty_cache()
 
 
+def batch1_graph_cases(rows: list, column: str):
+    """Batch 1 at 4k, 16k and 64k: yields ``(case, sets)``, input sets for graph replay
+    (>= 256 MB together, so replays miss L2), after appending cuDNN SDPA's graph time over
+    them (the target's yardstick) as a row with ``column="sdpa_cudnn"``."""
+    for c in (4096, 16384, 65536):
+        case = DecodeCase(1, c)
+        sets = [make_inputs(case, seed=10 + i)
+                for i in range(max(2, min(32, (256 << 20) // case.kv_bytes + 1)))]
+        cudnn = [sdpa_on_contiguous(x, case, "sdpa_cudnn", "gqa") for x in sets]
+        rows.append({"case": label(case), column: "sdpa_cudnn",
+                     "graph_us": time_graph_us(cudnn)})
+        yield case, sets
+        del sets, cudnn
+        free()
+
+
 UNSPLIT = {128: [(64, 4, 3), (128, 4, 3), (128, 4, 2), (128, 8, 3), (256, 4, 2), (256, 4, 3)],
            64: [(128, 4, 3), (256, 4, 3), (256, 4, 2), (256, 8, 2), (64, 4, 3)],
            256: [(32, 4, 3), (64, 4, 3), (64, 4, 2), (128, 4, 2), (128, 8, 2)]}
@@ -98,19 +114,12 @@ def tiles(rows: list, copy: float) -> None:
                              pct_copy=case.pct_of_copy(us, copy), kernel=kernel_stats(seen)))
         del x
         free()
-    for c in (4096, 16384, 65536):
-        case = DecodeCase(1, c)
-        sets = [make_inputs(case, seed=10 + i)
-                for i in range(max(2, min(32, (256 << 20) // case.kv_bytes + 1)))]
-        cudnn = [sdpa_on_contiguous(x, case, "sdpa_cudnn", "gqa") for x in sets]
-        rows.append(dict(case=label(case), tiles="sdpa_cudnn", graph_us=time_graph_us(cudnn)))
+    for case, sets in batch1_graph_cases(rows, "tiles"):
         for t in SPLIT:
             for s in (None, 16, 32):
                 g = time_graph_us([ours_launch(x, DecodeTiles(*t), s) for x in sets])
                 rows.append(dict(case=label(case), tiles=str(t), splits=s or "planned",
                                  graph_us=g, kernel=kernel_stats(seen)))
-        del sets, cudnn
-        free()
 
 
 def head_major(x: DecodeInputs) -> DecodeInputs:
@@ -172,22 +181,14 @@ def merge(rows: list, copy: float) -> None:
     variants = {"1 warp (default)": None, "2 warps": Patched(num_warps=2),
                 "4 warps": Patched(num_warps=4),
                 "no merge (split kernel alone)": Patched(skip=True)}
-    for c in (4096, 16384, 65536):
-        case = DecodeCase(1, c)
-        sets = [make_inputs(case, seed=10 + i)
-                for i in range(max(2, min(32, (256 << 20) // case.kv_bytes + 1)))]
+    for case, sets in batch1_graph_cases(rows, "variant"):
         fns = [ours_launch(x) for x in sets]
-        cudnn = [sdpa_on_contiguous(x, case, "sdpa_cudnn", "gqa") for x in sets]
-        rows.append(dict(case=label(case), variant="sdpa_cudnn",
-                         graph_us=time_graph_us(cudnn)))
         for name, patch in variants.items():
             decode_mod._merge_splits_kernel = patch or real
             try:
                 rows.append(dict(case=label(case), variant=name, graph_us=time_graph_us(fns)))
             finally:
                 decode_mod._merge_splits_kernel = real
-        del sets, fns, cudnn
-        free()
 
 
 def order(rows: list, copy: float) -> None:
@@ -230,18 +231,11 @@ def splits(rows: list, copy: float) -> None:
                                  pct_copy=case.pct_of_copy(us, copy)))
         del x
         free()
-    for c in (4096, 16384, 65536):
-        case = DecodeCase(1, c)
-        sets = [make_inputs(case, seed=10 + i)
-                for i in range(max(2, min(32, (256 << 20) // case.kv_bytes + 1)))]
-        cudnn = [sdpa_on_contiguous(x, case, "sdpa_cudnn", "gqa") for x in sets]
-        rows.append(dict(case=label(case), tiles="sdpa_cudnn", graph_us=time_graph_us(cudnn)))
+    for case, sets in batch1_graph_cases(rows, "tiles"):
         for s in (None, 33, 40, 48, 64):
             g = time_graph_us([ours_launch(x, None, s) for x in sets])
             rows.append(dict(case=label(case), tiles="planned", splits=s or "planned",
                              graph_us=g))
-        del sets, cudnn
-        free()
 
 
 PARTS = {"tiles": tiles, "layout": layout, "settle": settle, "merge": merge, "order": order,
