@@ -82,6 +82,11 @@ class DecodeCase:
         """Bytes of K and V the step must read."""
         return 2 * self.tokens * self.num_kv_heads * self.head_size * self.dtype.itemsize
 
+    @property
+    def label(self) -> str:
+        """``BxC Dd bsN``: the shape's row label in the experiment tables."""
+        return f"{self.batch}x{self.context} D{self.head_size} bs{self.block_size}"
+
     def pct_of_copy(self, us: float, copy_gbps: float) -> float:
         """Reading the K/V in ``us`` microseconds, as a percentage of the copy bandwidth."""
         return 100 * self.kv_bytes / (us * 1e-6) / 1e9 / copy_gbps

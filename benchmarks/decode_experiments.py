@@ -42,11 +42,6 @@ from mini_paged_attn.ops import decode as decode_mod  # noqa: E402
 from mini_paged_attn.ops.explain import DecodeTiles  # noqa: E402
 
 
-def label(case: DecodeCase) -> str:
-    """``BxC Dd bsN``: the shape's row label."""
-    return f"{case.batch}x{case.context} D{case.head_size} bs{case.block_size}"
-
-
 def kernel_stats(seen: set) -> str:
     """Shared memory / registers / spills of the decode kernels compiled since the last call."""
     out = []
@@ -74,7 +69,7 @@ def batch1_graph_cases(rows: list, column: str):
         sets = [make_inputs(case, seed=10 + i)
                 for i in range(max(2, min(32, (256 << 20) // case.kv_bytes + 1)))]
         cudnn = [sdpa_on_contiguous(x, case, "sdpa_cudnn", "gqa") for x in sets]
-        rows.append({"case": label(case), column: "sdpa_cudnn",
+        rows.append({"case": case.label, column: "sdpa_cudnn",
                      "graph_us": time_graph_us(cudnn)})
         yield case, sets
         del sets, cudnn
@@ -101,7 +96,7 @@ def tiles(rows: list, copy: float) -> None:
         x = make_inputs(case, seed=3)
         for t in UNSPLIT[case.head_size] if case.block_size == 16 else UNSPLIT[128][:4]:
             us = time_us(ours_launch(x, DecodeTiles(*t), 1))
-            rows.append(dict(case=label(case), tiles=str(t), splits=1, us=us,
+            rows.append(dict(case=case.label, tiles=str(t), splits=1, us=us,
                              pct_copy=case.pct_of_copy(us, copy), kernel=kernel_stats(seen)))
         del x
         free()
@@ -110,7 +105,7 @@ def tiles(rows: list, copy: float) -> None:
         x = make_inputs(case, seed=3)
         for t in SPLIT:
             us = time_us(ours_launch(x, DecodeTiles(*t)))
-            rows.append(dict(case=label(case), tiles=str(t), splits="planned", us=us,
+            rows.append(dict(case=case.label, tiles=str(t), splits="planned", us=us,
                              pct_copy=case.pct_of_copy(us, copy), kernel=kernel_stats(seen)))
         del x
         free()
@@ -118,7 +113,7 @@ def tiles(rows: list, copy: float) -> None:
         for t in SPLIT:
             for s in (None, 16, 32):
                 g = time_graph_us([ours_launch(x, DecodeTiles(*t), s) for x in sets])
-                rows.append(dict(case=label(case), tiles=str(t), splits=s or "planned",
+                rows.append(dict(case=case.label, tiles=str(t), splits=s or "planned",
                                  graph_us=g, kernel=kernel_stats(seen)))
 
 
@@ -140,7 +135,7 @@ def layout(rows: list, copy: float) -> None:
         for name, inputs in (("seed layout", x), ("head-major", hm)):
             for t in (None, (64, 4, 3)):
                 us = time_us(ours_launch(inputs, DecodeTiles(*t) if t else None))
-                rows.append(dict(case=label(case), layout=name, tiles=str(t or "planned"),
+                rows.append(dict(case=case.label, layout=name, tiles=str(t or "planned"),
                                  us=us, pct_copy=case.pct_of_copy(us, copy)))
         del x, hm
         free()
@@ -153,7 +148,7 @@ def settle(rows: list, copy: float) -> None:
 
     def measure(what):
         us = time_us(ours_launch(x))
-        rows.append(dict(case=label(case), when=what, us=us, pct_copy=case.pct_of_copy(us, copy)))
+        rows.append(dict(case=case.label, when=what, us=us, pct_copy=case.pct_of_copy(us, copy)))
     measure("before")
     check_and_time(DecodeCase(64, 65536), Ceilings(copy, 0.0), False, seed=15)
     time.sleep(1.0)
@@ -186,7 +181,7 @@ def merge(rows: list, copy: float) -> None:
         for name, patch in variants.items():
             decode_mod._merge_splits_kernel = patch or real
             try:
-                rows.append(dict(case=label(case), variant=name, graph_us=time_graph_us(fns)))
+                rows.append(dict(case=case.label, variant=name, graph_us=time_graph_us(fns)))
             finally:
                 decode_mod._merge_splits_kernel = real
 
@@ -200,7 +195,7 @@ def order(rows: list, copy: float) -> None:
         x = make_inputs(case, seed=3)
         pool = x.key_cache.as_strided((x.key_cache.numel() * 2,), (1,))
         us = time_us(lambda p=pool: p.sum(dtype=torch.float32))
-        rows.append(dict(case=label(case), order="-", impl="pool.sum()", us=us,
+        rows.append(dict(case=case.label, order="-", impl="pool.sum()", us=us,
                          pct_copy=case.pct_of_copy(us, copy)))
         inorder = DecodeInputs(x.query, x.key_cache, x.value_cache,
                                torch.arange(x.block_tables.numel(), dtype=torch.int32,
@@ -208,11 +203,11 @@ def order(rows: list, copy: float) -> None:
                                x.context_lens, x.workspace, x.out)
         for name, inputs in (("random", x), ("in order", inorder)):
             us = time_us(ours_launch(inputs))
-            rows.append(dict(case=label(case), order=name, impl="ours", us=us,
+            rows.append(dict(case=case.label, order=name, impl="ours", us=us,
                              pct_copy=case.pct_of_copy(us, copy)))
         us = min(time_us(sdpa_on_contiguous(x, case, "sdpa_cudnn", form))
                  for form in ("rows", "gqa"))
-        rows.append(dict(case=label(case), order="contiguous", impl="sdpa_cudnn", us=us,
+        rows.append(dict(case=case.label, order="contiguous", impl="sdpa_cudnn", us=us,
                          pct_copy=case.pct_of_copy(us, copy)))
         del x, inorder, pool
         free()
@@ -227,14 +222,14 @@ def splits(rows: list, copy: float) -> None:
         for t in ((32, 4, 5), (128, 4, 3)):
             for s in (None, 2, 3, 4, 5, 6, 8):
                 us = time_us(ours_launch(x, DecodeTiles(*t), s))
-                rows.append(dict(case=label(case), tiles=str(t), splits=s or "planned", us=us,
+                rows.append(dict(case=case.label, tiles=str(t), splits=s or "planned", us=us,
                                  pct_copy=case.pct_of_copy(us, copy)))
         del x
         free()
     for case, sets in batch1_graph_cases(rows, "tiles"):
         for s in (None, 33, 40, 48, 64):
             g = time_graph_us([ours_launch(x, None, s) for x in sets])
-            rows.append(dict(case=label(case), tiles="planned", splits=s or "planned",
+            rows.append(dict(case=case.label, tiles="planned", splits=s or "planned",
                              graph_us=g))
 
 

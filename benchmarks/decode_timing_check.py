@@ -34,7 +34,8 @@ def flush_check(copy_gbps: float) -> list[dict]:
         case = DecodeCase(batch, ctx)
         sets = [make_inputs(case, seed=s) for s in (1, 2)]
         impls = {"ours": [ours(x) for x in sets],
-                 "sdpa_cudnn": [sdpa_on_contiguous(x, case, "sdpa_cudnn", "rows" if batch > 1 else "gqa")
+                 "sdpa_cudnn": [sdpa_on_contiguous(x, case, "sdpa_cudnn",
+                                                   "rows" if batch > 1 else "gqa")
                                 for x in sets],
                  "sdpa_flash": [sdpa_on_contiguous(x, case, "sdpa_flash", "rows") for x in sets]}
         for name, fns in impls.items():

@@ -60,9 +60,6 @@ def run_tune(args, ceilings: Ceilings) -> None:
     summarised in BENCHMARKS.md."""
     rows = []
 
-    def label(case):
-        return f"{case.batch}x{case.context} D{case.head_size} bs{case.block_size}"
-
     def pct(case, us):
         return case.pct_of_copy(us, ceilings.copy_gbps)
 
@@ -72,11 +69,11 @@ def run_tune(args, ceilings: Ceilings) -> None:
         sets = max(1, min(16, math.ceil(ROTATE_BYTES / case.kv_bytes)))
         xs = [make_inputs(case, seed=100 * i + j) for j in range(sets)]
         us = time_graph_us([sdpa_on_contiguous(x, case, "sdpa_cudnn", "gqa") for x in xs])
-        rows.append(dict(case=label(case), impl="sdpa_cudnn", graph_us=us, pct_copy=pct(case, us)))
+        rows.append(dict(case=case.label, impl="sdpa_cudnn", graph_us=us, pct_copy=pct(case, us)))
         for splits in (None, 16, 32, 33):
             for t in batch1_tiles:
                 us = time_graph_us([ours_launch(x, DecodeTiles(*t), splits) for x in xs])
-                rows.append(dict(case=label(case), impl=f"ours {t}", forced_splits=splits,
+                rows.append(dict(case=case.label, impl=f"ours {t}", forced_splits=splits,
                                  graph_us=us, pct_copy=pct(case, us)))
         print_table(sorted(rows[first:], key=lambda r: r["graph_us"])[:12],
                     ["case", "impl", "forced_splits", "graph_us", "pct_copy"])
@@ -92,7 +89,7 @@ def run_tune(args, ceilings: Ceilings) -> None:
         for t in tiles_list:
             for splits in (None, 1, 2):
                 us = time_us(ours_launch(x, DecodeTiles(*t), splits))
-                rows.append(dict(case=label(case), impl=f"ours {t}", forced_splits=splits,
+                rows.append(dict(case=case.label, impl=f"ours {t}", forced_splits=splits,
                                  us=us, pct_copy=pct(case, us)))
         print_table(sorted(rows[first:], key=lambda r: r["us"])[:10],
                     ["case", "impl", "forced_splits", "us", "pct_copy"])

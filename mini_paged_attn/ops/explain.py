@@ -170,8 +170,8 @@ class DecodePlan:
     num_sms: int
     num_splits: int
     split_reason: str         # "forced", "enough programs", "heuristic"
-    heuristic_splits: int = 0  # FlashAttention's choice, before balance_splits (0: not asked)
-    heuristic_kv_tiles: int = 0  # the num_n_blocks it was given (split tiles; 0: not asked)
+    heuristic_splits: int | None = None    # FlashAttention's choice, before balance_splits
+    heuristic_kv_tiles: int | None = None  # the num_n_blocks it was given (split tiles)
 
     @property
     def group_size(self) -> int:
@@ -232,9 +232,9 @@ class DecodePlan:
             f"  tiles:    {g} q heads padded to {self.block_h} rows x {t.block_n} kv tokens x "
             f"{self.head_size_padded} dims; {t.num_warps} warps, {t.num_stages} stages",
             f"  programs: {self.programs} = {seqs} x {self.num_kv_heads} kv heads"
-            f" x {self.num_splits} split{'s' if self.num_splits != 1 else ''}, on {self.wave_slots} slots ({self.num_sms} SMs x "
-            f"{PROGRAMS_PER_SM})" + (f"; merge: {self.merge_programs}" if self.num_splits > 1
-                                     else ""),
+            f" x {self.num_splits} split{'s' if self.num_splits != 1 else ''}, on "
+            f"{self.wave_slots} slots ({self.num_sms} SMs x {PROGRAMS_PER_SM})"
+            + (f"; merge: {self.merge_programs}" if self.num_splits > 1 else ""),
         ]
         unsplit = (f"{self.units} programs unsplit fill {self.efficiency_unsplit:.0%} "
                    "of their last wave")
@@ -274,7 +274,7 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
                          f"got {num_splits!r}")
     units = num_seqs * num_kv_heads
     slots = num_sms * PROGRAMS_PER_SM
-    chosen = n_tiles = 0
+    chosen = n_tiles = None
     if num_splits is not None:
         splits, reason = num_splits, "forced"
     else:
