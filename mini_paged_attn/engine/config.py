@@ -20,7 +20,7 @@ class EngineConfig:
     """How the engine sizes its KV pool and batches.
 
     Args:
-        block_size: tokens per KV block (a power of two for the Triton kernels).
+        block_size: tokens per KV block (any positive size; powers of two such as 16 are fastest).
         num_kv_blocks: the pool's size in blocks; None sizes it automatically: on CUDA from the
             free GPU memory (``gpu_memory_utilization`` of the total, minus what the weights
             and a profiled step take), on CPU from ``cpu_kv_cache_bytes``.

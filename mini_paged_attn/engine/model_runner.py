@@ -57,9 +57,6 @@ class ModelRunner:
         self.dtype = model.dtype
         self.block_size = bs = config.block_size
         self.backend = resolve_backend(config.backend, device)
-        if self.backend == "triton" and bs & (bs - 1):
-            raise ValueError(f"block_size: expected a power of two for the triton kernels, "
-                             f"got {bs}")
         self.max_blocks_per_seq = -(-max_model_len // bs)
         self.max_num_seqs = config.max_num_seqs
         # A decode graph pads the batch to its bucket: room for max_num_seqs tokens at least.

@@ -93,8 +93,9 @@ def _paged_decode_kernel(
     for tile in range(tile_begin, tile_end):
         tokens = tile * BLOCK_N + tl.arange(0, BLOCK_N)       # [BLOCK_N] positions
         token_valid = tokens < context_len                     # [BLOCK_N]
-        if BLOCK_SIZE >= BLOCK_N:
-            # The tile lies inside one cache block (both powers of two): one table lookup.
+        if BLOCK_SIZE % BLOCK_N == 0:
+            # Tiles start at multiples of BLOCK_N, so when BLOCK_N divides BLOCK_SIZE the tile
+            # lies inside one cache block: one table lookup. Other sizes look up per token.
             block = tl.load(table_row + (tile * BLOCK_N) // BLOCK_SIZE).to(tl.int64)
             k_rows = block * stride_k_block + (tokens % BLOCK_SIZE) * stride_k_token
             v_rows = block * stride_v_block + (tokens % BLOCK_SIZE) * stride_v_token
@@ -209,10 +210,6 @@ def _check_supported(shapes: PagedShapes) -> None:
     if shapes.num_seqs > MAX_GRID_Z:
         raise ValueError(f"query: expected at most {MAX_GRID_Z} sequences per call (the CUDA "
                          f"grid's z limit), got {shapes.num_seqs}")
-    bs = shapes.block_size
-    if bs & (bs - 1):
-        raise ValueError(f"key_cache: expected a power-of-two block_size for the triton "
-                         f"backend, got {bs}")
 
 
 def _workspace_splits(workspace: torch.Tensor, shapes: PagedShapes,

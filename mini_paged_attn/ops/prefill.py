@@ -4,7 +4,7 @@ One launch serves a whole varlen batch: full prompts, a chunk on a long cached p
 prefix-cache hits and decode rows (q_len 1) together. Each program owns one tile of query rows
 (query token x query head of one KV head, see :mod:`.prefill_plan`) and walks that sequence's
 K/V in tiles of ``BLOCK_N`` tokens, looking each token's physical block up in the block table
-(``BLOCK_N`` does not depend on ``block_size``). Scores and P @ V run on tensor cores
+(``BLOCK_N`` does not depend on ``block_size``, which may be any positive size). Scores and P @ V run on tensor cores
 (``tl.dot``); the online softmax runs in float32 with ``exp2`` (log2(e) is folded into the
 scale). Causal masks are aligned bottom-right: query token ``t`` of a sequence with ``q_len``
 queries and ``kv_len`` keys sees keys ``<= kv_len - q_len + t``. K/V tiles entirely above the
@@ -37,8 +37,10 @@ def _attend_kv_tile(acc, l_i, m_i, q, start_n, last_visible, kv_len, qk_scale,
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions in the sequence
     kv_in_range = offs_n < kv_len             # [BLOCK_N]
     if PAGED:
-        if BLOCK_SIZE >= BLOCK_N:
-            # The whole tile lies in one cache block (tiles never straddle: BLOCK_N | BLOCK_SIZE).
+        if BLOCK_SIZE % BLOCK_N == 0:
+            # Tiles start at multiples of BLOCK_N, so when BLOCK_N divides BLOCK_SIZE a tile
+            # never straddles two cache blocks: one table lookup. Any other block_size (24,
+            # 80, 96, ...) takes the per-token lookup below.
             block = tl.load(table_row + start_n // BLOCK_SIZE).to(tl.int64)
             k_rows = block * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt  # [BLOCK_N] int64
             v_rows = block * stride_vb + (offs_n % BLOCK_SIZE) * stride_vt

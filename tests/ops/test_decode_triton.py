@@ -117,13 +117,11 @@ def test_workspace_is_used_and_checked():
     assert not out.any()  # nothing written on error
 
 
-@pytest.mark.parametrize("bad", ["head_size", "block_size", "num_splits"])
+@pytest.mark.parametrize("bad", ["head_size", "num_splits"])
 def test_unsupported_input_raises_before_launch(bad):
     head_size, block_size, num_splits = 64, 16, 2
     if bad == "head_size":
         head_size = 512
-    elif bad == "block_size":
-        block_size = 12
     else:
         num_splits = 0
     batch = make_decode_batch([5], num_q_heads=2, num_kv_heads=1, head_size=head_size,
