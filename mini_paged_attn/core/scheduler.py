@@ -237,6 +237,10 @@ class Scheduler:
         blocks (a prefix hit taken in this step may name blocks this step was to fill), and the
         blocks it registered leave the prefix cache. ``out`` must be the latest schedule."""
         self.kv.forget_step_registrations()
+        # The runner may have failed before releasing the ids this step handed it: hand them
+        # out again (releasing an id twice is harmless; ids are never reused), else their
+        # table rows would leak until no row is left for a new sequence.
+        self._released[:0] = out.released_seq_ids
         for seq in reversed(out.seqs):
             if seq.status is not SequenceStatus.RUNNING:
                 continue

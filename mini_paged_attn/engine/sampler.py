@@ -81,7 +81,7 @@ class Sampler:
         if any(k is not None for k in want_logprobs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
-        greedy = [p.temperature == 0.0 for p in params]
+        greedy = [p.greedy for p in params]
         if all(greedy):
             sampled = logits.argmax(dim=-1)
         else:
@@ -98,7 +98,7 @@ class Sampler:
                 seeds: list[tuple[int, int] | None], greedy: list[bool]) -> torch.Tensor:
         device = logits.device
         greedy_ids = logits.argmax(dim=-1) if any(greedy) else None
-        temps = _upload([p.temperature if p.temperature > 0 else 1.0 for p in params],
+        temps = _upload([1.0 if p.greedy else p.temperature for p in params],
                         torch.float32, device)
         logits.div_(temps[:, None])
 

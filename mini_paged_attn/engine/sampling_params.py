@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 # Top logprobs a request may ask for per token (the sampler gathers them for the whole batch).
 MAX_LOGPROBS = 20
+# Temperatures below this are greedy: float32 logits divided by a tinier one overflow to inf
+# (1e-40 is even a float32 zero), and the softmax of inf is NaN (vLLM uses the same bound).
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _is_int(value: object) -> bool:
@@ -22,7 +25,8 @@ class SamplingParams:
     """Sampling and stopping for one request.
 
     Args:
-        temperature: >= 0; 0 is greedy (argmax). Logits are divided by it before softmax.
+        temperature: >= 0; 0 (and anything below ``GREEDY_TEMPERATURE`` = 1e-5) is greedy
+            (argmax). Logits are divided by it before softmax.
         top_p: in (0, 1]; keep the smallest set of most likely tokens whose probability sum
             reaches top_p.
         top_k: -1 (off) or >= 1; keep the k most likely tokens.
@@ -94,7 +98,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams"]
+__all__ = ["GREEDY_TEMPERATURE", "MAX_LOGPROBS", "SamplingParams"]

@@ -88,6 +88,26 @@ def test_greedy_matches_transformers(arch_case, variant):
     assert_pool_whole(engine)
 
 
+def test_triton_kernels_with_a_block_size_that_is_no_power_of_two(tiny_model_factory):
+    """Block size 24 through the Triton kernels (the interpreter on CPU): prompt tiles straddle
+    cache blocks, and the greedy tokens still equal transformers'."""
+    model_dir = tiny_model_factory("qwen3")
+    hf = hf_reference_model(model_dir)
+    gen = torch.Generator().manual_seed(24)
+    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=gen).tolist()
+               for n in (1, 23, 25, 49)]
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                max_new_tokens=4, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                    for p in prompts]
+    engine = make_engine(model_dir, block_size=24, num_kv_blocks=16, backend="triton")
+    assert engine.runner.backend == "triton"
+    outputs = LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert_pool_whole(engine)
+
+
 def test_a_failed_step_leaves_the_engine_usable_and_the_prefix_cache_clean(arch_case):
     """A forward that raises (an error, Ctrl-C in LLM.generate) must not leave blocks that were
     never written in the prefix cache: the same prompts afterwards still match transformers."""
@@ -124,6 +144,49 @@ def test_a_failed_step_leaves_the_engine_usable_and_the_prefix_cache_clean(arch_
         finished.update((o.request_id, o) for o in engine.step() if o.finished)
     assert [finished[i].outputs[0].token_ids for i in ids] == expected
     assert_pool_whole(engine)
+
+
+def test_steps_failing_before_the_runner_releases_anything_leak_nothing(tiny_model_factory):
+    """Steps that fail at the very start of ``execute`` (before it drops the state of the
+    sequences that finished since the last step), more often than there are batch rows: the
+    engine still serves every request and ends with a whole pool."""
+    engine = make_engine(tiny_model_factory("llama"), max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    execute = engine.runner.execute
+    failures = []
+
+    def fail_when_something_was_released(out, overlap=None):
+        if out.released_seq_ids and len(failures) < 6:
+            failures.append(list(out.released_seq_ids))
+            raise RuntimeError("device lost")
+        return execute(out, overlap)
+
+    engine.runner.execute = fail_when_something_was_released
+    ids = [engine.add_request([5 + i, 6, 7], params) for i in range(8)]
+    finished = {}
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        except RuntimeError:
+            pass
+    assert len(failures) == 6
+    assert set(finished) == set(ids)
+    assert all(len(finished[i].outputs[0].token_ids) == 3 for i in ids)
+    assert_pool_whole(engine)
+    engine.step()   # an idle step hands the runner the last finished ids
+    assert not engine.runner.inputs._rows     # every batch row is free again
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1e-6])
+def test_a_temperature_too_small_for_float32_is_greedy(tiny_llm, temperature):
+    greedy = tiny_llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=6,
+                                                         ignore_eos=True), use_tqdm=False)
+    tiny = tiny_llm.generate(["hello"], SamplingParams(temperature=temperature, max_tokens=6,
+                                                       ignore_eos=True), use_tqdm=False)
+    assert SamplingParams(temperature=temperature).greedy
+    assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
 
 
 def test_a_request_aborted_in_a_failed_step_is_retired(tiny_llm):
@@ -368,7 +431,7 @@ def test_stats_report_the_pool_and_throughput(tiny_llm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["graphs", "eager", "preemption"])
+@pytest.mark.parametrize("variant", ["graphs", "eager", "preemption", "block-size-80"])
 def test_greedy_matches_transformers_on_gpu(arch_case, variant):
     """Triton kernels, CUDA-graph decode (unless eager), fp32 so parity is exact."""
     model_dir, prompts, expected = arch_case
@@ -376,6 +439,8 @@ def test_greedy_matches_transformers_on_gpu(arch_case, variant):
                    enforce_eager=variant == "eager")
     if variant == "preemption":
         options.update(block_size=4, num_kv_blocks=12)
+    if variant == "block-size-80":
+        options.update(block_size=80, num_kv_blocks=16)
     engine = engines.make_engine(model_dir, device="cuda", **options)
     assert engine.runner.backend == "triton"
     assert (engine.runner.graphs is None) == (variant == "eager")
