@@ -1,22 +1,31 @@
-"""PagedAttentionManager: the physical KV pool, per-sequence block tables, fork and copy-on-write.
+"""PagedAttentionManager: the paged KV cache: the device pool, the block tables, copy-on-write.
 
-Seed 001's manager with its gaps closed. It owns
+Seed 001's manager with its gaps closed, and the one KV cache of the engine too. It owns
 
-- ``kv_cache``: the pool, ``(num_blocks, block_size, 2, num_kv_heads, head_size)``, with
-  ``key_cache`` / ``value_cache`` as strided views ``[num_blocks, block_size, num_kv_heads,
-  head_size]`` (no copy) that every op accepts;
-- ``block_table``: int32 ``[num_sequences, max_blocks_per_seq]`` on the device, row ``seq_id``
-  listing that sequence's physical blocks in logical order (entries past its last block are 0
-  padding and never read); ``context_lens``: int32 ``[num_sequences]``, tokens per sequence;
-- ``seq_block_mapping``: the host mirror, seq_id -> list of physical blocks;
-- ``block_manager``: the reference-counted :class:`~mini_paged_attn.core.BlockManager`.
+- ``pool``: every layer's K/V, ``(num_layers, num_blocks, block_size, 2, num_kv_heads,
+  head_size)``; layer ``i``'s ``(num_blocks, block_size, 2, num_kv_heads, head_size)`` pool is
+  ``kv_caches[i]`` and its strided ``[num_blocks, block_size, num_kv_heads, head_size]`` views
+  ``layer_caches[i] = (key_cache, value_cache)`` (no copy) are what every op accepts. The seed's
+  one-layer names ``kv_cache`` / ``key_cache`` / ``value_cache`` are layer 0's. This class is
+  the one place that knows the layout;
+- ``tables``: the :class:`~.block_table.BlockTable` rows of the sequences, mirrored in
+  ``block_table`` (int32 ``[num_sequences, max_blocks_per_seq]`` on the device; under the seed
+  API row ``seq_id`` is that sequence's); ``context_lens``: int32 ``[num_sequences]``;
+- ``kv_manager``: the block-level logic (:class:`~mini_paged_attn.core.KVCacheManager`: the
+  reference-counted ``block_manager``, the prefix cache, copy-on-write decisions), which hands
+  this class ``(src, dst)`` block pairs to copy (:meth:`copy_blocks`).
 
-Copy-on-write rule: a sequence never writes into a block it shares. ``fork_sequence`` shares every
-block of the parent (reference counts go up, nothing is copied). A later ``append_token`` whose
-new token lands in a shared, partly filled last block first copies that block (K and V) into a
+Seed API (``add_sequence`` / ``append_token`` / ``fork_sequence`` / ``write_kv`` /
+``free_sequence``): ``seq_block_mapping`` mirrors seq_id -> blocks on the host. Copy-on-write
+rule: a sequence never writes into a block it shares. ``fork_sequence`` shares every block of
+the parent (reference counts go up, nothing is copied). A later ``append_token`` whose new token
+lands in a shared, partly filled last block first copies that block (K and V, all layers) into a
 fresh one for the appending sequence, so the slot it reserves is private; ``write_kv`` does the
-same for every shared block it writes into. So neither sequence ever sees the other's later
-tokens, and slots taken from the table after ``append_token`` are safe for ``ops.store_kv``.
+same for every shared block it writes into.
+
+The engine drives the same object through ``kv_manager`` (its scheduler allocates per
+:class:`~mini_paged_attn.core.request.Sequence`), ``tables.rows_for`` and :meth:`copy_blocks`;
+:meth:`memory_map` reads either kind of sequence.
 
 Every failing call raises before changing anything. Not thread-safe: one owner (the engine loop)
 drives it; the block manager underneath is.
@@ -25,13 +34,15 @@ drives it; the block manager underneath is.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..core.args import as_int
 from ..core.block_manager import BlockManager
+from ..core.kv_cache_manager import KVCacheManager
+from .block_table import BlockTable
 from .memory_map import MemoryMap, build_memory_map
 from .slots import slot_mapping, write_slots
 
@@ -51,10 +62,11 @@ class CacheConfig:
     max_blocks_per_seq: int
     dtype: torch.dtype
     device: torch.device
+    num_layers: int = 1
 
     def __post_init__(self) -> None:
         for name in ("num_sequences", "num_heads", "head_size", "block_size", "num_blocks",
-                     "num_kv_heads", "max_blocks_per_seq"):
+                     "num_kv_heads", "max_blocks_per_seq", "num_layers"):
             value = as_int(name, getattr(self, name))
             if value <= 0:
                 raise ValueError(f"{name}: expected a positive int, got {value}")
@@ -78,37 +90,64 @@ class PagedAttentionManager:
         device, dtype: of the pool and the tables (tables are int32).
         num_kv_heads: K/V heads stored (default ``num_heads``; fewer for GQA / MQA).
         max_blocks_per_seq: columns of the block table (default ``num_blocks``).
+        num_layers: layers whose K/V the pool holds (a block id names the same block in each).
+        enable_prefix_caching: let ``kv_manager`` look up and register full blocks by content
+            (the engine's scheduler uses it; the seed API never does).
     """
 
     def __init__(self, num_sequences: int, num_heads: int, head_size: int, block_size: int,
                  num_blocks: int, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float16, num_kv_heads: int | None = None,
-                 max_blocks_per_seq: int | None = None) -> None:
+                 max_blocks_per_seq: int | None = None, *, num_layers: int = 1,
+                 enable_prefix_caching: bool = False) -> None:
         cfg = CacheConfig(num_sequences, num_heads, head_size, block_size, num_blocks,
                           num_heads if num_kv_heads is None else num_kv_heads,
                           num_blocks if max_blocks_per_seq is None else max_blocks_per_seq,
-                          dtype, torch.device(device))
+                          dtype, torch.device(device), num_layers)
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching: expected a bool, got "
+                             f"{enable_prefix_caching!r}")
         self.config = cfg
         self.num_sequences, self.num_heads, self.head_size = (cfg.num_sequences, cfg.num_heads,
                                                                cfg.head_size)
         self.block_size, self.num_blocks, self.dtype = cfg.block_size, cfg.num_blocks, dtype
         self.num_kv_heads, self.max_blocks_per_seq = cfg.num_kv_heads, cfg.max_blocks_per_seq
+        self.num_layers = cfg.num_layers
 
-        self.block_manager = BlockManager(cfg.num_blocks)
+        self.kv_manager = KVCacheManager(BlockManager(cfg.num_blocks), cfg.block_size,
+                                         enable_prefix_caching)
+        self.block_manager = self.kv_manager.block_manager
         # Zeroed rather than empty: unwritten slots then hold no garbage (cheap, done once).
-        self.kv_cache = torch.zeros((cfg.num_blocks, cfg.block_size, 2, cfg.num_kv_heads,
-                                     cfg.head_size), dtype=dtype, device=cfg.device)
-        self.device = self.kv_cache.device  # resolved ("cuda" -> "cuda:0")
-        self.key_cache = self.kv_cache[:, :, 0]
-        self.value_cache = self.kv_cache[:, :, 1]
-        self.block_table = torch.zeros((cfg.num_sequences, cfg.max_blocks_per_seq),
-                                       dtype=torch.int32, device=self.device)
+        self.pool = torch.zeros((cfg.num_layers, cfg.num_blocks, cfg.block_size, 2,
+                                 cfg.num_kv_heads, cfg.head_size), dtype=dtype, device=cfg.device)
+        self.device = self.pool.device  # resolved ("cuda" -> "cuda:0")
+        self.kv_caches = list(self.pool.unbind(0))
+        self.layer_caches = [(kv[:, :, 0], kv[:, :, 1]) for kv in self.kv_caches]
+        self.kv_cache = self.kv_caches[0]
+        self.key_cache, self.value_cache = self.layer_caches[0]
+        self.tables = BlockTable(cfg.num_sequences, cfg.max_blocks_per_seq, self.device)
         self.context_lens = torch.zeros(cfg.num_sequences, dtype=torch.int32, device=self.device)
         self.seq_block_mapping: dict[int, list[int]] = {}
         self._seq_lens: dict[int, int] = {}
-        logger.info("KV pool: %d blocks x %d tokens x %d kv heads x %d, %s on %s: %.1f MiB",
-                    cfg.num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_size, dtype,
-                    self.device, self.kv_cache.nbytes / 2**20)
+        logger.info("KV pool: %d layers x %d blocks x %d tokens x %d kv heads x %d, %s on %s: "
+                    "%.1f MiB", cfg.num_layers, cfg.num_blocks, cfg.block_size, cfg.num_kv_heads,
+                    cfg.head_size, dtype, self.device, self.pool.nbytes / 2**20)
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """int32 ``[num_sequences, max_blocks_per_seq]`` on the device (entries past a
+        sequence's last block are never read)."""
+        return self.tables.sync()
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write on the device: block ``dst`` := block ``src`` (K and V, every layer)
+        for each ``(src, dst)`` pair, in one indexed copy. Unwritten slots are copied too
+        (they are never read)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64).to(self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64).to(self.device)
+        self.pool[:, dst] = self.pool[:, src]
 
     # -- argument checks (raise before any change) -------------------------------------------
 
@@ -130,6 +169,9 @@ class PagedAttentionManager:
         if seq_id in self.seq_block_mapping:
             raise ValueError(f"{name}: expected an unused seq id, got {seq_id}, which exists "
                              "(free_sequence it first)")
+        if not self.tables.is_free(seq_id):
+            raise ValueError(f"{name}: expected a free block-table row, but row {seq_id} is "
+                             "held by the engine driving this cache")
         return seq_id
 
     def _check_row_fits(self, seq_id: int, num_blocks: int) -> None:
@@ -170,8 +212,9 @@ class PagedAttentionManager:
         blocks = self.block_manager.allocate_blocks(needed)
         self.seq_block_mapping[seq_id] = blocks
         self._seq_lens[seq_id] = n
-        if blocks:
-            self.block_table[seq_id, :needed] = torch.tensor(blocks, dtype=torch.int32)
+        self.tables.bind(seq_id, row=seq_id)
+        self.tables.set_blocks(seq_id, 0, blocks)
+        self.tables.sync()
         self.context_lens[seq_id] = n
         logger.debug("add seq %d: %d tokens in blocks %s", seq_id, n, blocks)
 
@@ -197,7 +240,8 @@ class PagedAttentionManager:
             self._check_row_fits(seq_id, len(blocks) + 1)
             block = self.block_manager.allocate()
             blocks.append(block)
-            self.block_table[seq_id, len(blocks) - 1] = block
+            self.tables.set_blocks(seq_id, len(blocks) - 1, blocks)
+            self.tables.sync()
         else:
             self._make_private(seq_id, [len(blocks) - 1])
         self._seq_lens[seq_id] = pos + 1
@@ -216,7 +260,9 @@ class PagedAttentionManager:
             self.block_manager.increase_ref_count(b)
         self.seq_block_mapping[child] = blocks
         self._seq_lens[child] = self._seq_lens[parent]
-        self.block_table[child] = self.block_table[parent]
+        self.tables.bind(child, row=child)
+        self.tables.set_blocks(child, 0, blocks)
+        self.tables.sync()
         self.context_lens[child] = self._seq_lens[parent]
         logger.debug("fork seq %d -> %d sharing blocks %s", parent, child, blocks)
 
@@ -229,7 +275,9 @@ class PagedAttentionManager:
         # Reversed, so the pool hands these blocks out again in their logical order.
         self.block_manager.free_many(reversed(blocks))
         del self.seq_block_mapping[seq_id], self._seq_lens[seq_id]
-        self.block_table[seq_id] = 0
+        self.tables.clear(seq_id)
+        self.tables.release(seq_id)
+        self.tables.sync()
         self.context_lens[seq_id] = 0
         logger.debug("free seq %d: blocks %s", seq_id, blocks)
 
@@ -287,29 +335,36 @@ class PagedAttentionManager:
         """Copy-on-write: give ``seq_id`` its own copy of each shared block among
         ``logical_blocks``. All or nothing (OutOfBlocksError before any change)."""
         blocks = self.seq_block_mapping[seq_id]
-        shared = [j for j in logical_blocks if self.block_manager.get_ref_count(blocks[j]) > 1]
-        if not shared:
+        old = list(blocks)
+        pairs = self.kv_manager.make_private(blocks, logical_blocks)
+        if not pairs:
             return
-        fresh = self.block_manager.allocate_blocks(len(shared))
-        old = [blocks[j] for j in shared]
-        # K and V of the whole block, unwritten slots included (they are never read).
-        self.kv_cache[fresh] = self.kv_cache[old]
-        for j, new_block in zip(shared, fresh):
-            self.block_manager.free(blocks[j])  # count stays >= 1: the other owner keeps it
-            blocks[j] = new_block
-        self.block_table[seq_id, shared] = torch.tensor(fresh, dtype=torch.int32,
-                                                        device=self.device)
-        logger.debug("copy-on-write seq %d: blocks %s -> %s", seq_id, old, fresh)
+        self.copy_blocks(pairs)
+        self.tables.set_blocks(seq_id, 0, blocks)
+        self.tables.sync()
+        logger.debug("copy-on-write seq %d: blocks %s -> %s", seq_id, old, blocks)
 
     # -- inspection ---------------------------------------------------------------------------
 
-    def memory_map(self) -> MemoryMap:
-        """A snapshot of the pool: each block's owners, sharing and fill; ``str()`` it to read."""
+    def memory_map(self, sequences: Mapping[int, tuple[Sequence[int], int]] | None = None
+                   ) -> MemoryMap:
+        """A snapshot of the pool: each block's owners, sharing and fill; ``str()`` it to read.
+
+        Args:
+            sequences: seq_id -> (physical blocks in logical order, tokens), e.g. an engine's
+                running sequences (see ``LLMEngine.memory_map``); None: the seed API's.
+        """
+        if sequences is None:
+            blocks, lens = self.seq_block_mapping, self._seq_lens
+        else:
+            blocks = {i: list(b) for i, (b, _) in sequences.items()}
+            lens = {i: n for i, (_, n) in sequences.items()}
         refs = [self.block_manager.get_ref_count(i) for i in range(self.num_blocks)]
-        return build_memory_map(self.block_size, self.seq_block_mapping, self._seq_lens, refs)
+        return build_memory_map(self.block_size, blocks, lens, refs)
 
     def __repr__(self) -> str:
         return (f"PagedAttentionManager(sequences={len(self.seq_block_mapping)}/"
                 f"{self.num_sequences}, free_blocks={self.block_manager.get_num_free_blocks()}/"
-                f"{self.num_blocks}, block_size={self.block_size}, dtype={self.dtype}, "
+                f"{self.num_blocks}, block_size={self.block_size}, layers={self.num_layers}, "
+                f"dtype={self.dtype}, "
                 f"device={self.device})")

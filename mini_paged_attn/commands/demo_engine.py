@@ -14,8 +14,7 @@ QUESTIONS = ("What is paged attention?", "Why split the KV cache into blocks?",
 
 
 def _shared_blocks(engine) -> int:
-    bm = engine.kv_manager.block_manager
-    return sum(1 for b in range(bm.num_blocks) if bm.get_ref_count(b) > 1)
+    return sum(1 for b in engine.memory_map().blocks if b.is_shared)
 
 
 def run_engine_demo(seed: int) -> None:
@@ -42,6 +41,7 @@ def run_engine_demo(seed: int) -> None:
           f"{'shared':>6}  {'prefix hits':>11}")
     final = {}
     step = 0
+    live_map = None
     while engine.has_unfinished_requests():
         outputs = engine.step()
         step += 1
@@ -52,9 +52,15 @@ def run_engine_demo(seed: int) -> None:
             print(f"{step:>4}  {sched.num_prefill_seqs:>9}/{sched.num_prefill_tokens:<9}  "
                   f"{decodes:>7}  {stats.kv_blocks_used:>5}/{stats.kv_blocks_total:<5}  "
                   f"{_shared_blocks(engine):>6}  {100 * stats.prefix_cache_hit_rate:>10.0f}%")
+        if live_map is None and engine.scheduler.num_running == len(QUESTIONS) + 2:
+            live_map = (step, engine.memory_map())   # every request decoding, n=2 forked
         for out in outputs:
             if out.finished:
                 final[out.request_id] = out
+    if live_map is not None:
+        print(f"\nthe engine's live pool after step {live_map[0]} (engine.memory_map(); "
+              f"seq ids are the scheduler's, one per sample):")
+        print(live_map[1])
     print()
     for request_id, question in requests.items():
         for completion in final[request_id].outputs:

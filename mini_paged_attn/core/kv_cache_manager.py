@@ -12,8 +12,10 @@ runner must copy on the device before the step writes any K/V.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..errors import OutOfBlocksError
 from .block_manager import BlockManager
 from .prefix_cache import ROOT_HASH, PrefixCache, hash_block
 from .request import Sequence
@@ -144,17 +146,39 @@ class KVCacheManager:
         copies: list[tuple[int, int]] = []
         if cow:
             index = num_computed // bs
-            src = seq.block_ids[index]
-            (dst,) = self._take_free(1)
-            self.block_manager.free(src)   # drops this sequence's share; others keep it
-            seq.block_ids[index] = dst
+            copies = self.make_private(seq.block_ids, (index,))
             seq.blocks_changed_from = min(seq.blocks_changed_from, index)
-            copies.append((src, dst))
         if num_new_blocks:
             seq.block_ids.extend(self._take_free(num_new_blocks))
         if self.enable_prefix_caching:
             self._register_full_blocks(seq, num_computed // bs, (num_computed + num_new_tokens) // bs)
         return copies
+
+    def make_private(self, block_ids: list[int], indices: Iterable[int]) -> list[tuple[int, int]]:
+        """Copy-on-write, the one rule: each block among ``block_ids[j]`` (``j`` in ``indices``)
+        that is shared (reference count > 1) is replaced, in ``block_ids``, by a fresh block,
+        and this owner's share of the old one is dropped (the others keep it).
+
+        Returns:
+            The ``(src, dst)`` pairs whose K/V the caller copies on the device before anything
+            writes into ``dst`` (``PagedAttentionManager.copy_blocks``).
+
+        Raises:
+            OutOfBlocksError: fewer free (or evictable) blocks than shared ones; nothing changed.
+        """
+        shared = [j for j in indices if self.block_manager.get_ref_count(block_ids[j]) > 1]
+        if not shared:
+            return []
+        if len(shared) > self.num_free_blocks():
+            raise OutOfBlocksError(f"copy-on-write needs {len(shared)} fresh block(s), but only "
+                                   f"{self.num_free_blocks()} of {self.num_blocks} are free")
+        pairs = []
+        for j, dst in zip(shared, self._take_free(len(shared))):
+            src = block_ids[j]
+            self.block_manager.free(src)
+            block_ids[j] = dst
+            pairs.append((src, dst))
+        return pairs
 
     def _take_hit(self, seq: Sequence, hit: CacheHit) -> None:
         assert not seq.block_ids, seq

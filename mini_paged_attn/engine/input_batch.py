@@ -1,8 +1,9 @@
 """Per-step model inputs, built once per step with numpy from preallocated (pinned) buffers.
 
-The runner keeps one host block-table row per running sequence and copies only the entries that
-changed (new blocks, a copy-on-write, a fresh admission), so a decode step costs a few attribute
-reads per sequence plus a handful of vectorised numpy operations and one copy per array.
+The KV cache keeps one host block-table row per running sequence and copies only the entries
+that changed (new blocks, a copy-on-write, a fresh admission), so a decode step costs a few
+attribute reads per sequence plus a handful of vectorised numpy operations and one copy per
+array.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..cache.block_table import BlockTable
 from ..core.scheduler import SchedulerOutput
 
 
@@ -60,10 +62,23 @@ class StepInputs:
     sample_rows: torch.Tensor | None
 
 
-class InputBuilder:
-    """Owns the persistent host block table and the staging buffers of the step inputs."""
+def table_width(max_blocks_per_seq: int) -> int:
+    """Block-table width for the engine: rounded up to a multiple of 16 (see InputBuilder)."""
+    return _round_up(max_blocks_per_seq, TABLE_WIDTH_MULTIPLE)
 
-    def __init__(self, *, max_num_seqs: int, max_num_tokens: int, max_blocks_per_seq: int,
+
+class InputBuilder:
+    """Owns the staging buffers of the step inputs; reads the block-table rows of the KV cache.
+
+    Args:
+        tables: the KV cache's :class:`~mini_paged_attn.cache.block_table.BlockTable` (one row
+            per running sequence, ``table_width(...)`` wide).
+        max_num_seqs, max_num_tokens: the most sequences and tokens a step holds.
+        block_size: tokens per block.
+        device: where the inputs go.
+    """
+
+    def __init__(self, tables: BlockTable, *, max_num_seqs: int, max_num_tokens: int,
                  block_size: int, device: torch.device) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max_num_tokens
@@ -71,7 +86,9 @@ class InputBuilder:
         # Block-table widths are multiples of 16 and every region starts 256-byte aligned:
         # Triton specialises kernels on integer arguments divisible by 16 and on pointer
         # alignment, so steps of any shape reuse the kernels compiled at warm-up.
-        self.max_blocks_per_seq = w = _round_up(max_blocks_per_seq, TABLE_WIDTH_MULTIPLE)
+        self.tables = tables
+        self.max_blocks_per_seq = w = tables.width
+        assert w % TABLE_WIDTH_MULTIPLE == 0 and tables.num_rows >= max_num_seqs, tables
         s, t = max_num_seqs, max_num_tokens
         self._i64_regions = _layout({"input_ids": t, "positions": t, "slot_mapping": t,
                                      "sample_rows": s})
@@ -79,9 +96,6 @@ class InputBuilder:
                                      "block_tables": s * w})
         self.i64 = StagingBuffer(self._i64_regions["end"], torch.int64, device)
         self.i32 = StagingBuffer(self._i32_regions["end"], torch.int32, device)
-        self.table = np.zeros((s, w), dtype=np.int32)      # one row per running sequence
-        self._rows: dict[int, int] = {}
-        self._free_rows = list(range(s - 1, -1, -1))
         # Recorded after each step's uploads. The copies read the pinned host buffers when the
         # stream reaches them, and a step that samples nothing (a prompt chunk) ends without a
         # host sync, so the next build waits on this before overwriting the host buffers.
@@ -98,29 +112,6 @@ class InputBuilder:
         start = self._i32_regions[name]
         return self.i32.device[start:start + n]
 
-    def release(self, seq_id: int) -> None:
-        row = self._rows.pop(seq_id, None)
-        if row is not None:
-            self._free_rows.append(row)
-
-    def _rows_of(self, seqs) -> np.ndarray:
-        """Table row of each sequence, copying block ids the table does not have yet."""
-        rows = self._rows
-        table = self.table
-        out = []
-        for seq in seqs:
-            row = rows.get(seq.seq_id)
-            start = seq.blocks_changed_from
-            if row is None:
-                row = rows[seq.seq_id] = self._free_rows.pop()
-                start = 0
-            blocks = seq.block_ids
-            if start < len(blocks):
-                table[row, start:len(blocks)] = blocks[start:]
-                seq.blocks_changed_from = len(blocks)
-            out.append(row)
-        return np.asarray(out, dtype=np.int64)
-
     def build(self, out: SchedulerOutput, pad_to: int | None = None) -> StepInputs:
         """Fill and upload the inputs of ``out``. ``pad_to`` (decode-only steps): pad the batch
         to this many sequences (slot -1, context length 0) for a captured CUDA graph."""
@@ -128,7 +119,8 @@ class InputBuilder:
         n = len(seqs)
         num_tokens = out.num_batched_tokens
         bs = self.block_size
-        rows = self._rows_of(seqs)
+        rows = self.tables.rows_for(seqs)
+        table = self.tables.host
         q_lens = np.asarray(out.num_new_tokens, dtype=np.int64)
         computed = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int64, n)
         r64, r32 = self._i64_regions, self._i32_regions
@@ -149,7 +141,7 @@ class InputBuilder:
         np.cumsum(q_lens, out=cu[1:])
         positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(computed - cu[:-1], q_lens)
         context_lens = computed + q_lens
-        slots = (self.table[np.repeat(rows, q_lens), positions // bs].astype(np.int64) * bs
+        slots = (table[np.repeat(rows, q_lens), positions // bs].astype(np.int64) * bs
                  + positions % bs)
         needed = -(-int(context_lens.max()) // bs) if n else 1
         width = min(_round_up(max(needed, 1), TABLE_WIDTH_MULTIPLE), self.max_blocks_per_seq)
@@ -167,7 +159,7 @@ class InputBuilder:
             i32[cu_at + n + 1:cu_at + padded + 1] = num_tokens
             i32[ctx_at + n:ctx_at + padded] = 0            # and reads nothing
         # Entries past a sequence's blocks are stale; the kernels never read them.
-        i32[bt_at:bt_at + n * width].reshape(n, width)[:] = self.table[rows, :width]
+        i32[bt_at:bt_at + n * width].reshape(n, width)[:] = table[rows, :width]
 
         # Rows to sample from: the last token of each sequence that samples, k times for k samples.
         num_samples = out.num_samples
@@ -206,4 +198,4 @@ def _layout(sizes: dict[str, int]) -> dict[str, int]:
     return offsets
 
 
-__all__ = ["InputBuilder", "StagingBuffer", "StepInputs"]
+__all__ = ["InputBuilder", "StagingBuffer", "StepInputs", "table_width"]

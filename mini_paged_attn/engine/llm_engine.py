@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.block_manager import BlockManager
-from ..core.kv_cache_manager import KVCacheManager
+from ..cache.memory_map import MemoryMap
 from ..core.request import FinishReason, Request
 from ..core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ..models.config import ModelConfig
@@ -75,8 +74,9 @@ class LLMEngine:
                              f"({model_config.max_position_embeddings}), got {max_len}")
         self.max_model_len = max_len
         self.runner = ModelRunner(model, model_config, config, max_len)
-        self.kv_manager = KVCacheManager(BlockManager(self.runner.num_blocks), config.block_size,
-                                         config.enable_prefix_caching)
+        # The one KV cache (pool, block tables, copy-on-write) and its block-level logic.
+        self.cache = self.runner.cache
+        self.kv_manager = self.cache.kv_manager
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
             self.kv_manager)
@@ -276,6 +276,13 @@ class LLMEngine:
             del self._states[request_id]
             self.runner.sampler.release(request_id)
         self._finished += len(finished_ids)
+
+    def memory_map(self) -> MemoryMap:
+        """A snapshot of the live pool (``str()`` it to read): the running sequences' blocks,
+        what they share (prefix hits, n > 1 samples) and what the prefix cache keeps. Call it
+        between steps, from the stepping thread."""
+        return self.cache.memory_map({seq.seq_id: (seq.block_ids, seq.num_computed_tokens)
+                                      for seq in self.scheduler.running})
 
     # ---- statistics ---------------------------------------------------------------------------
     def _count(self, out, num_generated: int, start: float) -> None:

@@ -1,4 +1,4 @@
-"""ModelRunner: the KV cache on the device, one forward per step, sampling.
+"""ModelRunner: sizes and owns the KV cache (a PagedAttentionManager), one forward per step.
 
 Per step: copy-on-write block copies (all layers at once), the inputs (built once, vectorised,
 see ``input_batch``), the forward (a captured CUDA graph for decode-only batches on CUDA, else
@@ -14,13 +14,14 @@ from collections.abc import Callable
 
 import torch
 
+from ..cache.manager import PagedAttentionManager
 from ..core.scheduler import SchedulerOutput
 from ..models.attention import AttentionMetadata
 from ..models.config import ModelConfig
 from ..ops.dispatch import resolve_backend
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
-from .input_batch import InputBuilder
+from .input_batch import InputBuilder, table_width
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 
@@ -58,12 +59,8 @@ class ModelRunner:
         self.block_size = bs = config.block_size
         self.backend = resolve_backend(config.backend, device)
         self.max_blocks_per_seq = -(-max_model_len // bs)
+        self.table_width = table_width(self.max_blocks_per_seq)
         self.max_num_seqs = config.max_num_seqs
-        # A decode graph pads the batch to its bucket: room for max_num_seqs tokens at least.
-        max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-        self.inputs = InputBuilder(max_num_seqs=config.max_num_seqs, max_num_tokens=max_num_tokens,
-                                   max_blocks_per_seq=self.max_blocks_per_seq, block_size=bs,
-                                   device=device)
         self.sampler = Sampler(device, config.seed)
         self.workspace = None
         if self.backend == "triton":
@@ -73,13 +70,19 @@ class ModelRunner:
             self.workspace = torch.empty(size, dtype=torch.float32, device=device)
 
         self.num_blocks = config.num_kv_blocks or self._auto_num_blocks(max_model_len)
-        shape = (model_config.num_layers, 2, self.num_blocks, bs, model_config.num_kv_heads,
-                 model_config.head_size)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1])
-                          for i in range(model_config.num_layers)]
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", self.num_blocks, bs,
-                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, device)
+        # The one KV cache: pool, block tables, copy-on-write (the scheduler allocates through
+        # its kv_manager).
+        self.cache = PagedAttentionManager(
+            config.max_num_seqs, model_config.num_q_heads, model_config.head_size, bs,
+            self.num_blocks, device=device, dtype=self.dtype,
+            num_kv_heads=model_config.num_kv_heads, max_blocks_per_seq=self.table_width,
+            num_layers=model_config.num_layers,
+            enable_prefix_caching=config.enable_prefix_caching)
+        self.kv_caches = self.cache.layer_caches
+        # A decode graph pads the batch to its bucket: room for max_num_seqs tokens at least.
+        max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.inputs = InputBuilder(self.cache.tables, max_num_seqs=config.max_num_seqs,
+                                   max_num_tokens=max_num_tokens, block_size=bs, device=device)
 
         if device.type == "cuda":
             self._warm_up(max_model_len)
@@ -134,7 +137,7 @@ class ModelRunner:
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, **dev),
             cu_seqlens_q=cu.to(self.device),
             context_lens=torch.tensor(lens, dtype=torch.int32, **dev),
-            block_tables=torch.zeros(len(lens), self.inputs.max_blocks_per_seq, dtype=torch.int32,
+            block_tables=torch.zeros(len(lens), self.table_width, dtype=torch.int32,
                                      **dev),
             max_seqlen_q=max(lens), decode_only=False, backend=self.backend)
         ids = torch.zeros(num_tokens, dtype=torch.int64, **dev)
@@ -156,7 +159,7 @@ class ModelRunner:
         start = time.perf_counter()
         dev = dict(device=self.device)
         # Table width and pointer alignment as the steps' inputs have them (see input_batch).
-        table = torch.zeros(16, self.inputs.max_blocks_per_seq, dtype=torch.int32, **dev)
+        table = torch.zeros(16, self.table_width, dtype=torch.int32, **dev)
         for num_seqs in (1, 2, 16):
             for q_len in (1, 4, 200):
                 num_tokens = num_seqs * q_len
@@ -177,14 +180,8 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
     def release(self, seq_id: int) -> None:
-        self.inputs.release(seq_id)
-
-    @torch.inference_mode()
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: block ``dst`` := block ``src`` in every layer's K and V."""
-        src = torch.tensor([c[0] for c in copies], dtype=torch.int64).to(self.device)
-        dst = torch.tensor([c[1] for c in copies], dtype=torch.int64).to(self.device)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        """The sequence left the running set: its block-table row is free again."""
+        self.cache.tables.release(seq_id)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, overlap: Callable[[], None] | None = None):
@@ -197,7 +194,7 @@ class ModelRunner:
         for seq_id in out.released_seq_ids:
             self.release(seq_id)
         if out.block_copies:
-            self.copy_blocks(out.block_copies)
+            self.cache.copy_blocks(out.block_copies)
         n = out.num_seqs
         bucket = None
         if self.graphs is not None and out.decode_only:

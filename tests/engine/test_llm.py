@@ -176,7 +176,7 @@ def test_steps_failing_before_the_runner_releases_anything_leak_nothing(tiny_mod
     assert all(len(finished[i].outputs[0].token_ids) == 3 for i in ids)
     assert_pool_whole(engine)
     engine.step()   # an idle step hands the runner the last finished ids
-    assert not engine.runner.inputs._rows     # every batch row is free again
+    assert engine.cache.tables.num_bound == 0     # every block-table row is free again
 
 
 @pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1e-6])

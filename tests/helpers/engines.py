@@ -15,7 +15,7 @@ def make_engine(model_dir, *, device: str = "cpu", **config) -> LLMEngine:
     slot nothing wrote shows in the output."""
     engine = LLMEngine.from_model(model_dir, dtype="float32", device=device,
                                   config=EngineConfig(**config))
-    engine.runner.kv_cache.fill_(float("nan"))
+    engine.cache.pool.fill_(float("nan"))
     return engine
 
 
