@@ -1,6 +1,6 @@
 """Paged attention benchmark (GPU): our Triton kernels against torch's attention, one process.
 
-Decode part (issue 3): bf16, 32 query heads / 8 KV heads, head_size 128, block_size 16,
+Decode part: bf16, 32 query heads / 8 KV heads, head_size 128, block_size 16,
 physical blocks in random order, the manager's seed-layout pool ``(num_blocks, block_size, 2,
 H_kv, D)``; batch {1, 8, 32, 64, 128, 256} x context {1k, 4k, 16k, 64k} (skipping more than
 ``--max-tokens`` tokens), plus head_size 64 and block_size 1 and 128 at batch 64 x 4k.
@@ -23,18 +23,19 @@ read + written) measured at the start of the run. Small shapes are also timed un
 replay (``do_bench_cudagraph``, rotating over input sets larger than L2), as the engine runs them.
 Writes ``decode.csv``, ``decode.png`` and ``decode.md`` (the table for BENCHMARKS.md) to --out.
 
-The prefill part lives in ``bench_prefill_cases.py`` (``run_prefill(args, ceilings, env,
-out_dir)``), imported when present.
+The prefill part lives in ``bench_prefill.py`` (``run_prefill(args, ceilings, env, out_dir)``).
+``--launch-overhead`` measures the host time per decode call instead (no sync; the GPU work is
+tiny, so the host is the limit). From the repository root:
 
-    PYTHONPATH=. python3 benchmarks/bench_attention.py --part decode --out /tmp/bench
-    PYTHONPATH=. python3 benchmarks/bench_attention.py --tune     # tile sweep, then exit
+    python -m benchmarks.bench_attention --part decode --out /tmp/bench
+    python -m benchmarks.bench_attention --launch-overhead
+    python -m benchmarks.bench_attention --replot benchmarks/results/decode_h100.csv --out DIR
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import math
 import sys
 import time
@@ -46,14 +47,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (Ceilings, environment, markdown_table, measure_ceilings,  # noqa: E402
-                    plot_lines, print_table, read_csv, time_graph_us, time_us, write_csv)
-
-from mini_paged_attn.ops import paged_decode  # noqa: E402
-from mini_paged_attn.ops.checks import check_paged_decode_args  # noqa: E402
-from mini_paged_attn.ops.decode import triton_paged_decode, workspace_size  # noqa: E402
-from mini_paged_attn.ops.explain import MAX_SPLITS, DecodeTiles, explain_decode  # noqa: E402
+from benchmarks.common import (Ceilings, environment, markdown_table, measure_ceilings,
+                               plot_lines, print_table, read_csv, time_graph_us, time_us,
+                               write_csv)
+from mini_paged_attn.ops import paged_decode
+from mini_paged_attn.ops.checks import check_paged_decode_args
+from mini_paged_attn.ops.decode import triton_paged_decode, workspace_size
+from mini_paged_attn.ops.explain import MAX_SPLITS, DecodeTiles, explain_decode
 
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION,
                  "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -166,6 +166,39 @@ def ours_launch(x: DecodeInputs, tiles: DecodeTiles | None = None, splits: int |
     shapes = check_paged_decode_args(*x.args, None, x.out)
     return lambda: triton_paged_decode(*x.args, shapes, out=x.out, lse=None,
                                        workspace=x.workspace, tiles=tiles, num_splits=splits)
+
+
+def launch_overhead() -> list[dict]:
+    """Host microseconds per call (no sync; the GPU work is tiny, so the host is the limit),
+    then a cProfile of the split-KV path (printed)."""
+    case = DecodeCase(1, 1024)
+    x = make_inputs(case, seed=99)
+    shapes = check_paged_decode_args(*x.args, None, x.out)
+    k = gather_contiguous(x, x.key_cache, case).contiguous()
+    v = gather_contiguous(x, x.value_cache, case).contiguous()
+    fns = {"paged_decode split": ours(x, num_splits=4),
+           "paged_decode 1 split": ours(x, num_splits=1),
+           "triton_paged_decode 1 split": lambda: triton_paged_decode(
+               *x.args, shapes, out=x.out, lse=None, num_splits=1),
+           "sdpa (default backend)": lambda: sdpa_decode(x.query, k, v)}
+    rows = []
+    for repeat in range(2):
+        for name, fn in fns.items():
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(300):
+                fn()
+            host = (time.perf_counter() - t) / 300 * 1e6
+            torch.cuda.synchronize()
+            rows.append(dict(case=f"launch overhead #{repeat}", experiment=name, us=host))
+    import cProfile
+    import pstats
+    profile = cProfile.Profile()
+    profile.runcall(lambda: [fns["paged_decode split"]() for _ in range(300)])
+    pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+    return rows
 
 
 def implementations(case: DecodeCase, x: DecodeInputs, k: torch.Tensor, v: torch.Tensor,
@@ -284,7 +317,7 @@ def decode_cases(max_tokens: int, quick: bool) -> list[DecodeCase]:
 
 
 def evaluate_targets(rows: list[dict]) -> list[str]:
-    """The issue-3 targets, each with PASS/FAIL and the numbers behind it."""
+    """The decode targets, each with PASS/FAIL and the numbers behind it."""
     def get(impl, **key):
         for r in rows:
             if r["impl"] == impl and all(r[k] == v for k, v in key.items()):
@@ -417,7 +450,6 @@ def main(argv=None) -> None:
                    help="only these decode shapes, e.g. 64x4096,1x65536, with their head_size / "
                         "block_size variants (seeds as in a full run)")
     p.add_argument("--flex", action="store_true", help="also time flex_attention (compiles)")
-    p.add_argument("--tune", action="store_true", help="run the decode tile sweep and exit")
     p.add_argument("--launch-overhead", action="store_true",
                    help="measure host time per call (and profile it), then exit")
     p.add_argument("--replot", metavar="CSV",
@@ -436,7 +468,7 @@ def main(argv=None) -> None:
             print(t)
         return
     if not torch.cuda.is_available():
-        sys.exit("bench_attention.py needs a CUDA GPU")
+        sys.exit("benchmarks.bench_attention needs a CUDA GPU")
     # A backend that cannot take a form says so on every call; the table reports what ran.
     warnings.filterwarnings("ignore", message=".*(kernel not used|runtime disabled|same "
                             "num_heads|Memory efficient|Flash attention|cuDNN).*")
@@ -446,24 +478,14 @@ def main(argv=None) -> None:
     ceilings = measure_ceilings()
     print(f"{env}\nceilings: copy {ceilings.copy_gbps:.0f} GB/s (read+write), "
           f"bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s", flush=True)
-    if args.launch_overhead or args.tune:
-        import decode_tuning
-        if args.launch_overhead:
-            print_table(decode_tuning.launch_overhead(), ["case", "experiment", "us"])
-        else:
-            decode_tuning.run_tune(args, ceilings)
+    if args.launch_overhead:
+        print_table(launch_overhead(), ["case", "experiment", "us"])
         return
     if args.part in ("decode", "all"):
         run_decode(args, ceilings, env, out_dir)
     if args.part in ("prefill", "all"):
-        path = Path(__file__).resolve().parent / "bench_prefill_cases.py"
-        if path.exists():
-            spec = importlib.util.spec_from_file_location("bench_prefill_cases", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            module.run_prefill(args, ceilings, env, out_dir)
-        elif args.part == "prefill":
-            sys.exit("benchmarks/bench_prefill_cases.py is not there yet")
+        from benchmarks.bench_prefill import run_prefill
+        run_prefill(args, ceilings, env, out_dir)
 
 
 if __name__ == "__main__":

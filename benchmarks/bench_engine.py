@@ -15,8 +15,8 @@
 Random weights are drawn by transformers directly on the GPU (its own init, std 0.02) and saved
 to a temporary directory that the engine then loads like any checkpoint.
 
-    PYTHONPATH=. python3 benchmarks/bench_engine.py --out /tmp/bench_engine
-    mini-paged-attn bench --workloads a,b --hf-requests 64
+    python -m benchmarks.bench_engine --out /tmp/bench_engine
+    python -m benchmarks.bench_engine --workloads a,b --hf-requests 64
 """
 
 from __future__ import annotations
@@ -307,7 +307,7 @@ def report(results: dict, env: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
-        print("bench: needs a CUDA GPU", file=sys.stderr)
+        print("benchmarks.bench_engine needs a CUDA GPU", file=sys.stderr)
         return 2
     import transformers
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -7,7 +7,7 @@ server's stream state turns it into an SSE chunk (on the server that part runs o
 thread, not the engine thread). Prints milliseconds per step for each part, over the first and
 the last 10% of the steps (outputs that copy whole token lists get slower as the requests grow).
 
-    python benchmarks/bench_outputs.py --requests 256 --tokens 1000 [--stop] [--logprobs 2]
+    python -m benchmarks.bench_outputs --requests 256 --tokens 1000 [--stop] [--logprobs 2]
 """
 
 from __future__ import annotations

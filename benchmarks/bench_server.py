@@ -15,11 +15,11 @@ included); the clients run in child processes (up to 8), so their JSON parsing t
 neither the server's interpreter lock nor the time of one process for all streams.
 
     # CPU, the tiny random model (seconds)
-    python benchmarks/bench_server.py --make-model tiny
+    python -m benchmarks.bench_server --make-model tiny
     # GPU: Qwen2.5-0.5B shapes with random weights
-    python benchmarks/bench_server.py --make-model qwen2.5-0.5b --prompt-len 64 512 --output-len 64 256
+    python -m benchmarks.bench_server --make-model qwen2.5-0.5b --prompt-len 64 512 --output-len 64 256
     # any local model directory
-    python benchmarks/bench_server.py --model DIR
+    python -m benchmarks.bench_server --model DIR
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def make_model_dir(preset: str, root: Path) -> Path:
     if preset == "tiny":
         from mini_paged_attn.models.tiny import write_tiny_llama
         return write_tiny_llama(root / "tiny")
-    from bench_engine import random_model_dir  # Qwen shapes, drawn on the GPU
+    from benchmarks.bench_engine import random_model_dir  # Qwen shapes, drawn on the GPU
     return random_model_dir(preset, root)
 
 

@@ -1,6 +1,6 @@
 """Decode experiments behind the tile choice, the merge launch and the benchmark's settle
-(GPU). What they found is in BENCHMARKS.md; the rows of the H100 run are in
-``benchmarks/results/decode_experiments_h100/``.
+(GPU). What they found is in docs/performance-notes.md; the rows of the H100 run are in
+``benchmarks/experiments/results/decode_experiments_h100/``.
 
 - ``tiles``: unsplit tiles over batch x context, head sizes and block sizes; split tiles at
   small batches (events) and batch 1 (graph replay). Each row names the kernel's shared memory,
@@ -18,7 +18,7 @@
 - ``splits``: forced split counts against the planned one at batch 4-16 (events) and at
   batch 1 (graph replay).
 
-    PYTHONPATH=. python3 benchmarks/decode_experiments.py \
+    python -m benchmarks.experiments.decode_experiments \
         --parts tiles,layout,settle,merge,order,splits --out DIR
 """
 
@@ -32,14 +32,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import (DecodeCase, DecodeInputs, check_and_time,  # noqa: E402
-                             make_inputs, ours_launch, sdpa_on_contiguous)
-from common import (Ceilings, measure_ceilings, print_table, time_graph_us,  # noqa: E402
-                    time_us, write_csv)
-
-from mini_paged_attn.ops import decode as decode_mod  # noqa: E402
-from mini_paged_attn.ops.explain import DecodeTiles  # noqa: E402
+from benchmarks.bench_attention import (DecodeCase, DecodeInputs, check_and_time, make_inputs,
+                                        ours_launch, sdpa_on_contiguous)
+from benchmarks.common import (Ceilings, measure_ceilings, print_table, time_graph_us, time_us,
+                               write_csv)
+from mini_paged_attn.ops import decode as decode_mod
+from mini_paged_attn.ops.explain import DecodeTiles
 
 
 def kernel_stats(seen: set) -> str:
@@ -172,7 +170,7 @@ def merge(rows: list, copy: float) -> None:
                 return lambda *a, **k: None
             return lambda *a, **k: real[grid](*a, **{**k, **self.over})
     # (A programmatic dependent launch, the merge waiting in-kernel, was 0.5 us slower than a
-    # plain one: results/decode_experiments_h100/merge.csv, run before the switch.)
+    # plain one: experiments/results/decode_experiments_h100/merge.csv, run before the switch.)
     variants = {"1 warp (default)": None, "2 warps": Patched(num_warps=2),
                 "4 warps": Patched(num_warps=4),
                 "no merge (split kernel alone)": Patched(skip=True)}
@@ -242,6 +240,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--parts", default=",".join(PARTS))
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.experiments.decode_experiments needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     copy = measure_ceilings().copy_gbps
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s", flush=True)

@@ -8,7 +8,9 @@
    constant ~50 MB / bandwidth slower.
 2. ``--launch-overhead``: host microseconds per call, with a profile.
 
-    PYTHONPATH=. python3 benchmarks/decode_timing_check.py --out DIR
+    python -m benchmarks.experiments.decode_timing_check --out DIR
+
+The rows of an H100 run: ``benchmarks/experiments/results/decode_flush_check_h100.csv``.
 """
 
 from __future__ import annotations
@@ -19,10 +21,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import (DecodeCase, make_inputs, ours,  # noqa: E402
-                             sdpa_on_contiguous)
-from common import measure_ceilings, print_table, time_us, write_csv  # noqa: E402
+from benchmarks.bench_attention import (DecodeCase, launch_overhead, make_inputs, ours,
+                                        sdpa_on_contiguous)
+from benchmarks.common import measure_ceilings, print_table, time_us, write_csv
 
 FLUSH_CASES = [(32, 4096), (128, 1024), (8, 16384), (64, 1024), (64, 4096), (256, 1024),
                (32, 16384), (64, 16384), (1, 65536)]
@@ -65,12 +66,13 @@ def main() -> None:
     p.add_argument("--launch-overhead", action="store_true",
                    help="also host microseconds per call, with a profile")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.experiments.decode_timing_check needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     ceilings = measure_ceilings()
     print(f"{torch.cuda.get_device_name()}: copy {ceilings.copy_gbps:.0f} GB/s (read flush)",
           flush=True)
     if args.launch_overhead:
-        from decode_tuning import launch_overhead
         print_table(launch_overhead(), ["case", "experiment", "us"])
     flush = flush_check(ceilings.copy_gbps) if args.flush else []
     if flush:

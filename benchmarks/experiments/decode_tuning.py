@@ -1,63 +1,30 @@
-"""Decode tuning helpers for ``bench_attention.py --tune`` / ``--launch-overhead`` (GPU).
+"""Decode tile and split sweeps (GPU): batch-1 split counts under CUDA-graph replay, and
+tiles x splits for short contexts with events. What they found is in docs/performance-notes.md;
+the rows of an H100 run are in ``benchmarks/experiments/results/decode_tune_h100.csv`` (taken
+with the older ``zero_()`` L2 flush).
 
-- :func:`launch_overhead`: host microseconds per call of our decode and of torch SDPA, plus a
-  cProfile of the split-KV path.
-- :func:`run_tune`: batch-1 split counts under CUDA-graph replay, and tiles x splits for short
-  contexts with ``do_bench``. What earlier sweeps found is summarised in BENCHMARKS.md.
+    python -m benchmarks.experiments.decode_tuning --out DIR
 """
 
 from __future__ import annotations
 
+import argparse
 import math
-import time
+import sys
 from pathlib import Path
 
 import torch
 
-from bench_attention import (ROTATE_BYTES, DecodeCase, gather_contiguous, make_inputs, ours,
-                             ours_launch, sdpa_decode, sdpa_on_contiguous)
-from common import Ceilings, print_table, time_graph_us, time_us, write_csv
-from mini_paged_attn.ops.checks import check_paged_decode_args
-from mini_paged_attn.ops.decode import triton_paged_decode
+from benchmarks.bench_attention import (ROTATE_BYTES, DecodeCase, make_inputs, ours_launch,
+                                        sdpa_on_contiguous)
+from benchmarks.common import (Ceilings, measure_ceilings, print_table, time_graph_us, time_us,
+                               write_csv)
 from mini_paged_attn.ops.explain import DecodeTiles
-
-
-def launch_overhead() -> list[dict]:
-    """Host microseconds per call (no sync; the GPU work is tiny, so the host is the limit)."""
-    case = DecodeCase(1, 1024)
-    x = make_inputs(case, seed=99)
-    shapes = check_paged_decode_args(*x.args, None, x.out)
-    k = gather_contiguous(x, x.key_cache, case).contiguous()
-    v = gather_contiguous(x, x.value_cache, case).contiguous()
-    fns = {"paged_decode split": ours(x, num_splits=4),
-           "paged_decode 1 split": ours(x, num_splits=1),
-           "triton_paged_decode 1 split": lambda: triton_paged_decode(
-               *x.args, shapes, out=x.out, lse=None, num_splits=1),
-           "sdpa (default backend)": lambda: sdpa_decode(x.query, k, v)}
-    rows = []
-    for repeat in range(2):
-        for name, fn in fns.items():
-            for _ in range(20):
-                fn()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(300):
-                fn()
-            host = (time.perf_counter() - t) / 300 * 1e6
-            torch.cuda.synchronize()
-            rows.append(dict(case=f"launch overhead #{repeat}", experiment=name, us=host))
-    import cProfile
-    import pstats
-    profile = cProfile.Profile()
-    profile.runcall(lambda: [fns["paged_decode split"]() for _ in range(300)])
-    pstats.Stats(profile).sort_stats("tottime").print_stats(14)
-    return rows
 
 
 def run_tune(args, ceilings: Ceilings) -> None:
     """Tile and split sweeps: batch 1 under CUDA-graph replay (with cuDNN SDPA on contiguous
-    K/V in the same run), larger batches with do_bench. What earlier sweeps found is
-    summarised in BENCHMARKS.md."""
+    K/V in the same run), larger batches with events; writes ``tune.csv`` to ``args.out``."""
     rows = []
 
     def pct(case, us):
@@ -98,3 +65,17 @@ def run_tune(args, ceilings: Ceilings) -> None:
         torch.cuda.empty_cache()
     if args.out:
         write_csv(Path(args.out) / "tune.csv", rows)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("."), help="directory for tune.csv")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.experiments.decode_tuning needs a CUDA GPU")
+    args.out.mkdir(parents=True, exist_ok=True)
+    run_tune(args, measure_ceilings())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""Prefill benchmark cases of issue 4 (GPU): the Triton paged prefill against torch SDPA.
+"""Prefill benchmark (GPU): the Triton paged prefill against torch SDPA.
 
 bf16, 32 query heads / 8 KV heads, head_size 128, block_size 16, shuffled block tables:
   - causal whole prompts 1x4k, 4x4k, 1x16k;
@@ -9,12 +9,13 @@ TFLOP/s count causal FLOPs as half of the square (``4 * Hq * D * (q * prefix + q
 torch SDPA runs on contiguous K/V (``[B, H, L, D]``) with the flash and cuDNN backends in the
 same run; a large bf16 matmul gives the ceiling.
 
-    PYTHONPATH=. python3 benchmarks/bench_prefill_cases.py [--sweep] [--out DIR]
-    PYTHONPATH=. python3 benchmarks/bench_attention.py --part prefill --out DIR   # the same
+    python -m benchmarks.bench_prefill [--sweep] [--out DIR]
+    python -m benchmarks.bench_attention --part prefill --out DIR   # the same, no --sweep
 
 Writes prefill.csv, prefill.png and prefill.md (table + targets) to the output directory.
 """
 
+from __future__ import annotations
 
 import argparse
 import sys
@@ -24,14 +25,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (Ceilings, environment, markdown_table, measure_ceilings,  # noqa: E402
-                    print_table, time_us, write_csv)
-
-from mini_paged_attn.ops.checks import (check_paged_decode_args,  # noqa: E402
-                                        check_paged_prefill_args)
-from mini_paged_attn.ops.prefill import triton_paged_prefill  # noqa: E402
-from mini_paged_attn.ops.prefill_plan import PrefillConfig  # noqa: E402
+from benchmarks.common import (Ceilings, environment, markdown_table, measure_ceilings,
+                               print_table, time_us, write_csv)
+from mini_paged_attn.ops.checks import check_paged_decode_args, check_paged_prefill_args
+from mini_paged_attn.ops.prefill import triton_paged_prefill
+from mini_paged_attn.ops.prefill_plan import PrefillConfig
 
 HQ, HKV, D, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -221,7 +219,7 @@ def run_prefill_cases(ceilings: Ceilings, configs=(None,), with_sdpa: bool = Tru
 
 
 def evaluate_targets(rows: list[dict]) -> list[str]:
-    """Issue 4's targets, each with the numbers behind it (default config rows)."""
+    """The prefill targets, each with the numbers behind it (default config rows)."""
     default = {r["case"]: r for r in rows if r["config"] == "default" and r.get("us")}
     out = []
     for name in ("causal 1x4k", "causal 4x4k", "causal 1x16k"):
@@ -266,7 +264,7 @@ def plot_bars(path: Path, rows: list[dict], title: str, ceiling: float) -> None:
 
 
 def run_prefill(args, ceilings: Ceilings, env: dict, out_dir: Path) -> None:
-    """The prefill part of ``bench_attention.py``: prefill.csv, prefill.png, prefill.md."""
+    """The prefill part of ``bench_attention``: prefill.csv, prefill.png, prefill.md."""
     sweep = getattr(args, "sweep", False)
     rows = run_prefill_cases(ceilings, configs=[None, *SWEEP] if sweep else [None],
                              head_size_sweep=sweep)
@@ -290,6 +288,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench_out"),
                         help="directory for prefill.csv, prefill.png and prefill.md")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.bench_prefill needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     ceilings = measure_ceilings()
     run_prefill(args, ceilings, environment(), args.out)
