@@ -16,7 +16,6 @@ COMMANDS = {
     "demo": "walk the seeds' story on CPU: block manager, paged KV cache, copy-on-write, paged "
             "attention vs dense, then a tiny engine",
     "generate": "generate text with a local Hugging Face model directory",
-    "bench": "run the engine benchmark",
     "serve": "serve an OpenAI-compatible HTTP API",
 }
 
