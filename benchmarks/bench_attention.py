@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.common import (Ceilings, environment, markdown_table, measure_ceilings,
-                               plot_lines, print_table, read_csv, time_graph_us, time_us,
-                               write_csv)
+                               print_table, read_csv, time_graph_us, time_us, write_csv)
+from benchmarks.plots import plot_lines
 from mini_paged_attn.ops import paged_decode
 from mini_paged_attn.ops.checks import check_paged_decode_args
 from mini_paged_attn.ops.decode import triton_paged_decode, workspace_size

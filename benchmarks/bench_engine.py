@@ -60,7 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--profile", action="store_true",
                         help="also profile steady decode steps (kernels per step, GPU busy share)")
-    parser.add_argument("--out", default=None, help="directory for results.json")
+    parser.add_argument("--out", default=None,
+                        help="directory for results.json (and engine.png with matplotlib)")
+    parser.add_argument("--replot", metavar="JSON",
+                        help="draw the plot of a results.json (no GPU needed), then exit")
+    parser.add_argument("--plot", metavar="PNG",
+                        help="where --replot draws (default: beside the JSON, same name)")
 
 
 def random_model_dir(shape: str, root: Path, seed: int = 0) -> Path:
@@ -305,7 +310,25 @@ def report(results: dict, env: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_results(path: Path, results: dict) -> None:
+    """Output tokens/s of the engine and of transformers, per workload (log scale)."""
+    from benchmarks.plots import plot_bars
+    labels = {"a": "(a) 256 requests, Qwen3-0.6B shapes", "b": "(b) batch 1, Qwen2.5-0.5B shapes"}
+    keys = [k for k in labels if k in results]
+    env = results["env"]
+    plot_bars(path, [labels[k] for k in keys],
+              {"engine": [results[k]["tok_per_s"] for k in keys],
+               "transformers generate": [results[k].get("hf_tok_per_s") for k in keys]},
+              title=f"engine output tokens/s - {env['device']}, {env['date']}",
+              ylabel="output tokens/s (log)", log=True, annotate=True)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.replot:
+        source = Path(args.replot)
+        plot_results(Path(args.plot) if args.plot else source.with_suffix(".png"),
+                     json.loads(source.read_text()))
+        return 0
     if not torch.cuda.is_available():
         print("benchmarks.bench_engine needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -323,6 +346,11 @@ def run(args: argparse.Namespace) -> int:
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 (Path(args.out) / "results.json").write_text(json.dumps(results, indent=2))
     print(report(results, env))
+    if args.out and ("a" in results or "b" in results):
+        try:
+            plot_results(Path(args.out) / "engine.png", results)
+        except ImportError:
+            print("no plot: matplotlib is not installed (pip install -e .[bench])")
     return 0
 
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import (Ceilings, environment, markdown_table, measure_ceilings,
                                print_table, time_us, write_csv)
+from benchmarks.plots import plot_bars
 from mini_paged_attn.ops.checks import check_paged_decode_args, check_paged_prefill_args
 from mini_paged_attn.ops.prefill import triton_paged_prefill
 from mini_paged_attn.ops.prefill_plan import PrefillConfig
@@ -241,26 +242,14 @@ def evaluate_targets(rows: list[dict]) -> list[str]:
     return out
 
 
-def plot_bars(path: Path, rows: list[dict], title: str, ceiling: float) -> None:
+def plot_prefill(path: Path, rows: list[dict], title: str, ceiling: float) -> None:
     """TFLOP/s per case: ours (default config), SDPA flash and cuDNN on contiguous K/V."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     sel = [r for r in rows if r["config"] == "default" and r.get("flash_tflops")]
-    fig, ax = plt.subplots(figsize=(9, 4))
-    width = 0.27
-    for i, (key, label) in enumerate([("tflops", "ours (paged)"), ("flash_tflops", "SDPA flash"),
-                                      ("cudnn_tflops", "SDPA cuDNN")]):
-        ax.bar([j + (i - 1) * width for j in range(len(sel))], [r[key] or 0 for r in sel],
-               width, label=label)
-    ax.axhline(ceiling, color="gray", linestyle="--", label="bf16 matmul")
-    ax.set_xticks(range(len(sel)), [r["case"] for r in sel], fontsize=8)
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plot_bars(path, [r["case"] for r in sel],
+              {label: [r[key] for r in sel] for key, label in
+               [("tflops", "ours (paged)"), ("flash_tflops", "SDPA flash"),
+                ("cudnn_tflops", "SDPA cuDNN")]},
+              title=title, ylabel="TFLOP/s", hline=ceiling, hline_label="bf16 matmul")
 
 
 def run_prefill(args, ceilings: Ceilings, env: dict, out_dir: Path) -> None:
@@ -272,7 +261,7 @@ def run_prefill(args, ceilings: Ceilings, env: dict, out_dir: Path) -> None:
     header = (f"device {env['device']}, torch {env['torch']}, triton {env['triton']}, "
               f"{env['date']}; bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
     write_csv(out_dir / "prefill.csv", rows)
-    plot_bars(out_dir / "prefill.png", rows, f"paged prefill, bf16, 32/8 heads, bs 16 - "
+    plot_prefill(out_dir / "prefill.png", rows, f"paged prefill, bf16, 32/8 heads, bs 16 - "
               f"{env['device']}", ceilings.matmul_tflops)
     (out_dir / "prefill.md").write_text(header + "\n\n" + markdown_table(rows, COLUMNS)
                                         + "\n\nTargets:\n" + "\n".join(f"- {t}" for t in targets)

@@ -282,12 +282,35 @@ def start_server(engine, model_name: str, loop: str = "auto", http: str = "auto"
     return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
+def plot_results(path: Path, records: list[dict]) -> None:
+    """One panel per record (a ``--json`` file): output tokens/s through the server and offline
+    with the same number of requests in flight, against the number of clients."""
+    from benchmarks.plots import plot_lines
+    rows = []
+    for rec in records:
+        a = rec["args"]
+        device = rec.get("env", {}).get("device") or a.get("device") or ""
+        panel = (f"{a['model'] or a['make_model']}, engine "
+                 f"{'process' if a['engine_process'] else 'thread'} {device}").strip()
+        for r in rec["results"]:
+            rows.append(dict(run=panel, clients=r["clients"], side="server (HTTP, streaming)",
+                             tok_per_s=r["output_tok_per_s"]))
+            rows.append(dict(run=panel, clients=r["clients"], side="offline (same N in flight)",
+                             tok_per_s=r["offline_tok_per_s"]))
+    plot_lines(path, rows, panel="run", x="clients", y="tok_per_s", line="side",
+               title="server vs offline output tokens/s", xlabel="concurrent clients",
+               ylabel="output tokens/s", panel_title="{value}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="local model directory")
     src.add_argument("--make-model", choices=("tiny", "qwen2.5-0.5b"),
                      help="write a random-weight model of these shapes to a temp dir")
+    src.add_argument("--replot", metavar="JSON", nargs="+",
+                     help="draw --plot from --json files (one panel each; no model or GPU "
+                          "needed), then exit")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--min-requests", type=int, default=8)
@@ -315,7 +338,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-times", action="store_true",
                    help="print step / gap / batch statistics of each offline and server run")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--plot", metavar="PNG",
+                   help="also draw output tokens/s (server and offline) per client count here "
+                        "(matplotlib)")
     args = p.parse_args(argv)
+    if args.replot:
+        plot_results(Path(args.plot or Path(args.replot[0]).with_suffix(".png")),
+                     [json.loads(Path(f).read_text()) for f in args.replot])
+        return 0
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
 
@@ -430,8 +460,13 @@ def main(argv: list[str] | None = None) -> int:
               f"| {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} |")
     if any(not r["tokens_ok"] or r["failed"] for r in results):
         print("(!): failed requests or token counts different from max_tokens", file=sys.stderr)
+    record = {"args": vars(args), "env": {"device": str(device), "torch": torch.__version__,
+                                          "date": time.strftime("%Y-%m-%d")},
+              "results": results}
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+        Path(args.json).write_text(json.dumps(record, indent=2))
+    if args.plot:
+        plot_results(Path(args.plot), [record])
     tmp.cleanup()
     return 0 if all(r["tokens_ok"] and not r["failed"] for r in results) else 1
 

@@ -1,12 +1,12 @@
-"""Shared benchmark infrastructure: ceilings, timing, tables, CSV and plots (GPU only).
+"""Shared benchmark infrastructure: ceilings, timing, tables and CSV (GPU only; plots are in
+``benchmarks.plots``).
 
 - :func:`measure_ceilings`: the run's own device-to-device copy bandwidth (bytes read +
   written) and bf16 matmul rate, the yardsticks every result is reported against.
 - :func:`time_us` (median of per-call CUDA events, L2 flushed before each call; ``flush``
   says how) and :func:`time_graph_us` (``do_bench_cudagraph``, median of replays; pass several
   input sets to rotate through so small problems are not served from L2).
-- :func:`print_table`, :func:`markdown_table`, :func:`write_csv` / :func:`read_csv`,
-  :func:`plot_lines`.
+- :func:`print_table`, :func:`markdown_table`, :func:`write_csv` / :func:`read_csv`.
 """
 
 from __future__ import annotations
@@ -175,43 +175,3 @@ def read_csv(path: Path) -> list[dict]:
         return v
     with open(path, newline="") as f:
         return [{k: parse(v) for k, v in r.items()} for r in csv.DictReader(f)]
-
-
-def plot_lines(path: Path, rows: Sequence[dict], *, panel: str, x: str, y: str, line: str,
-               title: str, xlabel: str, ylabel: str, hline: float | None = None,
-               hline_label: str = "") -> None:
-    """One panel per value of ``panel``; in each, ``y`` against ``x`` with one line per value
-    of ``line`` (log2 x axis). ``hline``: a reference level drawn in every panel."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = list(dict.fromkeys(r[panel] for r in rows))
-    names = list(dict.fromkeys(r[line] for r in rows))
-    color = {name: f"C{i % 10}" for i, name in enumerate(names)}   # same colour in every panel
-    ncols = min(3, len(panels))
-    nrows = -(-len(panels) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.6 * nrows), squeeze=False)
-    for ax, p in zip(axes.flat, panels):
-        sub = [r for r in rows if r[panel] == p and r.get(y) is not None]
-        for name in dict.fromkeys(r[line] for r in sub):
-            pts = sorted((r[x], r[y]) for r in sub if r[line] == name)
-            ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=name,
-                    color=color[name])
-        if hline is not None:
-            ax.axhline(hline, color="gray", linestyle="--")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{panel} {p}")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    handles = [plt.Line2D([], [], color=color[n], marker="o", label=n) for n in names]
-    if hline is not None:
-        handles.append(plt.Line2D([], [], color="gray", linestyle="--", label=hline_label))
-    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 8), fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
