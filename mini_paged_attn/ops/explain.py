@@ -87,22 +87,16 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool,
     They never depend on the batch itself, so that a sequence's result with ``num_splits=1``
     does not depend on which batch it is in.
 
-    Measured on an H100 (``benchmarks/decode_experiments.py``, 2026-11-24, read-only L2 flush):
+    - Unsplit launches (enough sequences to fill the GPU) read K in 32 KB tiles (128 tokens at
+      head_size 128 in 16-bit; 4 warps, 3 stages): two programs per SM with large loads read
+      HBM fastest. Cache blocks of 128 tokens or more keep 16 KB tiles (faster there), and
+      block_size 1 takes 8 warps to share its per-token table lookups.
+    - Split launches (small batches) are latency-bound: 32-token tiles with 5 stages keep two
+      K/V tiles in flight behind the block-table loads (the table load takes a stage itself).
+    - Tiles never exceed :data:`MAX_BLOCK_N` tokens: small head sizes would otherwise get tiles
+      of thousands of tokens, slow to compile and heavy in registers.
 
-    - Unsplit launches (enough sequences to fill the GPU): K tiles of 32 KB (128 tokens at
-      head_size 128 in 16-bit; 4 warps, 3 stages, 2 programs per SM by registers) read HBM
-      2.7% faster than 16 KB tiles (4 programs per SM) at 32x4k, 32x16k and 32x64k, and within
-      0.5% elsewhere (1k contexts a little slower). With cache blocks of 128 tokens or more,
-      the 16 KB tiles were 6% faster at 64x4k and 0.8% slower at 32x16k: they keep 16 KB.
-      With block_size 1 every token needs its own table lookup: 8 warps share them (4 warps
-      were 10% slower at 64x4k).
-    - Split launches (small batches) run few, short programs that are latency-bound: 32-token
-      tiles with 5 stages were 3-8% faster there, and 128-token tiles gained nothing. The
-      block-table load takes a pipeline stage of its own, so ``num_stages`` S keeps
-      floor((S-1)/2) K/V tiles in flight: 5 stages hold two (4 hold one, up to 20% slower).
-
-    Tiles never exceed :data:`MAX_BLOCK_N` tokens: small head sizes (never measured) would
-    otherwise get tiles of thousands of tokens, slow to compile and heavy in registers.
+    The measurements behind each rule (H100): docs/performance-notes.md, "The kernel's tiles".
 
     The interpreter runs every program in numpy: small tiles keep tests quick and still span
     several blocks.

@@ -91,20 +91,18 @@ SHORT_QUERY_AVG = 128
 
 def default_config(head_size: int, dtype: torch.dtype, device: torch.device,
                    avg_q_len: float | None = None) -> PrefillConfig:
-    """Tile sizes for a head size, dtype and batch shape (measured on an H100, BENCHMARKS.md).
+    """Tile sizes for a head size, dtype and batch shape (measured on an H100; the numbers are
+    in docs/performance-notes.md, "The prefill kernel's tiles").
 
     - The interpreter (no CUDA) runs every program in numpy: small tiles keep tests quick.
     - head_size 128, whole prompts and chunks: 128 x 128 tiles, 8 warps, 3 stages (one program
-      per SM). Causal 1x4k / 4x4k / 1x16k, bf16, H100, TFLOP/s: 128x128/w8 354 / 366 / 398;
-      128x64/w4 346 / 335 / 393; 64x64/w4 339 / 333 / 369; 128x64/w8 334 / 335 / 347.
-    - head_size <= 64: 128 x 64, 4 warps (332 TFLOP/s on causal 4x4k; 128 x 128 / 8 warps 255).
+      per SM), the fastest of the configs swept.
+    - head_size <= 64: 128 x 64, 4 warps.
     - head_size <= 128, a decode-heavy batch (``avg_q_len <= SHORT_QUERY_AVG``, e.g. decode
       rows mixed with a few prompts): the work is streaming long contexts' K/V; 64 x 64 tiles
-      fit two programs per SM, twice the loads in flight (60 decodes at 4k + 4 prompts of 1k:
-      476 us against 514 us with 128 x 128 tiles).
+      fit two programs per SM, twice the loads in flight.
     - head_size 256: the Q tile plus pipelined K/V tiles must fit in shared memory: 128 x 64,
-      8 warps, two stages (436 TFLOP/s on causal 4x4k; 64 x 32 / 4 warps / 3 stages 312).
-      fp32 (correctness only): twice the bytes, smaller tiles.
+      8 warps, two stages. fp32 (correctness only): twice the bytes, smaller tiles.
     ``avg_q_len`` is known on the host (``total_q / num_seqs``), so the choice needs no sync.
     """
     if device.type != "cuda":
