@@ -2,7 +2,7 @@
 
 Part 1 (seeds 002, 001, 004): a paged KV pool, sequences of different lengths, a fork with
 copy-on-write, appended tokens, the memory map, paged attention against dense attention, and
-everything freed at the end. Part 2 (issue 5): a tiny random-weight Llama served by the engine
+everything freed at the end. Part 2: a tiny random-weight Llama served by the engine
 with continuous batching, prefix caching and n=2 sampling.
 """
 

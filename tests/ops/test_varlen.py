@@ -129,7 +129,7 @@ def test_paged_kv_matches_contiguous(block_size, causal):
 
 
 def test_seed_003_script_passes(capsys):
-    """Seed 003's own test script, changed only as the issue allows (see the file's header)."""
+    """Seed 003's own test script, with only the changes its header lists."""
     runpy.run_path(str(SEED_SCRIPT), run_name="__main__")  # asserts inside; raises on mismatch
     assert "测试通过" in capsys.readouterr().out
 
