@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.common import (Ceilings, environment, markdown_table, measure_ceilings,
-                               print_table, read_csv, time_graph_us, time_us, write_csv)
+from benchmarks.common import (Ceilings, environment, markdown_table, print_table, read_csv,
+                               start_gpu_run, time_graph_us, time_us, write_csv)
 from benchmarks.plots import plot_lines
 from mini_paged_attn.ops import paged_decode
 from mini_paged_attn.ops.checks import check_paged_decode_args
@@ -467,15 +467,12 @@ def main(argv=None) -> None:
         for t in report_decode(rows, header, copy_gbps, out_dir)[1]:
             print(t)
         return
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks.bench_attention needs a CUDA GPU")
     # A backend that cannot take a form says so on every call; the table reports what ran.
     warnings.filterwarnings("ignore", message=".*(kernel not used|runtime disabled|same "
                             "num_heads|Memory efficient|Flash attention|cuDNN).*")
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    ceilings = start_gpu_run(out_dir, "benchmarks.bench_attention")
     env = environment()
-    ceilings = measure_ceilings()
     print(f"{env}\nceilings: copy {ceilings.copy_gbps:.0f} GB/s (read+write), "
           f"bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s", flush=True)
     if args.launch_overhead:

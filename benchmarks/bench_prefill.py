@@ -18,15 +18,14 @@ Writes prefill.csv, prefill.png and prefill.md (table + targets) to the output d
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import (Ceilings, environment, markdown_table, measure_ceilings,
-                               print_table, time_us, write_csv)
+from benchmarks.common import (Ceilings, environment, markdown_table, print_table,
+                               start_gpu_run, time_us, write_csv)
 from benchmarks.plots import plot_bars
 from mini_paged_attn.ops.checks import check_paged_decode_args, check_paged_prefill_args
 from mini_paged_attn.ops.prefill import triton_paged_prefill
@@ -277,10 +276,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench_out"),
                         help="directory for prefill.csv, prefill.png and prefill.md")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks.bench_prefill needs a CUDA GPU")
-    args.out.mkdir(parents=True, exist_ok=True)
-    ceilings = measure_ceilings()
+    ceilings = start_gpu_run(args.out, "benchmarks.bench_prefill")
     run_prefill(args, ceilings, environment(), args.out)
 
 

@@ -1,7 +1,8 @@
 """Shared benchmark infrastructure: ceilings, timing, tables and CSV (GPU only; plots are in
 ``benchmarks.plots``).
 
-- :func:`measure_ceilings`: the run's own device-to-device copy bandwidth (bytes read +
+- :func:`start_gpu_run` (CUDA check, output directory, ceilings) and
+  :func:`measure_ceilings`: the run's own device-to-device copy bandwidth (bytes read +
   written) and bf16 matmul rate, the yardsticks every result is reported against.
 - :func:`time_us` (median of per-call CUDA events, L2 flushed before each call; ``flush``
   says how) and :func:`time_graph_us` (``do_bench_cudagraph``, median of replays; pass several
@@ -15,6 +16,7 @@ import csv
 import datetime
 import itertools
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,15 @@ def environment() -> dict[str, str]:
         "date": datetime.date.today().isoformat(),
     }
 
+
+
+def start_gpu_run(out: Path | str, tool: str) -> Ceilings:
+    """A GPU tool's start: exit with a message naming ``tool`` unless CUDA is there, create the
+    output directory ``out``, and measure the run's ceilings."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{tool} needs a CUDA GPU")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    return measure_ceilings()
 
 FLUSH_BYTES = 256 << 20
 HOST_LEAD_US = 200

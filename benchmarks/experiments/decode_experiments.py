@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import time
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import torch
 
 from benchmarks.bench_attention import (DecodeCase, DecodeInputs, check_and_time, make_inputs,
                                         ours_launch, sdpa_on_contiguous)
-from benchmarks.common import (Ceilings, measure_ceilings, print_table, time_graph_us, time_us,
+from benchmarks.common import (Ceilings, print_table, start_gpu_run, time_graph_us, time_us,
                                write_csv)
 from mini_paged_attn.ops import decode as decode_mod
 from mini_paged_attn.ops.explain import DecodeTiles
@@ -240,10 +239,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--parts", default=",".join(PARTS))
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks.experiments.decode_experiments needs a CUDA GPU")
-    args.out.mkdir(parents=True, exist_ok=True)
-    copy = measure_ceilings().copy_gbps
+    copy = start_gpu_run(args.out, "benchmarks.experiments.decode_experiments").copy_gbps
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s", flush=True)
     for name in args.parts.split(","):
         rows: list[dict] = []

@@ -16,14 +16,13 @@ The rows of an H100 run: ``benchmarks/experiments/results/decode_flush_check_h10
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
 from benchmarks.bench_attention import (DecodeCase, launch_overhead, make_inputs, ours,
                                         sdpa_on_contiguous)
-from benchmarks.common import measure_ceilings, print_table, time_us, write_csv
+from benchmarks.common import print_table, start_gpu_run, time_us, write_csv
 
 FLUSH_CASES = [(32, 4096), (128, 1024), (8, 16384), (64, 1024), (64, 4096), (256, 1024),
                (32, 16384), (64, 16384), (1, 65536)]
@@ -66,10 +65,7 @@ def main() -> None:
     p.add_argument("--launch-overhead", action="store_true",
                    help="also host microseconds per call, with a profile")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks.experiments.decode_timing_check needs a CUDA GPU")
-    args.out.mkdir(parents=True, exist_ok=True)
-    ceilings = measure_ceilings()
+    ceilings = start_gpu_run(args.out, "benchmarks.experiments.decode_timing_check")
     print(f"{torch.cuda.get_device_name()}: copy {ceilings.copy_gbps:.0f} GB/s (read flush)",
           flush=True)
     if args.launch_overhead:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import torch
 
 from benchmarks.bench_attention import (ROTATE_BYTES, DecodeCase, make_inputs, ours_launch,
                                         sdpa_on_contiguous)
-from benchmarks.common import (Ceilings, measure_ceilings, print_table, time_graph_us, time_us,
+from benchmarks.common import (Ceilings, print_table, start_gpu_run, time_graph_us, time_us,
                                write_csv)
 from mini_paged_attn.ops.explain import DecodeTiles
 
@@ -71,10 +70,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("."), help="directory for tune.csv")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks.experiments.decode_tuning needs a CUDA GPU")
-    args.out.mkdir(parents=True, exist_ok=True)
-    run_tune(args, measure_ceilings())
+    run_tune(args, start_gpu_run(args.out, "benchmarks.experiments.decode_tuning"))
 
 
 if __name__ == "__main__":
