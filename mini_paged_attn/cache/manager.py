@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.args import as_int
+from ..core.args import as_int, cdiv
 from ..core.block_manager import BlockManager
 from ..core.kv_cache_manager import KVCacheManager
 from .block_table import BlockTable
@@ -207,7 +207,7 @@ class PagedAttentionManager:
         n = as_int("num_prompt_tokens", num_prompt_tokens)
         if n < 0:
             raise ValueError(f"num_prompt_tokens: expected >= 0, got {n}")
-        needed = -(-n // self.block_size)
+        needed = cdiv(n, self.block_size)
         self._check_row_fits(seq_id, needed)
         blocks = self.block_manager.allocate_blocks(needed)
         self.seq_block_mapping[seq_id] = blocks
@@ -235,7 +235,7 @@ class PagedAttentionManager:
             raise ValueError(f"current_seq_len: expected the length of sequence {seq_id}, "
                              f"{length}, got {pos}")
         blocks = self.seq_block_mapping[seq_id]
-        assert len(blocks) == -(-length // self.block_size), "blocks out of step with length"
+        assert len(blocks) == cdiv(length, self.block_size), "blocks out of step with length"
         if pos % self.block_size == 0:
             self._check_row_fits(seq_id, len(blocks) + 1)
             block = self.block_manager.allocate()
@@ -328,7 +328,7 @@ class PagedAttentionManager:
         if n == 0:
             return
         self._make_private(seq_id, range(start // self.block_size,
-                                         (start + n - 1) // self.block_size + 1))
+                                         cdiv(start + n, self.block_size)))
         write_slots(key, value, self.key_cache, self.value_cache, self._slots(seq_id, start, n))
 
     def _make_private(self, seq_id: int, logical_blocks: Iterable[int]) -> None:

@@ -1,4 +1,4 @@
-"""Coercion of integer arguments, shared by the block manager and the KV cache manager.
+"""Integer arguments, the same way in every layer: coercion, the positive-int check, ceil division.
 
 Python's ``bool`` is an ``int``, and numpy / torch integer scalars are not; an index must accept
 the latter and refuse the former, the same way everywhere.
@@ -23,3 +23,28 @@ def as_int(name: str, value: object) -> int:
     except TypeError:
         raise TypeError(f"{name}: expected an int, "
                         f"got {type(value).__name__} ({value!r})") from None
+
+
+def positive_int(name: str, value: object) -> int:
+    """Return ``value`` as a Python int >= 1, or raise ValueError naming ``name``.
+
+    Accepts what :func:`as_int` accepts; anything else (a bool, a float, a string) is a
+    ValueError too, since for a size or a count a value of the wrong type is a bad value. An
+    index argument that must refuse a non-integer with TypeError calls :func:`as_int` first.
+    """
+    try:
+        v = as_int(name, value)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
+    if v < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return v
+
+
+def cdiv(a, b):
+    """``ceil(a / b)`` for integers, ``b > 0``: exact at any size (``math.ceil(a / b)`` rounds
+    through a float). Elementwise on numpy and torch integer arrays too."""
+    return -(-a // b)
+
+
+__all__ = ["as_int", "cdiv", "positive_int"]

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..cache.block_table import BlockTable
+from ..core.args import cdiv
 from ..core.scheduler import SchedulerOutput
 
 
@@ -64,7 +65,7 @@ class StepInputs:
 
 def table_width(max_blocks_per_seq: int) -> int:
     """Block-table width for the engine: rounded up to a multiple of 16 (see InputBuilder)."""
-    return _round_up(max_blocks_per_seq, TABLE_WIDTH_MULTIPLE)
+    return cdiv(max_blocks_per_seq, TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
 
 
 class InputBuilder:
@@ -143,8 +144,8 @@ class InputBuilder:
         context_lens = computed + q_lens
         slots = (table[np.repeat(rows, q_lens), positions // bs].astype(np.int64) * bs
                  + positions % bs)
-        needed = -(-int(context_lens.max()) // bs) if n else 1
-        width = min(_round_up(max(needed, 1), TABLE_WIDTH_MULTIPLE), self.max_blocks_per_seq)
+        needed = max(cdiv(int(context_lens.max()), bs), 1) if n else 1
+        width = min(table_width(needed), self.max_blocks_per_seq)
 
         padded = n if pad_to is None else pad_to
         m = num_tokens if pad_to is None else pad_to
@@ -184,16 +185,12 @@ class InputBuilder:
         return inputs
 
 
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
 def _layout(sizes: dict[str, int]) -> dict[str, int]:
     """Start offset of each region (elements), each a multiple of REGION_ALIGN; "end": total."""
     offsets, at = {}, 0
     for name, size in sizes.items():
         offsets[name] = at
-        at = _round_up(at + size, REGION_ALIGN)
+        at = cdiv(at + size, REGION_ALIGN) * REGION_ALIGN
     offsets["end"] = at
     return offsets
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from ..cache.manager import PagedAttentionManager
+from ..core.args import cdiv
 from ..core.scheduler import SchedulerOutput
 from ..models.attention import AttentionMetadata
 from ..models.config import ModelConfig
@@ -58,7 +59,7 @@ class ModelRunner:
         self.dtype = model.dtype
         self.block_size = bs = config.block_size
         self.backend = resolve_backend(config.backend, device)
-        self.max_blocks_per_seq = -(-max_model_len // bs)
+        self.max_blocks_per_seq = cdiv(max_model_len, bs)
         self.table_width = table_width(self.max_blocks_per_seq)
         self.max_num_seqs = config.max_num_seqs
         self.sampler = Sampler(device, config.seed)

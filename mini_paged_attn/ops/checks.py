@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.args import cdiv
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -184,7 +186,7 @@ def check_paged_values(shapes: PagedShapes, block_tables: torch.Tensor,
                     f"context_lens[{i}]={int(lens[i])}")
     if shapes.max_blocks_per_seq > 0 and lens.numel() > 0:
         table = block_tables.detach().to("cpu", torch.int64)
-        used_blocks = (lens + shapes.block_size - 1) // shapes.block_size
+        used_blocks = cdiv(lens, shapes.block_size)
         used = torch.arange(shapes.max_blocks_per_seq) < used_blocks[:, None]
         bad = used & ((table < 0) | (table >= shapes.num_blocks))
         if bad.any():

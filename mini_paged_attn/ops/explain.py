@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.args import cdiv
 from .heuristics import num_splits_heuristic
 
 MAX_SPLITS = 128
@@ -42,10 +43,6 @@ ASSUMED_NUM_SMS = 132
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,12 +135,12 @@ def balance_splits(splits: int, units: int, wave_slots: int, num_tiles: int,
     On an H100 at batch 1 (8 KV heads, 2048 tiles at 64k): FlashAttention's 29 splits run 71
     tiles each; 32 splits run 64 and were 1.5-2% faster at 16k and 64k.
     """
-    waves = _cdiv(units * splits, wave_slots)
+    waves = cdiv(units * splits, wave_slots)
     candidates = [s for s in range(splits, max(splits, max_splits) + 1)
-                  if _cdiv(units * s, wave_slots) == waves]
-    shortest = min(_cdiv(num_tiles, s) for s in candidates)
+                  if cdiv(units * s, wave_slots) == waves]
+    shortest = min(cdiv(num_tiles, s) for s in candidates)
     return next(s for s in candidates
-                if _cdiv(num_tiles, s) <= shortest * (1 + BALANCE_TOLERANCE))
+                if cdiv(num_tiles, s) <= shortest * (1 + BALANCE_TOLERANCE))
 
 
 def wave_efficiency(programs: int, wave_slots: int) -> float:
@@ -249,8 +246,8 @@ class DecodePlan:
                    + ("s" if self.heuristic_splits != 1 else ""))
             if self.heuristic_splits != self.num_splits:
                 why += (f", balanced to {self.num_splits} in as many waves (each split "
-                        f"{_cdiv(self.heuristic_kv_tiles, self.num_splits)} tiles instead of "
-                        f"{_cdiv(self.heuristic_kv_tiles, self.heuristic_splits)})")
+                        f"{cdiv(self.heuristic_kv_tiles, self.num_splits)} tiles instead of "
+                        f"{cdiv(self.heuristic_kv_tiles, self.heuristic_splits)})")
             why += f"; {self.efficiency:.0%} of the last wave"
         lines.append(f"  why:      {why}")
         return "\n".join(lines)
@@ -281,7 +278,7 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
         # Count KV tiles with the tiles a split launch would use; keep them if it splits.
         split_tiles = tiles or default_tiles(head_size, dtype, on_gpu, True,
                                              block_size=block_size)
-        n_tiles = max(1, _cdiv(max_context_len, split_tiles.block_n))
+        n_tiles = max(1, cdiv(max_context_len, split_tiles.block_n))
         cap = max(1, min(max_splits, MAX_SPLITS, n_tiles))
         chosen = splits = num_splits_heuristic(max(units, 1), slots, n_tiles, cap)
         # The heuristic's first rule: >= 80% of a wave needs no split.

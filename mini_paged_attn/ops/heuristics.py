@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from ..core.args import as_int
+from ..core.args import as_int, cdiv
 
 _INT32_MAX = 2**31 - 1
 
@@ -36,10 +36,6 @@ def _positive_int(name: str, value: object) -> int:
         raise ValueError(f"{name}: expected a positive int (at most {_INT32_MAX}, a C int), "
                          f"got {v}")
     return v
-
-
-def _ceildiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: int,
@@ -75,7 +71,7 @@ def num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: 
 
     def eligible(splits: int) -> bool:
         # 12 splits of 64 tiles are 11 splits of 6 tiles (and one of -2): the same as 11, skip.
-        return splits == 1 or _ceildiv(n_blocks, splits) != _ceildiv(n_blocks, splits - 1)
+        return splits == 1 or cdiv(n_blocks, splits) != cdiv(n_blocks, splits - 1)
 
     efficiency: dict[int, np.float32] = {}
     max_efficiency = f32(0.0)

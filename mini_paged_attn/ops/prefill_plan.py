@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.args import cdiv
+
 
 # A sequence with q_len * group_size <= SMALL_ROWS (decode rows, short chunks) runs a tile of
 # SMALL_ROWS rows (the smallest tl.dot M) instead of block_m: a decode row walking a long
@@ -70,7 +72,7 @@ class PrefillTiling:
         """Programs = tile slots x kv heads x head chunks, flattened slot-major into one axis
         (so a batch's first sequences, e.g. its decode rows, start first); an upper bound
         that needs no host sync."""
-        slots = -(-total_q // self.tokens_per_tile) + num_seqs
+        slots = cdiv(total_q, self.tokens_per_tile) + num_seqs
         return (slots * num_kv_heads * self.head_chunks,)
 
 
@@ -78,7 +80,7 @@ def tiling(config: PrefillConfig, group_size: int, head_size: int) -> PrefillTil
     heads_per_tile = min(group_size, config.block_m)
     return PrefillTiling(
         heads_per_tile=heads_per_tile,
-        head_chunks=-(-group_size // heads_per_tile),
+        head_chunks=cdiv(group_size, heads_per_tile),
         tokens_per_tile=config.block_m // heads_per_tile,
         head_size_padded=max(16, 1 << (head_size - 1).bit_length()),
         small_rows=SMALL_ROWS if config.block_m > SMALL_ROWS >= heads_per_tile else 0,
