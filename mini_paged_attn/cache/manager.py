@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.args import as_int, cdiv
+from ..core.args import as_int, cdiv, positive_int
 from ..core.block_manager import BlockManager
 from ..core.kv_cache_manager import KVCacheManager
 from .block_table import BlockTable
@@ -67,9 +67,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         for name in ("num_sequences", "num_heads", "head_size", "block_size", "num_blocks",
                      "num_kv_heads", "max_blocks_per_seq", "num_layers"):
-            value = as_int(name, getattr(self, name))
-            if value <= 0:
-                raise ValueError(f"{name}: expected a positive int, got {value}")
+            # A non-integer is a TypeError, as for every index argument of the manager.
+            value = positive_int(name, as_int(name, getattr(self, name)))
             object.__setattr__(self, name, value)  # numpy / torch integers -> int
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads: expected a divisor of num_heads={self.num_heads}, "

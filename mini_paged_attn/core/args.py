@@ -34,8 +34,8 @@ def positive_int(name: str, value: object) -> int:
     """
     try:
         v = as_int(name, value)
-    except TypeError as e:
-        raise ValueError(str(e)) from None
+    except TypeError:
+        v = 0
     if v < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
     return v

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..errors import OutOfBlocksError
-from .args import cdiv
+from .args import cdiv, positive_int
 from .block_manager import BlockManager
 from .prefix_cache import ROOT_HASH, PrefixCache, hash_block
 from .request import Sequence
@@ -45,10 +45,8 @@ class KVCacheManager:
 
     def __init__(self, block_manager: BlockManager, block_size: int,
                  enable_prefix_caching: bool = True) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size: expected a positive int, got {block_size}")
         self.block_manager = block_manager
-        self.block_size = block_size
+        self.block_size = positive_int("block_size", block_size)
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache = PrefixCache()
         # Prompt tokens looked up in the cache, and those found (for the hit rate).

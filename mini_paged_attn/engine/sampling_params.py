@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..core.args import positive_int
+
 # Top logprobs a request may ask for per token (the sampler gathers them for the whole batch).
 MAX_LOGPROBS = 20
 # Temperatures below this are greedy: float32 logits divided by a tinier one overflow to inf
@@ -69,10 +71,8 @@ class SamplingParams:
             raise fail("top_k", "-1 (off) or an int >= 1")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise fail("min_p", "a number in [0, 1]")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise fail("max_tokens", "an int >= 1")
-        if not _is_int(self.n) or self.n < 1:
-            raise fail("n", "an int >= 1")
+        self.max_tokens = positive_int("max_tokens", self.max_tokens)
+        self.n = positive_int("n", self.n)
         if self.seed is not None and not _is_int(self.seed):
             raise fail("seed", "None or an int")
         if self.logprobs is not None and (not _is_int(self.logprobs)

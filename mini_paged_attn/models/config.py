@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..core.args import positive_int
+
 # architecture name in config.json -> the family whose flags apply
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -95,9 +97,7 @@ class ModelConfig:
                              f"got {self.architecture!r}")
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_q_heads",
                      "num_kv_heads", "head_size", "vocab_size", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+            object.__setattr__(self, name, positive_int(name, getattr(self, name)))
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads: expected a divisor of num_q_heads={self.num_q_heads}, "
                              f"got {self.num_kv_heads}")

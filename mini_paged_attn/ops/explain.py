@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.args import cdiv
+from ..core.args import cdiv, positive_int
 from .heuristics import num_splits_heuristic
 
 MAX_SPLITS = 128
@@ -300,12 +300,13 @@ def explain_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size
     if there is one, else assumes an H100's 132 SMs. Returns a :class:`DecodePlan`; print it
     for a short explanation. ``paged_decode(..., explain=True)`` logs the same plan.
     """
-    for name, value in (("num_seqs", num_seqs), ("num_q_heads", num_q_heads),
-                        ("num_kv_heads", num_kv_heads), ("head_size", head_size),
-                        ("block_size", block_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    if not isinstance(max_context_len, int) or max_context_len < 0:
+    num_seqs = positive_int("num_seqs", num_seqs)
+    num_q_heads = positive_int("num_q_heads", num_q_heads)
+    num_kv_heads = positive_int("num_kv_heads", num_kv_heads)
+    head_size = positive_int("head_size", head_size)
+    block_size = positive_int("block_size", block_size)
+    if (not isinstance(max_context_len, int) or isinstance(max_context_len, bool)
+            or max_context_len < 0):
         raise ValueError(f"max_context_len: expected an int >= 0, got {max_context_len!r}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={num_kv_heads}, "
