@@ -68,6 +68,25 @@ def table_width(max_blocks_per_seq: int) -> int:
     return cdiv(max_blocks_per_seq, TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
 
 
+def dummy_inputs(q_lens: list[int], width: int, device: torch.device) -> StepInputs:
+    """Inputs of a made-up step, for profiling and warm-up: sequence ``i`` computes its first
+    ``q_lens[i]`` tokens (all ``>= 1``; token id 0), writes nothing (slot -1) and reads block 0
+    only (every table entry is 0; ``width`` columns, as the engine's steps have). Nothing
+    samples."""
+    assert q_lens and min(q_lens) >= 1, q_lens
+    num_tokens = sum(q_lens)
+    lens = torch.tensor(q_lens, dtype=torch.int32)
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    torch.cumsum(lens, 0, out=cu[1:])
+    return StepInputs(
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+        positions=torch.cat([torch.arange(q) for q in q_lens]).to(device),
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        cu_seqlens_q=cu.to(device), context_lens=lens.to(device),
+        block_tables=torch.zeros(len(q_lens), width, dtype=torch.int32, device=device),
+        max_seqlen_q=max(q_lens), num_sample_rows=0, sample_rows=None)
+
+
 class InputBuilder:
     """Owns the staging buffers of the step inputs; reads the block-table rows of the KV cache.
 
@@ -195,4 +214,4 @@ def _layout(sizes: dict[str, int]) -> dict[str, int]:
     return offsets
 
 
-__all__ = ["InputBuilder", "StagingBuffer", "StepInputs", "table_width"]
+__all__ = ["InputBuilder", "StagingBuffer", "StepInputs", "dummy_inputs", "table_width"]
