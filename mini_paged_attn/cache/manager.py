@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.args import as_int, cdiv, positive_int
+from ..core.args import as_int, cdiv, check_bool, positive_int
 from ..core.block_manager import BlockManager
 from ..core.kv_cache_manager import KVCacheManager
 from .block_table import BlockTable
@@ -103,9 +103,7 @@ class PagedAttentionManager:
                           num_heads if num_kv_heads is None else num_kv_heads,
                           num_blocks if max_blocks_per_seq is None else max_blocks_per_seq,
                           dtype, torch.device(device), num_layers)
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching: expected a bool, got "
-                             f"{enable_prefix_caching!r}")
+        check_bool("enable_prefix_caching", enable_prefix_caching)
         self.config = cfg
         self.num_sequences, self.num_heads, self.head_size = (cfg.num_sequences, cfg.num_heads,
                                                                cfg.head_size)

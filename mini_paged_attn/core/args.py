@@ -1,7 +1,8 @@
-"""Integer arguments, the same way in every layer: coercion, the positive-int check, ceil division.
+"""Checks of scalar arguments, the same way in every layer, and ceil division.
 
 Python's ``bool`` is an ``int``, and numpy / torch integer scalars are not; an index must accept
-the latter and refuse the former, the same way everywhere.
+the latter and refuse the former, the same way everywhere. A flag must be a real ``bool``: a
+truthy 1 or "no" is a caller's mistake.
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ def as_int(name: str, value: object) -> int:
                         f"got {type(value).__name__} ({value!r})") from None
 
 
+def _int_at_least(name: str, value: object, low: int, expected: str) -> int:
+    try:
+        v = as_int(name, value)
+    except TypeError:
+        v = low - 1
+    if v < low:
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+    return v
+
+
 def positive_int(name: str, value: object) -> int:
     """Return ``value`` as a Python int >= 1, or raise ValueError naming ``name``.
 
@@ -32,13 +43,19 @@ def positive_int(name: str, value: object) -> int:
     ValueError too, since for a size or a count a value of the wrong type is a bad value. An
     index argument that must refuse a non-integer with TypeError calls :func:`as_int` first.
     """
-    try:
-        v = as_int(name, value)
-    except TypeError:
-        v = 0
-    if v < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return v
+    return _int_at_least(name, value, 1, "a positive int")
+
+
+def non_negative_int(name: str, value: object) -> int:
+    """:func:`positive_int` for a length or a bound that may be 0."""
+    return _int_at_least(name, value, 0, "a non-negative int")
+
+
+def check_bool(name: str, value: object) -> bool:
+    """Return ``value`` if it is a ``bool``, else raise ValueError naming ``name``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected a bool, got {value!r}")
+    return value
 
 
 def cdiv(a, b):
@@ -47,4 +64,4 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-__all__ = ["as_int", "cdiv", "positive_int"]
+__all__ = ["as_int", "cdiv", "check_bool", "non_negative_int", "positive_int"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.args import positive_int
+from ..core.args import check_bool, positive_int
 from ..ops.dispatch import BACKENDS
 
 # KV cache budget on CPU, where there is no free-memory query worth trusting.
@@ -64,8 +64,7 @@ class EngineConfig:
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t < float("inf"):
             raise ValueError(f"log_stats_interval_s: expected a number >= 0, got {t!r}")
         for name in ("enable_prefix_caching", "enforce_eager"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
 
 
 __all__ = ["DEFAULT_CPU_KV_CACHE_BYTES", "EngineConfig"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..core.args import positive_int
+from ..core.args import check_bool, positive_int
 
 # Top logprobs a request may ask for per token (the sampler gathers them for the whole batch).
 MAX_LOGPROBS = 20
@@ -78,8 +78,7 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise fail("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
-        if not isinstance(self.ignore_eos, bool):
-            raise fail("ignore_eos", "a bool")
+        check_bool("ignore_eos", self.ignore_eos)
         stop = self.stop
         if stop is None:
             stop = ()

@@ -10,6 +10,7 @@ Every failure is a ``ValueError`` that names the argument, what was expected and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -88,11 +89,12 @@ def check_heads(num_q_heads: int, num_kv_heads: int, q_head_size: int, kv_head_s
                     f"num_q_heads={num_q_heads}")
 
 
-def check_scale(scale: float | None, head_size: int) -> float:
+def check_scale(scale: float | None, head_size: int, name: str = "scale") -> float:
+    """The softmax scale: ``scale`` (a finite number > 0), or ``head_size ** -0.5`` for None."""
     if scale is None:
         return head_size ** -0.5
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
-        raise _fail("scale", "a positive float or None", scale)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not 0 < scale < math.inf:
+        raise _fail(name, "a positive float or None", repr(scale))
     return float(scale)
 
 

@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from ..core.args import check_bool, non_negative_int
 from . import reference
 from .checks import (FLOAT_DTYPES, PagedShapes, check_cache_pair, check_paged_decode_args,
                      check_paged_prefill_args, check_paged_values, check_tensor)
@@ -98,6 +99,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     """
     shapes = check_paged_decode_args(query, key_cache, value_cache, block_tables,
                                      context_lens, scale, out)
+    check_bool("return_lse", return_lse)
+    check_bool("explain", explain)
     chosen = resolve_backend(backend, query.device)
     if chosen == "torch":
         if num_splits is not None or workspace is not None:
@@ -143,17 +146,19 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         causal: mask cache positions after each query token (bottom-right aligned).
         scale, out, return_lse, backend: as in :func:`paged_decode` (lse is
             ``[total_q, num_q_heads]``).
-        max_seqlen_q: accepted for callers that know it (FlashAttention-style); unused: the
-            triton launch schedules its tiles without a bound on ``q_len`` and needs no host
-            sync either way.
+        max_seqlen_q: None or a non-negative int, accepted for callers that know it
+            (FlashAttention-style); unused: the triton launch schedules its tiles without a
+            bound on ``q_len`` and needs no host sync either way.
 
     Returns:
         ``out`` ``[total_q, num_q_heads, head_size]``, or ``(out, lse)`` when ``return_lse``.
     """
     shapes = check_paged_prefill_args(query, key_cache, value_cache, block_tables,
                                       cu_seqlens_q, context_lens, scale, out)
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal: expected a bool, got {causal!r}")
+    check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
+    if max_seqlen_q is not None:
+        non_negative_int("max_seqlen_q", max_seqlen_q)
     chosen = resolve_backend(backend, query.device)
     total_q = query.shape[0]
     if chosen == "torch":

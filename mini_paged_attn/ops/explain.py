@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.args import cdiv, positive_int
+from ..core.args import cdiv, non_negative_int, positive_int
 from .heuristics import num_splits_heuristic
 
 MAX_SPLITS = 128
@@ -305,9 +305,7 @@ def explain_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size
     num_kv_heads = positive_int("num_kv_heads", num_kv_heads)
     head_size = positive_int("head_size", head_size)
     block_size = positive_int("block_size", block_size)
-    if (not isinstance(max_context_len, int) or isinstance(max_context_len, bool)
-            or max_context_len < 0):
-        raise ValueError(f"max_context_len: expected an int >= 0, got {max_context_len!r}")
+    max_context_len = non_negative_int("max_context_len", max_context_len)
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={num_kv_heads}, "
                          f"got {num_q_heads}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.args import as_int
+from ..core.args import check_bool, non_negative_int
 from . import reference
 from .checks import FLOAT_DTYPES, check_scale, check_tensor
 from .dispatch import paged_prefill, resolve_backend
@@ -43,16 +43,6 @@ def _not_implemented(dropout_p, window_size, softcap, alibi_slopes, return_attn_
     if return_attn_probs:
         raise NotImplementedError("return_attn_probs=True: returning attention probabilities "
                                   "is not implemented")
-
-
-def _seqlen_bound(name: str, value: object) -> int:
-    try:
-        v = as_int(name, value)
-    except TypeError as e:
-        raise ValueError(str(e)) from None
-    if v < 0:
-        raise ValueError(f"{name}: expected a non-negative int, got {v}")
-    return v
 
 
 def _check_cu_values(name: str, cu: torch.Tensor, total: int, exact: bool,
@@ -105,8 +95,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         NotImplementedError: an unimplemented option.
     """
     _not_implemented(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs)
-    max_seqlen_q = _seqlen_bound("max_seqlen_q", max_seqlen_q)
-    max_seqlen_k = _seqlen_bound("max_seqlen_k", max_seqlen_k)
+    max_seqlen_q = non_negative_int("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = non_negative_int("max_seqlen_k", max_seqlen_k)
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=q.device)
     check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=(torch.int32,), device=q.device)
@@ -114,14 +104,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise ValueError(f"cu_seqlens_k: expected the shape of cu_seqlens_q "
                          f"{tuple(cu_seqlens_q.shape)} (num_seqs + 1, at least 1), "
                          f"got {tuple(cu_seqlens_k.shape)}")
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal: expected a bool, got {causal!r}")
+    check_bool("causal", causal)
     q = _last_dim_contiguous(q)
-    try:
-        scale = check_scale(softmax_scale, q.shape[-1])
-    except ValueError:
-        raise ValueError(f"softmax_scale: expected a positive float or None, "
-                         f"got {softmax_scale!r}") from None
+    scale = check_scale(softmax_scale, q.shape[-1], name="softmax_scale")
 
     if block_table is not None:
         # Paged K/V: FlashAttention's per-sequence K length is the difference of cu_seqlens_k.

@@ -69,14 +69,21 @@ BAD = [
     ("cu_seqlens_q", dict(cu_seqlens_q=int32(0, 4, 3))),  # decreasing
     ("cu_seqlens_q", dict(cu_seqlens_q=int32(0, 2, 4))),  # ends before total_q = 5
     ("cu_seqlens_q", dict(cu_seqlens_q=int32(0, 1, 5))),  # q_len 4 > context_len 3
+    ("scale", dict(scale=float("inf"))),
+    ("return_lse", dict(return_lse=1)),
     ("causal", dict(causal=None)),  # prefill only
+    ("max_seqlen_q", dict(max_seqlen_q=-1)),  # prefill only
+    ("max_seqlen_q", dict(max_seqlen_q=2.5)),  # prefill only
+    ("explain", dict(explain="yes")),  # decode only
 ]
 
 
 def applies(op, change):
-    """decode has no cu_seqlens_q or causal; prefill has no num_splits."""
-    only_prefill = {"cu_seqlens_q", "causal"} & change.keys()
-    return not (only_prefill if op == "decode" else "num_splits" in change)
+    """decode has no cu_seqlens_q, causal or max_seqlen_q; prefill has no num_splits or
+    explain."""
+    only_prefill = {"cu_seqlens_q", "causal", "max_seqlen_q"} & change.keys()
+    only_decode = {"num_splits", "explain"} & change.keys()
+    return not (only_prefill if op == "decode" else only_decode)
 
 
 def out_like(query, rows):
