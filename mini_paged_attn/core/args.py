@@ -10,6 +10,16 @@ from __future__ import annotations
 import operator
 
 
+def arg_error(name: str, expected: str, got: object) -> ValueError:
+    """The error for a bad argument: ``"{name}: expected {expected}, got {got}"``."""
+    return ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def is_number(value: object) -> bool:
+    """An int or a float, and not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def as_int(name: str, value: object) -> int:
     """Return ``value`` as a Python int, or raise TypeError naming ``name``.
 
@@ -32,7 +42,7 @@ def _int_at_least(name: str, value: object, low: int, expected: str) -> int:
     except TypeError:
         v = low - 1
     if v < low:
-        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+        raise arg_error(name, expected, repr(value))
     return v
 
 
@@ -54,7 +64,7 @@ def non_negative_int(name: str, value: object) -> int:
 def check_bool(name: str, value: object) -> bool:
     """Return ``value`` if it is a ``bool``, else raise ValueError naming ``name``."""
     if not isinstance(value, bool):
-        raise ValueError(f"{name}: expected a bool, got {value!r}")
+        raise arg_error(name, "a bool", repr(value))
     return value
 
 
@@ -64,4 +74,5 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-__all__ = ["as_int", "cdiv", "check_bool", "non_negative_int", "positive_int"]
+__all__ = ["arg_error", "as_int", "cdiv", "check_bool", "is_number", "non_negative_int",
+           "positive_int"]

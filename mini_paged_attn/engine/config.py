@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.args import check_bool, positive_int
+from ..core.args import check_bool, is_number, positive_int
 from ..ops.dispatch import BACKENDS
 
 # KV cache budget on CPU, where there is no free-memory query worth trusting.
@@ -54,14 +54,14 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, positive_int(name, getattr(self, name)))
         u = self.gpu_memory_utilization
-        if not isinstance(u, (int, float)) or isinstance(u, bool) or not 0 < u <= 1:
+        if not is_number(u) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {u!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed: expected an int, got {self.seed!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
         t = self.log_stats_interval_s
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t < float("inf"):
+        if not is_number(t) or not 0 <= t < float("inf"):
             raise ValueError(f"log_stats_interval_s: expected a number >= 0, got {t!r}")
         for name in ("enable_prefix_caching", "enforce_eager"):
             check_bool(name, getattr(self, name))

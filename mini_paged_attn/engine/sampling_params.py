@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..core.args import check_bool, positive_int
+from ..core.args import check_bool, is_number, positive_int
 
 # Top logprobs a request may ask for per token (the sampler gathers them for the whole batch).
 MAX_LOGPROBS = 20
@@ -16,10 +16,6 @@ GREEDY_TEMPERATURE = 1e-5
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -63,13 +59,13 @@ class SamplingParams:
         def fail(name: str, expected: str) -> ValueError:
             return ValueError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
 
-        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+        if not is_number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise fail("temperature", "a number >= 0 (0 is greedy)")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise fail("top_p", "a number in (0, 1]")
         if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             raise fail("top_k", "-1 (off) or an int >= 1")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise fail("min_p", "a number in [0, 1]")
         self.max_tokens = positive_int("max_tokens", self.max_tokens)
         self.n = positive_int("n", self.n)

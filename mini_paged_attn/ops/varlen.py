@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from ..core.args import check_bool, non_negative_int
+from ..core.args import check_bool, is_number, non_negative_int
 from . import reference
 from .checks import FLOAT_DTYPES, check_scale, check_tensor
 from .dispatch import paged_prefill, resolve_backend
 
 
 def _not_implemented(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs) -> None:
-    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or \
-            not 0.0 <= dropout_p < 1.0:
+    if not is_number(dropout_p) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
     if dropout_p > 0:
         raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not implemented "
