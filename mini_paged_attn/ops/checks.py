@@ -164,6 +164,20 @@ def check_paged_prefill_args(query, key_cache, value_cache, block_tables, cu_seq
                        block_tables.shape[1], check_scale(scale, head_size))
 
 
+def check_cu_seqlens(name: str, cu_seqlens: torch.Tensor, total: int, total_name: str, *,
+                     exact: bool = True) -> torch.Tensor:
+    """Check the values of cumulative lengths (a host sync on CUDA): they start at 0, never
+    decrease and end at ``total`` (``exact``) or at most at ``total``. Returns the lengths,
+    int64 ``[num_seqs]`` on the host."""
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    lens = cu[1:] - cu[:-1]
+    end_ok = int(cu[-1]) == total if exact else int(cu[-1]) <= total
+    if int(cu[0]) != 0 or (lens < 0).any() or not end_ok:
+        end = f"{total_name}={total}" if exact else f"at most {total_name}={total}"
+        raise arg_error(name, f"a non-decreasing sequence from 0 to {end}", cu.tolist())
+    return lens
+
+
 def check_paged_values(shapes: PagedShapes, block_tables: torch.Tensor,
                        context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None = None,
                        total_q: int | None = None) -> None:
@@ -196,11 +210,7 @@ def check_paged_values(shapes: PagedShapes, block_tables: torch.Tensor,
                             f"block ids in [0, {shapes.num_blocks}) for used entries",
                             f"block_tables[{i}, {j}]={int(table[i, j])}")
     if cu_seqlens_q is not None:
-        cu = cu_seqlens_q.detach().to("cpu", torch.int64)
-        q_lens = cu[1:] - cu[:-1]
-        if int(cu[0]) != 0 or (q_lens < 0).any() or int(cu[-1]) != total_q:
-            raise arg_error("cu_seqlens_q",
-                            f"a non-decreasing sequence from 0 to total_q={total_q}", cu.tolist())
+        q_lens = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q")
         if (q_lens > lens).any():
             i = int(torch.nonzero(q_lens > lens)[0])
             raise arg_error("cu_seqlens_q",
