@@ -151,7 +151,8 @@ class ModelConfig:
         hidden_size = int(need("hidden_size"))
         num_q_heads = int(need("num_attention_heads"))
         num_kv_heads = int(raw.get("num_key_value_heads") or num_q_heads)
-        head_size = raw.get("head_dim") or hidden_size // num_q_heads
+        # num_attention_heads 0 is refused (by name) in __post_init__, not as a ZeroDivisionError.
+        head_size = raw.get("head_dim") or (hidden_size // num_q_heads if num_q_heads > 0 else 0)
         attention_bias = bool(raw.get("attention_bias", False))
         eos = _merge_ids(raw.get("eos_token_id"),
                          (generation_config or {}).get("eos_token_id"))
