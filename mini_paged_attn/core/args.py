@@ -1,4 +1,4 @@
-"""Checks of scalar arguments, the same way in every layer, and ceil division.
+"""Checks of scalar arguments, the same way in every layer; integer rounding on the host.
 
 Python's ``bool`` is an ``int``, and numpy / torch integer scalars are not; an index must accept
 the latter and refuse the former, the same way everywhere. A flag must be a real ``bool``: a
@@ -74,5 +74,10 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-__all__ = ["arg_error", "as_int", "cdiv", "check_bool", "is_number", "non_negative_int",
-           "positive_int"]
+def next_pow2(x: int) -> int:
+    """The smallest power of two ``>= x`` (1 for ``x <= 1``)."""
+    return 1 << max(0, x - 1).bit_length()
+
+
+__all__ = ["arg_error", "as_int", "cdiv", "check_bool", "is_number", "next_pow2",
+           "non_negative_int", "positive_int"]

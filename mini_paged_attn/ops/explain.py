@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.args import cdiv, non_negative_int, positive_int
+from ..core.args import cdiv, next_pow2, non_negative_int, positive_int
 from .heuristics import num_splits_heuristic
 
 MAX_SPLITS = 128
@@ -39,10 +39,6 @@ the heuristic's choices were tuned (measured) with this count."""
 
 ASSUMED_NUM_SMS = 132
 """SM count used for planning when no CUDA device is given (an H100 or H200)."""
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,7 +65,7 @@ class DecodeTiles:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.block_n, int) and self.block_n >= 16
-                and self.block_n == _next_pow2(self.block_n)):
+                and self.block_n == next_pow2(self.block_n)):
             raise ValueError(f"block_n: expected a power of two >= 16, got {self.block_n!r}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}")
@@ -107,7 +103,7 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool,
     if not on_gpu:
         return DecodeTiles(block_n=16, num_warps=4, num_stages=1)
     # One token of K as the kernel holds it (head_size padded to a power of two >= 16).
-    row_bytes = max(16, _next_pow2(head_size)) * torch.finfo(dtype).bits // 8
+    row_bytes = max(16, next_pow2(head_size)) * torch.finfo(dtype).bits // 8
     if split:
         if row_bytes <= 128:      # head_size <= 64 in 16-bit
             return DecodeTiles(block_n=128, num_warps=4, num_stages=3)
@@ -177,11 +173,11 @@ class DecodePlan:
     @property
     def block_h(self) -> int:
         """Query-head rows of a tile: the group padded to a power of two >= 16 (``tl.dot``)."""
-        return max(16, _next_pow2(self.group_size))
+        return max(16, next_pow2(self.group_size))
 
     @property
     def head_size_padded(self) -> int:
-        return max(16, _next_pow2(self.head_size))
+        return max(16, next_pow2(self.head_size))
 
     @property
     def units(self) -> int:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.args import cdiv
+from ..core.args import cdiv, next_pow2
 
 
 # A sequence with q_len * group_size <= SMALL_ROWS (decode rows, short chunks) runs a tile of
@@ -82,7 +82,7 @@ def tiling(config: PrefillConfig, group_size: int, head_size: int) -> PrefillTil
         heads_per_tile=heads_per_tile,
         head_chunks=cdiv(group_size, heads_per_tile),
         tokens_per_tile=config.block_m // heads_per_tile,
-        head_size_padded=max(16, 1 << (head_size - 1).bit_length()),
+        head_size_padded=max(16, next_pow2(head_size)),
         small_rows=SMALL_ROWS if config.block_m > SMALL_ROWS >= heads_per_tile else 0,
     )
 
@@ -111,7 +111,7 @@ def default_config(head_size: int, dtype: torch.dtype, device: torch.device,
     """
     if device.type != "cuda":
         return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
-    padded = max(16, 1 << (head_size - 1).bit_length())
+    padded = max(16, next_pow2(head_size))
     if dtype == torch.float32:
         return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if padded > 128:
