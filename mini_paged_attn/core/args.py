@@ -15,6 +15,11 @@ def arg_error(name: str, expected: str, got: object) -> ValueError:
     return ValueError(f"{name}: expected {expected}, got {got}")
 
 
+def is_int(value: object) -> bool:
+    """A Python int, and not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def is_number(value: object) -> bool:
     """An int or a float, and not a bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -79,5 +84,5 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
-__all__ = ["arg_error", "as_int", "cdiv", "check_bool", "is_number", "next_pow2",
+__all__ = ["arg_error", "as_int", "cdiv", "check_bool", "is_int", "is_number", "next_pow2",
            "non_negative_int", "positive_int"]

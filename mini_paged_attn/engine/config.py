@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.args import check_bool, is_number, positive_int
+from ..core.args import check_bool, is_int, is_number, positive_int
 from ..ops.dispatch import BACKENDS
 
 # KV cache budget on CPU, where there is no free-memory query worth trusting.
@@ -56,7 +56,7 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if not is_number(u) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {u!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+        if not is_int(self.seed):
             raise ValueError(f"seed: expected an int, got {self.seed!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.args import arg_error, cdiv, is_number
+from ..core.args import arg_error, cdiv, is_int, is_number, next_pow2
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -41,6 +41,19 @@ class PagedShapes:
 
 def _describe(t: torch.Tensor) -> str:
     return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+
+
+def check_launch_config(config: object, tile_names: tuple[str, ...], max_stages: int) -> None:
+    """Check a Triton launch config: each of ``tile_names`` a power of two >= 16, ``num_warps``
+    in 1, 2, 4, 8, 16 and ``num_stages`` an int in ``1..max_stages``."""
+    for name in tile_names:
+        value = getattr(config, name)
+        if not (is_int(value) and value >= 16 and value == next_pow2(value)):
+            raise arg_error(name, "a power of two >= 16", repr(value))
+    if not (is_int(config.num_warps) and config.num_warps in (1, 2, 4, 8, 16)):
+        raise arg_error("num_warps", "1, 2, 4, 8 or 16", repr(config.num_warps))
+    if not (is_int(config.num_stages) and 1 <= config.num_stages <= max_stages):
+        raise arg_error("num_stages", f"an int in 1..{max_stages}", repr(config.num_stages))
 
 
 def check_tensor(name: str, t: object, *, ndim: int, dtypes: tuple[torch.dtype, ...],

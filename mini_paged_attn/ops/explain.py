@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.args import cdiv, next_pow2, non_negative_int, positive_int
+from ..core.args import cdiv, is_int, next_pow2, non_negative_int, positive_int
+from .checks import check_launch_config
 from .heuristics import num_splits_heuristic
 
 MAX_SPLITS = 128
@@ -64,13 +65,7 @@ class DecodeTiles:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.block_n, int) and self.block_n >= 16
-                and self.block_n == next_pow2(self.block_n)):
-            raise ValueError(f"block_n: expected a power of two >= 16, got {self.block_n!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}")
-        if not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 12):
-            raise ValueError(f"num_stages: expected an int in 1..12, got {self.num_stages!r}")
+        check_launch_config(self, ("block_n",), max_stages=12)
 
 
 def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool, *,
@@ -260,9 +255,7 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
     max_splits: cap for the heuristic (a caller's workspace may hold fewer splits).
     on_gpu: pick GPU tiles (else small interpreter tiles); ``tiles`` overrides either.
     """
-    if num_splits is not None and not (isinstance(num_splits, int)
-                                       and not isinstance(num_splits, bool)
-                                       and 1 <= num_splits <= MAX_SPLITS):
+    if num_splits is not None and not (is_int(num_splits) and 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits: expected an int in 1..{MAX_SPLITS} or None, "
                          f"got {num_splits!r}")
     units = num_seqs * num_kv_heads

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.args import cdiv, next_pow2
+from .checks import check_launch_config
 
 
 # A sequence with q_len * group_size <= SMALL_ROWS (decode rows, short chunks) runs a tile of
@@ -27,10 +28,6 @@ from ..core.args import cdiv, next_pow2
 # context is memory-bound, and a 128-row tile would spend most of its tensor-core work on
 # empty rows.
 SMALL_ROWS = 16
-
-
-def _is_pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -48,14 +45,7 @@ class PrefillConfig:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and _is_pow2(value) and value >= 16):
-                raise ValueError(f"{name}: expected a power of two >= 16, got {value!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}")
-        if not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 8):
-            raise ValueError(f"num_stages: expected an int in 1..8, got {self.num_stages!r}")
+        check_launch_config(self, ("block_m", "block_n"), max_stages=8)
 
 
 @dataclass(frozen=True)
