@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from mini_paged_attn.ops import paged_decode, paged_prefill, store_kv
+from mini_paged_attn.ops.explain import DecodeTiles
+from mini_paged_attn.ops.prefill_plan import PrefillConfig
 
 NUM_BLOCKS, BLOCK_SIZE, HKV, HQ, D = 6, 4, 2, 4, 8
 
@@ -158,3 +160,14 @@ def test_store_kv_bad_argument_writes_nothing(name, change):
     with pytest.raises(ValueError, match=rf"^{name}:"):
         store_kv(**args)
     assert not args["key_cache"].any() and not args["value_cache"].any()
+
+
+@pytest.mark.parametrize("cls, field, value", [
+    (DecodeTiles, "block_n", 48), (DecodeTiles, "num_warps", True),
+    (DecodeTiles, "num_stages", 13), (DecodeTiles, "num_stages", True),
+    (PrefillConfig, "block_m", 8), (PrefillConfig, "num_warps", 3),
+    (PrefillConfig, "num_stages", 9),
+])
+def test_bad_launch_config_raises_naming_the_field(cls, field, value):
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        cls(**{field: value})
