@@ -56,6 +56,18 @@ def _outputs(query: torch.Tensor, out: torch.Tensor | None, return_lse: bool, ro
     return out, lse
 
 
+def _reference_outputs(query: torch.Tensor, out: torch.Tensor | None, return_lse: bool,
+                       result: tuple[torch.Tensor, torch.Tensor]):
+    """The reference's float32 (out ``[rows, num_q_heads, head_size]``, lse ``[rows,
+    num_q_heads]``) written into the caller's ``out`` (or a new tensor in the query's dtype)."""
+    o, l = result
+    out, lse = _outputs(query, out, return_lse, o.shape[0], o.shape[1])
+    out.copy_(o)
+    if lse is not None:
+        lse.copy_(l)
+    return out, lse
+
+
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, *,
                  scale: float | None = None, out: torch.Tensor | None = None,
@@ -107,12 +119,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
             raise ValueError("num_splits/workspace: only the triton backend takes them, "
                              f"got num_splits={num_splits}, workspace given={workspace is not None}")
         check_paged_values(shapes, block_tables, context_lens)
-        o, l = reference.paged_decode_gather(query, key_cache, value_cache, block_tables,
-                                              context_lens, scale=shapes.scale)
-        out, lse = _outputs(query, out, return_lse, shapes.num_seqs, shapes.num_q_heads)
-        out.copy_(o)
-        if lse is not None:
-            lse.copy_(l)
+        out, lse = _reference_outputs(query, out, return_lse, reference.paged_decode_gather(
+            query, key_cache, value_cache, block_tables, context_lens, scale=shapes.scale))
     else:
         from .decode import triton_paged_decode
         out, lse = _outputs(query, out, return_lse, shapes.num_seqs, shapes.num_q_heads)
@@ -163,13 +171,9 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     total_q = query.shape[0]
     if chosen == "torch":
         check_paged_values(shapes, block_tables, context_lens, cu_seqlens_q, total_q)
-        o, l = reference.paged_prefill_gather(query, key_cache, value_cache, block_tables,
-                                               cu_seqlens_q, context_lens, causal=causal,
-                                               scale=shapes.scale)
-        out, lse = _outputs(query, out, return_lse, total_q, shapes.num_q_heads)
-        out.copy_(o)
-        if lse is not None:
-            lse.copy_(l)
+        out, lse = _reference_outputs(query, out, return_lse, reference.paged_prefill_gather(
+            query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens,
+            causal=causal, scale=shapes.scale))
     else:
         from .prefill import triton_paged_prefill
         out, lse = _outputs(query, out, return_lse, total_q, shapes.num_q_heads)
