@@ -45,7 +45,7 @@ def _int_at_least(name: str, value: object, low: int, expected: str) -> int:
     try:
         v = as_int(name, value)
     except TypeError:
-        v = low - 1
+        raise arg_error(name, expected, repr(value)) from None
     if v < low:
         raise arg_error(name, expected, repr(value))
     return v
