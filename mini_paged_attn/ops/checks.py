@@ -70,6 +70,12 @@ def check_tensor(name: str, t: object, *, ndim: int, dtypes: tuple[torch.dtype, 
     return t
 
 
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    """The kernels index a tensor's last dim with stride 1; other dims may have any strides."""
+    if t.stride(-1) != 1:
+        raise arg_error(name, "a contiguous last dimension (stride 1)", f"strides {t.stride()}")
+
+
 def check_cache_pair(key_cache: object, value_cache: object, dtype: torch.dtype,
                      device: torch.device) -> tuple[int, int, int, int]:
     """Check the paged K/V caches; return (num_blocks, block_size, num_kv_heads, head_size).
@@ -79,8 +85,7 @@ def check_cache_pair(key_cache: object, value_cache: object, dtype: torch.dtype,
     """
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
         check_tensor(name, c, ndim=4, dtypes=(dtype,), device=device)
-        if c.stride(-1) != 1:
-            raise arg_error(name, "a contiguous last dimension (stride 1)", f"stride {c.stride()}")
+        check_last_dim_contiguous(name, c)
     if key_cache.shape != value_cache.shape:
         raise arg_error("value_cache", f"the shape of key_cache {tuple(key_cache.shape)}",
                         tuple(value_cache.shape))
@@ -122,9 +127,7 @@ def _check_query_and_caches(query, key_cache, value_cache) -> tuple[int, int, in
     """Checks common to decode and prefill; returns
     (num_q_heads, head_size, num_blocks, block_size, num_kv_heads)."""
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
-    if query.stride(-1) != 1:
-        raise arg_error("query", "a contiguous last dimension (stride 1)",
-                        f"stride {query.stride()}")
+    check_last_dim_contiguous("query", query)
     _, num_q_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, kv_head_size = check_cache_pair(
         key_cache, value_cache, query.dtype, query.device)
@@ -137,9 +140,7 @@ def _check_table_rows(block_tables, num_seqs: int, source: str, device: torch.de
     if block_tables.shape[0] != num_seqs:
         raise arg_error("block_tables", f"{num_seqs} rows (num_seqs of {source})",
                         f"shape {tuple(block_tables.shape)}")
-    if block_tables.stride(-1) != 1:
-        raise arg_error("block_tables", "a contiguous last dimension",
-                        f"stride {block_tables.stride()}")
+    check_last_dim_contiguous("block_tables", block_tables)
 
 
 def check_paged_decode_args(query, key_cache, value_cache, block_tables, context_lens,

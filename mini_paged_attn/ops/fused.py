@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.args import arg_error, is_number
-from .checks import FLOAT_DTYPES, check_tensor
+from .checks import FLOAT_DTYPES, check_last_dim_contiguous, check_tensor
 from .dispatch import resolve_backend
 
 
@@ -98,8 +98,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
         return rms_norm_reference(summed, weight, eps), summed
     from .fused_triton import triton_rms_norm
     for name, t in (("x", x), ("weight", weight), ("residual", residual)):
-        if t is not None and t.stride(-1) != 1:
-            raise arg_error(name, "a contiguous last dimension (stride 1)", f"strides {t.stride()}")
+        if t is not None:
+            check_last_dim_contiguous(name, t)
     shape = x.shape
     if x.dim() not in (2, 3):
         x = x.reshape(-1, dim)
@@ -159,8 +159,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     from .fused_triton import triton_apply_rotary
     weights = () if qk_norm is None else (("q_weight", qk_norm[0]), ("k_weight", qk_norm[1]))
     for name, t in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache), *weights):
-        if t.stride(-1) != 1:
-            raise arg_error(name, "a contiguous last dimension (stride 1)", f"strides {t.stride()}")
+        check_last_dim_contiguous(name, t)
     return triton_apply_rotary(q, k, positions, cos_sin_cache, qk_norm)
 
 
@@ -182,8 +181,7 @@ def silu_and_mul(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     if chosen == "torch":
         return silu_and_mul_reference(x)
     from .fused_triton import triton_silu_and_mul
-    if x.stride(-1) != 1:
-        raise arg_error("x", "a contiguous last dimension (stride 1)", f"strides {x.stride()}")
+    check_last_dim_contiguous("x", x)
     return triton_silu_and_mul(x)
 
 
