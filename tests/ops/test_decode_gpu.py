@@ -134,7 +134,7 @@ def test_pool_over_2_pow_31_elements():
     assert int(top.min()) * per_block > 2 ** 31        # every used block lies past 2^31
     query = torch.randn(len(lens), 32, d, device="cuda", dtype=torch.float16)
     batch = PagedBatch.decode(query, pool[:, :, 0], pool[:, :, 1], tables,
-                        torch.tensor(lens, dtype=torch.int32, device="cuda"))
+                              torch.tensor(lens, dtype=torch.int32, device="cuda"))
     for num_splits in (None, 1):
         assert_decode_matches_reference(batch, *_run(batch, num_splits=num_splits))
     del pool

@@ -96,7 +96,7 @@ def test_cache_larger_than_2_to_31_elements():
     value_cache[far] = small.value_cache[used.long()]
     tables = far.to(torch.int32)
     batch = PagedBatch(small.query, key_cache, value_cache, tables, small.cu_seqlens_q,
-                         small.context_lens)
+                       small.context_lens)
     run_and_compare(batch, causal=True, config=None)
 
 
