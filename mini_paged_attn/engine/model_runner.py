@@ -131,7 +131,8 @@ class ModelRunner:
         # The pool does not exist yet: one scratch block, the only one the dummy batch reads.
         scratch = torch.zeros((2, 1, self.block_size, mc.num_kv_heads, mc.head_size),
                               dtype=self.dtype, device=self.device)
-        hidden = self._run_dummy(lens, [(scratch[0], scratch[1])] * mc.num_layers)
+        hidden = self._run_dummy(lens, [(scratch[0], scratch[1])] * mc.num_layers,
+                                 decode_only=False)
         rows = min(cfg.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:rows])
         params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=50)] * rows
@@ -150,18 +151,18 @@ class ModelRunner:
             for q_len in (1, 4, 200):
                 if num_seqs * q_len > self.config.max_num_batched_tokens or q_len > max_model_len:
                     continue
-                self._run_dummy([q_len] * num_seqs, self.kv_caches)
+                self._run_dummy([q_len] * num_seqs, self.kv_caches, decode_only=q_len == 1)
         torch.cuda.synchronize(self.device)
         logger.info("warmed up the kernels in %.1f s", time.perf_counter() - start)
 
-    def _run_dummy(self, q_lens: list[int], kv_caches) -> torch.Tensor:
+    def _run_dummy(self, q_lens: list[int], kv_caches, *, decode_only: bool) -> torch.Tensor:
         """Forward a made-up batch (see ``input_batch.dummy_inputs``: sequence ``i`` computes
-        ``q_lens[i]`` tokens, writes nothing, reads block 0 of ``kv_caches``), through the same
-        attention path as a step of that shape. Returns the hidden states
+        ``q_lens[i]`` tokens, writes nothing, reads block 0 of ``kv_caches``) through the
+        decode path (every ``q_lens[i]`` 1) or the prefill path. Returns the hidden states
         ``[sum(q_lens), hidden_size]``."""
         step = dummy_inputs(q_lens, self.table_width, self.device)
-        meta = AttentionMetadata.for_step(step, decode_only=step.max_seqlen_q == 1,
-                                          backend=self.backend, decode_workspace=self.workspace)
+        meta = AttentionMetadata.for_step(step, decode_only=decode_only, backend=self.backend,
+                                          decode_workspace=self.workspace)
         return self.model(step.input_ids, step.positions, kv_caches, meta)
 
     # ---- one step -----------------------------------------------------------------------------
