@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.args import as_int
+from ..core.args import as_int, cdiv, check_bool, positive_int
 from ..core.block_manager import BlockManager
 from ..core.kv_cache_manager import KVCacheManager
 from .block_table import BlockTable
@@ -67,9 +67,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         for name in ("num_sequences", "num_heads", "head_size", "block_size", "num_blocks",
                      "num_kv_heads", "max_blocks_per_seq", "num_layers"):
-            value = as_int(name, getattr(self, name))
-            if value <= 0:
-                raise ValueError(f"{name}: expected a positive int, got {value}")
+            # A non-integer is a TypeError, as for every index argument of the manager.
+            value = positive_int(name, as_int(name, getattr(self, name)))
             object.__setattr__(self, name, value)  # numpy / torch integers -> int
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads: expected a divisor of num_heads={self.num_heads}, "
@@ -104,9 +103,7 @@ class PagedAttentionManager:
                           num_heads if num_kv_heads is None else num_kv_heads,
                           num_blocks if max_blocks_per_seq is None else max_blocks_per_seq,
                           dtype, torch.device(device), num_layers)
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching: expected a bool, got "
-                             f"{enable_prefix_caching!r}")
+        check_bool("enable_prefix_caching", enable_prefix_caching)
         self.config = cfg
         self.num_sequences, self.num_heads, self.head_size = (cfg.num_sequences, cfg.num_heads,
                                                                cfg.head_size)
@@ -207,7 +204,7 @@ class PagedAttentionManager:
         n = as_int("num_prompt_tokens", num_prompt_tokens)
         if n < 0:
             raise ValueError(f"num_prompt_tokens: expected >= 0, got {n}")
-        needed = -(-n // self.block_size)
+        needed = cdiv(n, self.block_size)
         self._check_row_fits(seq_id, needed)
         blocks = self.block_manager.allocate_blocks(needed)
         self.seq_block_mapping[seq_id] = blocks
@@ -235,7 +232,7 @@ class PagedAttentionManager:
             raise ValueError(f"current_seq_len: expected the length of sequence {seq_id}, "
                              f"{length}, got {pos}")
         blocks = self.seq_block_mapping[seq_id]
-        assert len(blocks) == -(-length // self.block_size), "blocks out of step with length"
+        assert len(blocks) == cdiv(length, self.block_size), "blocks out of step with length"
         if pos % self.block_size == 0:
             self._check_row_fits(seq_id, len(blocks) + 1)
             block = self.block_manager.allocate()
@@ -328,7 +325,7 @@ class PagedAttentionManager:
         if n == 0:
             return
         self._make_private(seq_id, range(start // self.block_size,
-                                         (start + n - 1) // self.block_size + 1))
+                                         cdiv(start + n, self.block_size)))
         write_slots(key, value, self.key_cache, self.value_cache, self._slots(seq_id, start, n))
 
     def _make_private(self, seq_id: int, logical_blocks: Iterable[int]) -> None:

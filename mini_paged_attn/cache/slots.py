@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..core.args import as_int
+from ..core.args import as_int, positive_int
 
 PAD_SLOT = -1
 
@@ -36,9 +36,7 @@ def slot_mapping(block_ids: torch.Tensor | Sequence[int], positions: torch.Tenso
         ValueError: a position outside ``[-1, num_logical_blocks * block_size)``, bad ranks.
             (Checking values reads them on the host: build slot mappings from host tensors.)
     """
-    block_size = as_int("block_size", block_size)
-    if block_size <= 0:
-        raise ValueError(f"block_size: expected a positive int, got {block_size}")
+    block_size = positive_int("block_size", as_int("block_size", block_size))
     blocks = torch.as_tensor(block_ids).to(torch.int64)
     pos = torch.as_tensor(positions, device=blocks.device).to(torch.int64)
     if pos.dim() != 1:

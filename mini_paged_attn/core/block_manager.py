@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from ..errors import BlockStateError, OutOfBlocksError
-from .args import as_int
+from .args import as_int, positive_int
 
 
 class BlockManager:
@@ -35,9 +35,7 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int) -> None:
-        num_blocks = as_int("num_blocks", num_blocks)
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks: expected a positive int, got {num_blocks}")
+        num_blocks = positive_int("num_blocks", as_int("num_blocks", num_blocks))
         self._num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
         # The top of the stack is the end of the list; reversed so block 0 is handed out first.

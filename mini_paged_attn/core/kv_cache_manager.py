@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..errors import OutOfBlocksError
+from .args import cdiv, positive_int
 from .block_manager import BlockManager
 from .prefix_cache import ROOT_HASH, PrefixCache, hash_block
 from .request import Sequence
@@ -44,10 +45,8 @@ class KVCacheManager:
 
     def __init__(self, block_manager: BlockManager, block_size: int,
                  enable_prefix_caching: bool = True) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size: expected a positive int, got {block_size}")
         self.block_manager = block_manager
-        self.block_size = block_size
+        self.block_size = positive_int("block_size", block_size)
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache = PrefixCache()
         # Prompt tokens looked up in the cache, and those found (for the hit rate).
@@ -67,7 +66,7 @@ class KVCacheManager:
         return self.block_manager.get_num_free_blocks() + self.prefix_cache.num_evictable_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     @property
     def hit_rate(self) -> float:
@@ -127,7 +126,7 @@ class KVCacheManager:
         bs = self.block_size
         num_computed = hit.num_tokens if hit.block_ids else seq.num_computed_tokens
         held = len(seq.block_ids) + len(hit.block_ids)
-        num_new_blocks = max(0, -(-(num_computed + num_new_tokens) // bs) - held)
+        num_new_blocks = max(0, cdiv(num_computed + num_new_tokens, bs) - held)
         # The first new token lands in an existing block only when it is partly filled; such a
         # block is shared only after a fork (prefix hits are full blocks), so the reference
         # count is read only for requests with several samples.

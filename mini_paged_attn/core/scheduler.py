@@ -17,6 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from .args import positive_int
 from .kv_cache_manager import KVCacheManager
 from .request import FinishReason, Request, Sequence, SequenceStatus
 
@@ -31,9 +32,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+            object.__setattr__(self, name, positive_int(name, getattr(self, name)))
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.args import cdiv
 from .sampling_params import SamplingParams
 
 
@@ -59,7 +60,7 @@ class Admission:
             raise ValueError(f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
                              f"= {need} exceeds max_model_len={self.max_model_len}")
         # The last sampled token's K/V is never computed.
-        blocks = -(-(need - 1) // self.block_size)
+        blocks = cdiv(need - 1, self.block_size)
         if blocks > self.num_blocks:
             raise ValueError(f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
                              f"need {blocks} KV blocks, more than the whole pool "

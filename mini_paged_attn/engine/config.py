@@ -4,15 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.args import check_bool, is_int, is_number, positive_int
 from ..ops.dispatch import BACKENDS
 
 # KV cache budget on CPU, where there is no free-memory query worth trusting.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-
-
-def _positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -51,24 +47,24 @@ class EngineConfig:
     log_stats_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
+        # positive_int returns a Python int (numpy / torch integers come in as well).
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_bytes"):
-            _positive_int(name, getattr(self, name))
+            object.__setattr__(self, name, positive_int(name, getattr(self, name)))
         for name in ("num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
+                object.__setattr__(self, name, positive_int(name, getattr(self, name)))
         u = self.gpu_memory_utilization
-        if not isinstance(u, (int, float)) or isinstance(u, bool) or not 0 < u <= 1:
+        if not is_number(u) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {u!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+        if not is_int(self.seed):
             raise ValueError(f"seed: expected an int, got {self.seed!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
         t = self.log_stats_interval_s
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t < float("inf"):
+        if not is_number(t) or not 0 <= t < float("inf"):
             raise ValueError(f"log_stats_interval_s: expected a number >= 0, got {t!r}")
         for name in ("enable_prefix_caching", "enforce_eager"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
 
 
 __all__ = ["DEFAULT_CPU_KV_CACHE_BYTES", "EngineConfig"]

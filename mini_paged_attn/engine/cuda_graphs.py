@@ -15,7 +15,7 @@ import time
 import torch
 
 from ..models.attention import AttentionMetadata
-from .input_batch import InputBuilder
+from .input_batch import InputBuilder, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +62,16 @@ class DecodeGraphs:
                 return b
         return None
 
-    def _meta(self, b: int) -> AttentionMetadata:
+    def _step(self, b: int) -> StepInputs:
+        """The inputs of a ``b``-sequence decode step, read in place from the fixed regions."""
         inputs = self.inputs
-        return AttentionMetadata(
+        return StepInputs(
+            input_ids=inputs.region("input_ids", b), positions=inputs.region("positions", b),
             slot_mapping=inputs.region("slot_mapping", b),
             cu_seqlens_q=inputs.region("cu_seqlens_q", b + 1),
             context_lens=inputs.region("context_lens", b),
-            block_tables=self.block_tables[:b], max_seqlen_q=1, decode_only=True,
-            backend=self.backend, decode_workspace=self.workspace)
+            block_tables=self.block_tables[:b], max_seqlen_q=1,
+            num_sample_rows=b, sample_rows=None)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -83,8 +85,10 @@ class DecodeGraphs:
         inputs.region("cu_seqlens_q", top + 1).zero_()
         pool = None
         for b in reversed(self.buckets):        # largest first: later graphs reuse its pool
-            ids, pos = inputs.region("input_ids", b), inputs.region("positions", b)
-            meta = self._meta(b)
+            step = self._step(b)
+            ids, pos = step.input_ids, step.positions
+            meta = AttentionMetadata.for_step(step, decode_only=True, backend=self.backend,
+                                              decode_workspace=self.workspace)
             self.model(ids, pos, self.kv_caches, meta)     # warm-up: compiles the kernels
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..cache.block_table import BlockTable
+from ..core.args import cdiv
 from ..core.scheduler import SchedulerOutput
 
 
@@ -64,7 +65,26 @@ class StepInputs:
 
 def table_width(max_blocks_per_seq: int) -> int:
     """Block-table width for the engine: rounded up to a multiple of 16 (see InputBuilder)."""
-    return _round_up(max_blocks_per_seq, TABLE_WIDTH_MULTIPLE)
+    return cdiv(max_blocks_per_seq, TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
+
+
+def dummy_inputs(q_lens: list[int], width: int, device: torch.device) -> StepInputs:
+    """Inputs of a made-up step, for profiling and warm-up: sequence ``i`` computes its first
+    ``q_lens[i]`` tokens (all ``>= 1``; token id 0), writes nothing (slot -1) and reads block 0
+    only (every table entry is 0; ``width`` columns, as the engine's steps have). Nothing
+    samples."""
+    assert q_lens and min(q_lens) >= 1, q_lens
+    num_tokens = sum(q_lens)
+    lens = torch.tensor(q_lens, dtype=torch.int32)
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    torch.cumsum(lens, 0, out=cu[1:])
+    return StepInputs(
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+        positions=torch.cat([torch.arange(q) for q in q_lens]).to(device),
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        cu_seqlens_q=cu.to(device), context_lens=lens.to(device),
+        block_tables=torch.zeros(len(q_lens), width, dtype=torch.int32, device=device),
+        max_seqlen_q=max(q_lens), num_sample_rows=0, sample_rows=None)
 
 
 class InputBuilder:
@@ -143,8 +163,8 @@ class InputBuilder:
         context_lens = computed + q_lens
         slots = (table[np.repeat(rows, q_lens), positions // bs].astype(np.int64) * bs
                  + positions % bs)
-        needed = -(-int(context_lens.max()) // bs) if n else 1
-        width = min(_round_up(max(needed, 1), TABLE_WIDTH_MULTIPLE), self.max_blocks_per_seq)
+        needed = max(cdiv(int(context_lens.max()), bs), 1) if n else 1
+        width = min(table_width(needed), self.max_blocks_per_seq)
 
         padded = n if pad_to is None else pad_to
         m = num_tokens if pad_to is None else pad_to
@@ -184,18 +204,14 @@ class InputBuilder:
         return inputs
 
 
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
 def _layout(sizes: dict[str, int]) -> dict[str, int]:
     """Start offset of each region (elements), each a multiple of REGION_ALIGN; "end": total."""
     offsets, at = {}, 0
     for name, size in sizes.items():
         offsets[name] = at
-        at = _round_up(at + size, REGION_ALIGN)
+        at = cdiv(at + size, REGION_ALIGN) * REGION_ALIGN
     offsets["end"] = at
     return offsets
 
 
-__all__ = ["InputBuilder", "StagingBuffer", "StepInputs", "table_width"]
+__all__ = ["InputBuilder", "StagingBuffer", "StepInputs", "dummy_inputs", "table_width"]

@@ -15,13 +15,14 @@ from collections.abc import Callable
 import torch
 
 from ..cache.manager import PagedAttentionManager
+from ..core.args import cdiv
 from ..core.scheduler import SchedulerOutput
 from ..models.attention import AttentionMetadata
 from ..models.config import ModelConfig
 from ..ops.dispatch import resolve_backend
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
-from .input_batch import InputBuilder, table_width
+from .input_batch import InputBuilder, dummy_inputs, table_width
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 
@@ -58,7 +59,7 @@ class ModelRunner:
         self.dtype = model.dtype
         self.block_size = bs = config.block_size
         self.backend = resolve_backend(config.backend, device)
-        self.max_blocks_per_seq = -(-max_model_len // bs)
+        self.max_blocks_per_seq = cdiv(max_model_len, bs)
         self.table_width = table_width(self.max_blocks_per_seq)
         self.max_num_seqs = config.max_num_seqs
         self.sampler = Sampler(device, config.seed)
@@ -127,22 +128,11 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         num_tokens = cfg.max_num_batched_tokens
         lens = [min(max_model_len, num_tokens - i) for i in range(0, num_tokens, max_model_len)]
-        # One scratch block that every table entry points at; nothing is written (slot -1).
+        # The pool does not exist yet: one scratch block, the only one the dummy batch reads.
         scratch = torch.zeros((2, 1, self.block_size, mc.num_kv_heads, mc.head_size),
                               dtype=self.dtype, device=self.device)
-        kv = [(scratch[0], scratch[1])] * mc.num_layers
-        dev = dict(device=self.device)
-        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, **dev),
-            cu_seqlens_q=cu.to(self.device),
-            context_lens=torch.tensor(lens, dtype=torch.int32, **dev),
-            block_tables=torch.zeros(len(lens), self.table_width, dtype=torch.int32,
-                                     **dev),
-            max_seqlen_q=max(lens), decode_only=False, backend=self.backend)
-        ids = torch.zeros(num_tokens, dtype=torch.int64, **dev)
-        positions = torch.cat([torch.arange(n, **dev) for n in lens])
-        hidden = self.model(ids, positions, kv, meta)
+        hidden = self._run_dummy(lens, [(scratch[0], scratch[1])] * mc.num_layers,
+                                 decode_only=False)
         rows = min(cfg.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:rows])
         params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=50)] * rows
@@ -157,26 +147,23 @@ class ModelRunner:
         for a compile: Triton specialises integer arguments equal to 1 or divisible by 16, and
         the prefill kernel picks its tiles by the batch's mean query length."""
         start = time.perf_counter()
-        dev = dict(device=self.device)
-        # Table width and pointer alignment as the steps' inputs have them (see input_batch).
-        table = torch.zeros(16, self.table_width, dtype=torch.int32, **dev)
         for num_seqs in (1, 2, 16):
             for q_len in (1, 4, 200):
-                num_tokens = num_seqs * q_len
-                if num_tokens > self.config.max_num_batched_tokens or q_len > max_model_len:
+                if num_seqs * q_len > self.config.max_num_batched_tokens or q_len > max_model_len:
                     continue
-                meta = AttentionMetadata(   # nothing written (slot -1); reads block 0
-                    slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, **dev),
-                    cu_seqlens_q=torch.arange(0, num_tokens + 1, q_len, dtype=torch.int32, **dev),
-                    context_lens=torch.full((num_seqs,), q_len, dtype=torch.int32, **dev),
-                    block_tables=table[:num_seqs], max_seqlen_q=q_len, decode_only=q_len == 1,
-                    backend=self.backend,
-                    decode_workspace=self.workspace if q_len == 1 else None)
-                positions = torch.arange(q_len, **dev).repeat(num_seqs)
-                ids = torch.zeros(num_tokens, dtype=torch.int64, **dev)
-                self.model(ids, positions, self.kv_caches, meta)
+                self._run_dummy([q_len] * num_seqs, self.kv_caches, decode_only=q_len == 1)
         torch.cuda.synchronize(self.device)
         logger.info("warmed up the kernels in %.1f s", time.perf_counter() - start)
+
+    def _run_dummy(self, q_lens: list[int], kv_caches, *, decode_only: bool) -> torch.Tensor:
+        """Forward a made-up batch (see ``input_batch.dummy_inputs``: sequence ``i`` computes
+        ``q_lens[i]`` tokens, writes nothing, reads block 0 of ``kv_caches``) through the
+        decode path (every ``q_lens[i]`` 1) or the prefill path. Returns the hidden states
+        ``[sum(q_lens), hidden_size]``."""
+        step = dummy_inputs(q_lens, self.table_width, self.device)
+        meta = AttentionMetadata.for_step(step, decode_only=decode_only, backend=self.backend,
+                                          decode_workspace=self.workspace)
+        return self.model(step.input_ids, step.positions, kv_caches, meta)
 
     # ---- one step -----------------------------------------------------------------------------
     def release(self, seq_id: int) -> None:
@@ -203,12 +190,8 @@ class ModelRunner:
         if bucket is not None:
             hidden = self.graphs.replay(n, step.block_tables)
         else:
-            meta = AttentionMetadata(
-                slot_mapping=step.slot_mapping, cu_seqlens_q=step.cu_seqlens_q,
-                context_lens=step.context_lens, block_tables=step.block_tables,
-                max_seqlen_q=step.max_seqlen_q, decode_only=out.decode_only,
-                backend=self.backend,
-                decode_workspace=self.workspace if out.decode_only else None)
+            meta = AttentionMetadata.for_step(step, decode_only=out.decode_only,
+                                              backend=self.backend, decode_workspace=self.workspace)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
         if step.num_sample_rows == 0:
             return None

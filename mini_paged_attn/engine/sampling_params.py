@@ -5,19 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..core.args import check_bool, is_int, is_number, positive_int
+
 # Top logprobs a request may ask for per token (the sampler gathers them for the whole batch).
 MAX_LOGPROBS = 20
 # Temperatures below this are greedy: float32 logits divided by a tinier one overflow to inf
 # (1e-40 is even a float32 zero), and the softmax of inf is NaN (vLLM uses the same bound).
 GREEDY_TEMPERATURE = 1e-5
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -61,25 +55,22 @@ class SamplingParams:
         def fail(name: str, expected: str) -> ValueError:
             return ValueError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
 
-        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+        if not is_number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise fail("temperature", "a number >= 0 (0 is greedy)")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise fail("top_p", "a number in (0, 1]")
-        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+        if not is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             raise fail("top_k", "-1 (off) or an int >= 1")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise fail("min_p", "a number in [0, 1]")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise fail("max_tokens", "an int >= 1")
-        if not _is_int(self.n) or self.n < 1:
-            raise fail("n", "an int >= 1")
-        if self.seed is not None and not _is_int(self.seed):
+        self.max_tokens = positive_int("max_tokens", self.max_tokens)
+        self.n = positive_int("n", self.n)
+        if self.seed is not None and not is_int(self.seed):
             raise fail("seed", "None or an int")
-        if self.logprobs is not None and (not _is_int(self.logprobs)
+        if self.logprobs is not None and (not is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise fail("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
-        if not isinstance(self.ignore_eos, bool):
-            raise fail("ignore_eos", "a bool")
+        check_bool("ignore_eos", self.ignore_eos)
         stop = self.stop
         if stop is None:
             stop = ()
@@ -89,7 +80,7 @@ class SamplingParams:
             raise fail("stop", "None, a non-empty string or a list of non-empty strings")
         self.stop = tuple(stop)
         ids = () if self.stop_token_ids is None else self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+        if not isinstance(ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in ids):
             raise fail("stop_token_ids", "None or a list of non-negative ints")
         self.stop_token_ids = tuple(ids)
         self.temperature = float(self.temperature)

@@ -11,6 +11,7 @@ Nothing here reads a device tensor on the host, so a decode step can be captured
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -21,6 +22,17 @@ from .config import ModelConfig
 from .layers import RMSNorm
 
 KVCache = tuple[torch.Tensor, torch.Tensor]   # (key_cache, value_cache) of one layer
+
+
+class StepArrays(Protocol):
+    """The attention inputs of one step as the engine builds them (its ``StepInputs``); see
+    :class:`AttentionMetadata` for their shapes and dtypes."""
+
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_seqlen_q: int
 
 
 @dataclass
@@ -79,6 +91,16 @@ class AttentionMetadata:
                              f"{self.slot_mapping.shape[0]}, max_seqlen_q={self.max_seqlen_q}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
+
+    @classmethod
+    def for_step(cls, step: StepArrays, *, decode_only: bool, backend: str,
+                 decode_workspace: torch.Tensor | None = None) -> AttentionMetadata:
+        """The metadata of a step whose arrays ``step`` holds. ``decode_workspace`` is passed
+        on for a decode-only step only (prefill does not use it)."""
+        return cls(slot_mapping=step.slot_mapping, cu_seqlens_q=step.cu_seqlens_q,
+                   context_lens=step.context_lens, block_tables=step.block_tables,
+                   max_seqlen_q=step.max_seqlen_q, decode_only=decode_only, backend=backend,
+                   decode_workspace=decode_workspace if decode_only else None)
 
     @property
     def num_seqs(self) -> int:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..core.args import positive_int
+
 # architecture name in config.json -> the family whose flags apply
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -95,9 +97,7 @@ class ModelConfig:
                              f"got {self.architecture!r}")
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_q_heads",
                      "num_kv_heads", "head_size", "vocab_size", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+            object.__setattr__(self, name, positive_int(name, getattr(self, name)))
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads: expected a divisor of num_q_heads={self.num_q_heads}, "
                              f"got {self.num_kv_heads}")
@@ -151,7 +151,8 @@ class ModelConfig:
         hidden_size = int(need("hidden_size"))
         num_q_heads = int(need("num_attention_heads"))
         num_kv_heads = int(raw.get("num_key_value_heads") or num_q_heads)
-        head_size = raw.get("head_dim") or hidden_size // num_q_heads
+        # num_attention_heads 0 is refused (by name) in __post_init__, not as a ZeroDivisionError.
+        head_size = raw.get("head_dim") or (hidden_size // num_q_heads if num_q_heads > 0 else 0)
         attention_bias = bool(raw.get("attention_bias", False))
         eos = _merge_ids(raw.get("eos_token_id"),
                          (generation_config or {}).get("eos_token_id"))

@@ -10,9 +10,12 @@ Every failure is a ``ValueError`` that names the argument, what was expected and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from ..core.args import arg_error, cdiv, is_int, is_number, next_pow2
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -36,26 +39,41 @@ class PagedShapes:
         return self.num_q_heads // self.num_kv_heads
 
 
-def _fail(name: str, expected: str, got: object) -> ValueError:
-    return ValueError(f"{name}: expected {expected}, got {got}")
-
-
 def _describe(t: torch.Tensor) -> str:
     return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+
+
+def check_launch_config(config: object, tile_names: tuple[str, ...], max_stages: int) -> None:
+    """Check a Triton launch config: each of ``tile_names`` a power of two >= 16, ``num_warps``
+    in 1, 2, 4, 8, 16 and ``num_stages`` an int in ``1..max_stages``."""
+    for name in tile_names:
+        value = getattr(config, name)
+        if not (is_int(value) and value >= 16 and value == next_pow2(value)):
+            raise arg_error(name, "a power of two >= 16", repr(value))
+    if not (is_int(config.num_warps) and config.num_warps in (1, 2, 4, 8, 16)):
+        raise arg_error("num_warps", "1, 2, 4, 8 or 16", repr(config.num_warps))
+    if not (is_int(config.num_stages) and 1 <= config.num_stages <= max_stages):
+        raise arg_error("num_stages", f"an int in 1..{max_stages}", repr(config.num_stages))
 
 
 def check_tensor(name: str, t: object, *, ndim: int, dtypes: tuple[torch.dtype, ...],
                  device: torch.device | None = None) -> torch.Tensor:
     """Check rank, dtype and device of one tensor argument; return it."""
     if not isinstance(t, torch.Tensor):
-        raise _fail(name, "a torch.Tensor", type(t).__name__)
+        raise arg_error(name, "a torch.Tensor", type(t).__name__)
     if t.dim() != ndim:
-        raise _fail(name, f"a {ndim}-D tensor", _describe(t))
+        raise arg_error(name, f"a {ndim}-D tensor", _describe(t))
     if t.dtype not in dtypes:
-        raise _fail(name, "dtype " + " or ".join(str(d) for d in dtypes), _describe(t))
+        raise arg_error(name, "dtype " + " or ".join(str(d) for d in dtypes), _describe(t))
     if device is not None and t.device != device:
-        raise _fail(name, f"a tensor on {device} (the query's device)", _describe(t))
+        raise arg_error(name, f"a tensor on {device} (the query's device)", _describe(t))
     return t
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    """The kernels index a tensor's last dim with stride 1; other dims may have any strides."""
+    if t.stride(-1) != 1:
+        raise arg_error(name, "a contiguous last dimension (stride 1)", f"strides {t.stride()}")
 
 
 def check_cache_pair(key_cache: object, value_cache: object, dtype: torch.dtype,
@@ -67,30 +85,31 @@ def check_cache_pair(key_cache: object, value_cache: object, dtype: torch.dtype,
     """
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
         check_tensor(name, c, ndim=4, dtypes=(dtype,), device=device)
-        if c.stride(-1) != 1:
-            raise _fail(name, "a contiguous last dimension (stride 1)", f"stride {c.stride()}")
+        check_last_dim_contiguous(name, c)
     if key_cache.shape != value_cache.shape:
-        raise _fail("value_cache", f"the shape of key_cache {tuple(key_cache.shape)}",
-                    tuple(value_cache.shape))
+        raise arg_error("value_cache", f"the shape of key_cache {tuple(key_cache.shape)}",
+                        tuple(value_cache.shape))
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
     if min(num_blocks, block_size, num_kv_heads, head_size) < 1:
-        raise _fail("key_cache", "non-empty dimensions", tuple(key_cache.shape))
+        raise arg_error("key_cache", "non-empty dimensions", tuple(key_cache.shape))
     return num_blocks, block_size, num_kv_heads, head_size
 
 
 def check_heads(num_q_heads: int, num_kv_heads: int, q_head_size: int, kv_head_size: int) -> None:
     if kv_head_size != q_head_size:
-        raise _fail("key_cache", f"head_size {q_head_size} (the query's last dim)", kv_head_size)
+        raise arg_error("key_cache", f"head_size {q_head_size} (the query's last dim)",
+                        kv_head_size)
     if num_q_heads % num_kv_heads != 0:
-        raise _fail("query", f"num_q_heads divisible by num_kv_heads={num_kv_heads}",
-                    f"num_q_heads={num_q_heads}")
+        raise arg_error("query", f"num_q_heads divisible by num_kv_heads={num_kv_heads}",
+                        f"num_q_heads={num_q_heads}")
 
 
-def check_scale(scale: float | None, head_size: int) -> float:
+def check_scale(scale: float | None, head_size: int, name: str = "scale") -> float:
+    """The softmax scale: ``scale`` (a finite number > 0), or ``head_size ** -0.5`` for None."""
     if scale is None:
         return head_size ** -0.5
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
-        raise _fail("scale", "a positive float or None", scale)
+    if not is_number(scale) or not 0 < scale < math.inf:
+        raise arg_error(name, "a positive float or None", repr(scale))
     return float(scale)
 
 
@@ -101,15 +120,14 @@ def check_out(out: torch.Tensor | None, like: torch.Tensor) -> None:
         return
     check_tensor("out", out, ndim=like.dim(), dtypes=(like.dtype,), device=like.device)
     if out.shape != like.shape:
-        raise _fail("out", f"shape {tuple(like.shape)} (the query's)", tuple(out.shape))
+        raise arg_error("out", f"shape {tuple(like.shape)} (the query's)", tuple(out.shape))
 
 
 def _check_query_and_caches(query, key_cache, value_cache) -> tuple[int, int, int, int, int]:
     """Checks common to decode and prefill; returns
     (num_q_heads, head_size, num_blocks, block_size, num_kv_heads)."""
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
-    if query.stride(-1) != 1:
-        raise _fail("query", "a contiguous last dimension (stride 1)", f"stride {query.stride()}")
+    check_last_dim_contiguous("query", query)
     _, num_q_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, kv_head_size = check_cache_pair(
         key_cache, value_cache, query.dtype, query.device)
@@ -120,10 +138,9 @@ def _check_query_and_caches(query, key_cache, value_cache) -> tuple[int, int, in
 def _check_table_rows(block_tables, num_seqs: int, source: str, device: torch.device) -> None:
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=device)
     if block_tables.shape[0] != num_seqs:
-        raise _fail("block_tables", f"{num_seqs} rows (num_seqs of {source})",
-                    f"shape {tuple(block_tables.shape)}")
-    if block_tables.stride(-1) != 1:
-        raise _fail("block_tables", "a contiguous last dimension", f"stride {block_tables.stride()}")
+        raise arg_error("block_tables", f"{num_seqs} rows (num_seqs of {source})",
+                        f"shape {tuple(block_tables.shape)}")
+    check_last_dim_contiguous("block_tables", block_tables)
 
 
 def check_paged_decode_args(query, key_cache, value_cache, block_tables, context_lens,
@@ -135,7 +152,7 @@ def check_paged_decode_args(query, key_cache, value_cache, block_tables, context
     _check_table_rows(block_tables, num_seqs, "the query", query.device)
     check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,), device=query.device)
     if context_lens.shape[0] != num_seqs:
-        raise _fail("context_lens", f"shape ({num_seqs},)", tuple(context_lens.shape))
+        raise arg_error("context_lens", f"shape ({num_seqs},)", tuple(context_lens.shape))
     check_out(out, query)
     return PagedShapes(num_seqs, num_q_heads, num_kv_heads, head_size, num_blocks, block_size,
                        block_tables.shape[1], check_scale(scale, head_size))
@@ -153,12 +170,26 @@ def check_paged_prefill_args(query, key_cache, value_cache, block_tables, cu_seq
     num_seqs = context_lens.shape[0]
     check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=query.device)
     if cu_seqlens_q.shape[0] != num_seqs + 1:
-        raise _fail("cu_seqlens_q", f"shape ({num_seqs + 1},) (num_seqs + 1)",
-                    tuple(cu_seqlens_q.shape))
+        raise arg_error("cu_seqlens_q", f"shape ({num_seqs + 1},) (num_seqs + 1)",
+                        tuple(cu_seqlens_q.shape))
     _check_table_rows(block_tables, num_seqs, "context_lens", query.device)
     check_out(out, query)
     return PagedShapes(num_seqs, num_q_heads, num_kv_heads, head_size, num_blocks, block_size,
                        block_tables.shape[1], check_scale(scale, head_size))
+
+
+def check_cu_seqlens(name: str, cu_seqlens: torch.Tensor, total: int, total_name: str, *,
+                     exact: bool = True) -> torch.Tensor:
+    """Check the values of cumulative lengths (a host sync on CUDA): they start at 0, never
+    decrease and end at ``total`` (``exact``) or at most at ``total``. Returns the lengths,
+    int64 ``[num_seqs]`` on the host."""
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    lens = cu[1:] - cu[:-1]
+    end_ok = int(cu[-1]) == total if exact else int(cu[-1]) <= total
+    if int(cu[0]) != 0 or (lens < 0).any() or not end_ok:
+        end = f"{total_name}={total}" if exact else f"at most {total_name}={total}"
+        raise arg_error(name, f"a non-decreasing sequence from 0 to {end}", cu.tolist())
+    return lens
 
 
 def check_paged_values(shapes: PagedShapes, block_tables: torch.Tensor,
@@ -175,30 +206,28 @@ def check_paged_values(shapes: PagedShapes, block_tables: torch.Tensor,
     lens = context_lens.detach().to("cpu", torch.int64)
     if (lens < 0).any():
         i = int(torch.nonzero(lens < 0)[0])
-        raise _fail("context_lens", "non-negative lengths", f"context_lens[{i}]={int(lens[i])}")
+        raise arg_error("context_lens", "non-negative lengths", f"context_lens[{i}]={int(lens[i])}")
     capacity = shapes.max_blocks_per_seq * shapes.block_size
     if (lens > capacity).any():
         i = int(torch.nonzero(lens > capacity)[0])
-        raise _fail("context_lens",
-                    f"lengths <= max_blocks_per_seq * block_size = {capacity}",
-                    f"context_lens[{i}]={int(lens[i])}")
+        raise arg_error("context_lens",
+                        f"lengths <= max_blocks_per_seq * block_size = {capacity}",
+                        f"context_lens[{i}]={int(lens[i])}")
     if shapes.max_blocks_per_seq > 0 and lens.numel() > 0:
         table = block_tables.detach().to("cpu", torch.int64)
-        used_blocks = (lens + shapes.block_size - 1) // shapes.block_size
+        used_blocks = cdiv(lens, shapes.block_size)
         used = torch.arange(shapes.max_blocks_per_seq) < used_blocks[:, None]
         bad = used & ((table < 0) | (table >= shapes.num_blocks))
         if bad.any():
             i, j = (int(x) for x in torch.nonzero(bad)[0])
-            raise _fail("block_tables", f"block ids in [0, {shapes.num_blocks}) for used entries",
-                        f"block_tables[{i}, {j}]={int(table[i, j])}")
+            raise arg_error("block_tables",
+                            f"block ids in [0, {shapes.num_blocks}) for used entries",
+                            f"block_tables[{i}, {j}]={int(table[i, j])}")
     if cu_seqlens_q is not None:
-        cu = cu_seqlens_q.detach().to("cpu", torch.int64)
-        q_lens = cu[1:] - cu[:-1]
-        if int(cu[0]) != 0 or (q_lens < 0).any() or int(cu[-1]) != total_q:
-            raise _fail("cu_seqlens_q",
-                        f"a non-decreasing sequence from 0 to total_q={total_q}", cu.tolist())
+        q_lens = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q")
         if (q_lens > lens).any():
             i = int(torch.nonzero(q_lens > lens)[0])
-            raise _fail("cu_seqlens_q",
-                        "q_len <= context_lens for every sequence (queries are the last tokens)",
-                        f"q_len={int(q_lens[i])} > context_lens[{i}]={int(lens[i])}")
+            raise arg_error("cu_seqlens_q",
+                            "q_len <= context_lens for every sequence "
+                            "(queries are the last tokens)",
+                            f"q_len={int(q_lens[i])} > context_lens[{i}]={int(lens[i])}")

@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from ..core.args import check_bool, non_negative_int
 from . import reference
 from .checks import (FLOAT_DTYPES, PagedShapes, check_cache_pair, check_paged_decode_args,
                      check_paged_prefill_args, check_paged_values, check_tensor)
@@ -52,6 +53,18 @@ def _outputs(query: torch.Tensor, out: torch.Tensor | None, return_lse: bool, ro
         out = torch.empty_like(query)
     lse = (torch.empty(rows, num_q_heads, dtype=torch.float32, device=query.device)
            if return_lse else None)
+    return out, lse
+
+
+def _reference_outputs(query: torch.Tensor, out: torch.Tensor | None, return_lse: bool,
+                       result: tuple[torch.Tensor, torch.Tensor]):
+    """The reference's float32 (out ``[rows, num_q_heads, head_size]``, lse ``[rows,
+    num_q_heads]``) written into the caller's ``out`` (or a new tensor in the query's dtype)."""
+    o, l = result
+    out, lse = _outputs(query, out, return_lse, o.shape[0], o.shape[1])
+    out.copy_(o)
+    if lse is not None:
+        lse.copy_(l)
     return out, lse
 
 
@@ -98,18 +111,16 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     """
     shapes = check_paged_decode_args(query, key_cache, value_cache, block_tables,
                                      context_lens, scale, out)
+    check_bool("return_lse", return_lse)
+    check_bool("explain", explain)
     chosen = resolve_backend(backend, query.device)
     if chosen == "torch":
         if num_splits is not None or workspace is not None:
             raise ValueError("num_splits/workspace: only the triton backend takes them, "
                              f"got num_splits={num_splits}, workspace given={workspace is not None}")
         check_paged_values(shapes, block_tables, context_lens)
-        o, l = reference.paged_decode_gather(query, key_cache, value_cache, block_tables,
-                                              context_lens, scale=shapes.scale)
-        out, lse = _outputs(query, out, return_lse, shapes.num_seqs, shapes.num_q_heads)
-        out.copy_(o)
-        if lse is not None:
-            lse.copy_(l)
+        out, lse = _reference_outputs(query, out, return_lse, reference.paged_decode_gather(
+            query, key_cache, value_cache, block_tables, context_lens, scale=shapes.scale))
     else:
         from .decode import triton_paged_decode
         out, lse = _outputs(query, out, return_lse, shapes.num_seqs, shapes.num_q_heads)
@@ -143,28 +154,26 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         causal: mask cache positions after each query token (bottom-right aligned).
         scale, out, return_lse, backend: as in :func:`paged_decode` (lse is
             ``[total_q, num_q_heads]``).
-        max_seqlen_q: accepted for callers that know it (FlashAttention-style); unused: the
-            triton launch schedules its tiles without a bound on ``q_len`` and needs no host
-            sync either way.
+        max_seqlen_q: None or a non-negative int, accepted for callers that know it
+            (FlashAttention-style); unused: the triton launch schedules its tiles without a
+            bound on ``q_len`` and needs no host sync either way.
 
     Returns:
         ``out`` ``[total_q, num_q_heads, head_size]``, or ``(out, lse)`` when ``return_lse``.
     """
     shapes = check_paged_prefill_args(query, key_cache, value_cache, block_tables,
                                       cu_seqlens_q, context_lens, scale, out)
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal: expected a bool, got {causal!r}")
+    check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
+    if max_seqlen_q is not None:
+        non_negative_int("max_seqlen_q", max_seqlen_q)
     chosen = resolve_backend(backend, query.device)
     total_q = query.shape[0]
     if chosen == "torch":
         check_paged_values(shapes, block_tables, context_lens, cu_seqlens_q, total_q)
-        o, l = reference.paged_prefill_gather(query, key_cache, value_cache, block_tables,
-                                               cu_seqlens_q, context_lens, causal=causal,
-                                               scale=shapes.scale)
-        out, lse = _outputs(query, out, return_lse, total_q, shapes.num_q_heads)
-        out.copy_(o)
-        if lse is not None:
-            lse.copy_(l)
+        out, lse = _reference_outputs(query, out, return_lse, reference.paged_prefill_gather(
+            query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens,
+            causal=causal, scale=shapes.scale))
     else:
         from .prefill import triton_paged_prefill
         out, lse = _outputs(query, out, return_lse, total_q, shapes.num_q_heads)

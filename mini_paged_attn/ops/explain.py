@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.args import cdiv, is_int, next_pow2, non_negative_int, positive_int
+from .checks import check_launch_config
 from .heuristics import num_splits_heuristic
 
 MAX_SPLITS = 128
@@ -38,14 +40,6 @@ the heuristic's choices were tuned (measured) with this count."""
 
 ASSUMED_NUM_SMS = 132
 """SM count used for planning when no CUDA device is given (an H100 or H200)."""
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,13 +65,7 @@ class DecodeTiles:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.block_n, int) and self.block_n >= 16
-                and self.block_n == _next_pow2(self.block_n)):
-            raise ValueError(f"block_n: expected a power of two >= 16, got {self.block_n!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}")
-        if not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 12):
-            raise ValueError(f"num_stages: expected an int in 1..12, got {self.num_stages!r}")
+        check_launch_config(self, ("block_n",), max_stages=12)
 
 
 def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool, *,
@@ -104,7 +92,7 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool,
     if not on_gpu:
         return DecodeTiles(block_n=16, num_warps=4, num_stages=1)
     # One token of K as the kernel holds it (head_size padded to a power of two >= 16).
-    row_bytes = max(16, _next_pow2(head_size)) * torch.finfo(dtype).bits // 8
+    row_bytes = max(16, next_pow2(head_size)) * torch.finfo(dtype).bits // 8
     if split:
         if row_bytes <= 128:      # head_size <= 64 in 16-bit
             return DecodeTiles(block_n=128, num_warps=4, num_stages=3)
@@ -132,12 +120,12 @@ def balance_splits(splits: int, units: int, wave_slots: int, num_tiles: int,
     On an H100 at batch 1 (8 KV heads, 2048 tiles at 64k): FlashAttention's 29 splits run 71
     tiles each; 32 splits run 64 and were 1.5-2% faster at 16k and 64k.
     """
-    waves = _cdiv(units * splits, wave_slots)
+    waves = cdiv(units * splits, wave_slots)
     candidates = [s for s in range(splits, max(splits, max_splits) + 1)
-                  if _cdiv(units * s, wave_slots) == waves]
-    shortest = min(_cdiv(num_tiles, s) for s in candidates)
+                  if cdiv(units * s, wave_slots) == waves]
+    shortest = min(cdiv(num_tiles, s) for s in candidates)
     return next(s for s in candidates
-                if _cdiv(num_tiles, s) <= shortest * (1 + BALANCE_TOLERANCE))
+                if cdiv(num_tiles, s) <= shortest * (1 + BALANCE_TOLERANCE))
 
 
 def wave_efficiency(programs: int, wave_slots: int) -> float:
@@ -174,11 +162,11 @@ class DecodePlan:
     @property
     def block_h(self) -> int:
         """Query-head rows of a tile: the group padded to a power of two >= 16 (``tl.dot``)."""
-        return max(16, _next_pow2(self.group_size))
+        return max(16, next_pow2(self.group_size))
 
     @property
     def head_size_padded(self) -> int:
-        return max(16, _next_pow2(self.head_size))
+        return max(16, next_pow2(self.head_size))
 
     @property
     def units(self) -> int:
@@ -243,8 +231,8 @@ class DecodePlan:
                    + ("s" if self.heuristic_splits != 1 else ""))
             if self.heuristic_splits != self.num_splits:
                 why += (f", balanced to {self.num_splits} in as many waves (each split "
-                        f"{_cdiv(self.heuristic_kv_tiles, self.num_splits)} tiles instead of "
-                        f"{_cdiv(self.heuristic_kv_tiles, self.heuristic_splits)})")
+                        f"{cdiv(self.heuristic_kv_tiles, self.num_splits)} tiles instead of "
+                        f"{cdiv(self.heuristic_kv_tiles, self.heuristic_splits)})")
             why += f"; {self.efficiency:.0%} of the last wave"
         lines.append(f"  why:      {why}")
         return "\n".join(lines)
@@ -261,9 +249,7 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
     max_splits: cap for the heuristic (a caller's workspace may hold fewer splits).
     on_gpu: pick GPU tiles (else small interpreter tiles); ``tiles`` overrides either.
     """
-    if num_splits is not None and not (isinstance(num_splits, int)
-                                       and not isinstance(num_splits, bool)
-                                       and 1 <= num_splits <= MAX_SPLITS):
+    if num_splits is not None and not (is_int(num_splits) and 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits: expected an int in 1..{MAX_SPLITS} or None, "
                          f"got {num_splits!r}")
     units = num_seqs * num_kv_heads
@@ -275,7 +261,7 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
         # Count KV tiles with the tiles a split launch would use; keep them if it splits.
         split_tiles = tiles or default_tiles(head_size, dtype, on_gpu, True,
                                              block_size=block_size)
-        n_tiles = max(1, _cdiv(max_context_len, split_tiles.block_n))
+        n_tiles = max(1, cdiv(max_context_len, split_tiles.block_n))
         cap = max(1, min(max_splits, MAX_SPLITS, n_tiles))
         chosen = splits = num_splits_heuristic(max(units, 1), slots, n_tiles, cap)
         # The heuristic's first rule: >= 80% of a wave needs no split.
@@ -297,13 +283,12 @@ def explain_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size
     if there is one, else assumes an H100's 132 SMs. Returns a :class:`DecodePlan`; print it
     for a short explanation. ``paged_decode(..., explain=True)`` logs the same plan.
     """
-    for name, value in (("num_seqs", num_seqs), ("num_q_heads", num_q_heads),
-                        ("num_kv_heads", num_kv_heads), ("head_size", head_size),
-                        ("block_size", block_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    if not isinstance(max_context_len, int) or max_context_len < 0:
-        raise ValueError(f"max_context_len: expected an int >= 0, got {max_context_len!r}")
+    num_seqs = positive_int("num_seqs", num_seqs)
+    num_q_heads = positive_int("num_q_heads", num_q_heads)
+    num_kv_heads = positive_int("num_kv_heads", num_kv_heads)
+    head_size = positive_int("head_size", head_size)
+    block_size = positive_int("block_size", block_size)
+    max_context_len = non_negative_int("max_context_len", max_context_len)
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={num_kv_heads}, "
                          f"got {num_q_heads}")

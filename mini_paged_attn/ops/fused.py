@@ -13,17 +13,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import FLOAT_DTYPES, check_tensor
+from ..core.args import arg_error, is_number
+from .checks import FLOAT_DTYPES, check_last_dim_contiguous, check_tensor
 from .dispatch import resolve_backend
 
 
-def _fail(name: str, expected: str, got: object) -> ValueError:
-    return ValueError(f"{name}: expected {expected}, got {got}")
-
-
 def _check_eps(name: str, eps: object) -> None:
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
-        raise _fail(name, "a float >= 0", repr(eps))
+    if not is_number(eps) or not eps >= 0:
+        raise arg_error(name, "a float >= 0", repr(eps))
 
 
 # ---- torch references (the specification) ----------------------------------------------------
@@ -80,19 +77,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
         ``(normed, x + residual)``; the sum is rounded to x's dtype and is what gets normalised.
     """
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
-        raise _fail("x", "a float tensor [..., dim]",
-                    f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__)
+        got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise arg_error("x", "a float tensor [..., dim]", got)
     check_tensor("x", x, ndim=x.dim(), dtypes=FLOAT_DTYPES)
     dim = x.shape[-1]
     check_tensor("weight", weight, ndim=1, dtypes=(x.dtype,), device=x.device)
     if weight.shape[0] != dim:
-        raise _fail("weight", f"shape ({dim},) (x's last dim)", tuple(weight.shape))
+        raise arg_error("weight", f"shape ({dim},) (x's last dim)", tuple(weight.shape))
     _check_eps("eps", eps)
     if residual is not None:
         check_tensor("residual", residual, ndim=2, dtypes=(x.dtype,), device=x.device)
         if x.dim() != 2 or residual.shape != x.shape:
-            raise _fail("residual", f"x's shape with x 2-D (x is {tuple(x.shape)})",
-                        tuple(residual.shape))
+            raise arg_error("residual", f"x's shape with x 2-D (x is {tuple(x.shape)})",
+                            tuple(residual.shape))
     chosen = resolve_backend(backend, x.device)
     if chosen == "torch":
         if residual is None:
@@ -101,8 +98,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
         return rms_norm_reference(summed, weight, eps), summed
     from .fused_triton import triton_rms_norm
     for name, t in (("x", x), ("weight", weight), ("residual", residual)):
-        if t is not None and t.stride(-1) != 1:
-            raise _fail(name, "a contiguous last dimension (stride 1)", f"strides {t.stride()}")
+        if t is not None:
+            check_last_dim_contiguous(name, t)
     shape = x.shape
     if x.dim() not in (2, 3):
         x = x.reshape(-1, dim)
@@ -140,21 +137,21 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=(q.dtype,), device=q.device)
     n, _, head_size = q.shape
     if head_size % 2 != 0:
-        raise _fail("q", "an even head_size", head_size)
+        raise arg_error("q", "an even head_size", head_size)
     if k.shape[0] != n or k.shape[2] != head_size:
-        raise _fail("k", f"shape ({n}, num_kv_heads, {head_size})", tuple(k.shape))
+        raise arg_error("k", f"shape ({n}, num_kv_heads, {head_size})", tuple(k.shape))
     if positions.shape[0] != n:
-        raise _fail("positions", f"shape ({n},) (one per token)", tuple(positions.shape))
+        raise arg_error("positions", f"shape ({n},) (one per token)", tuple(positions.shape))
     if cos_sin_cache.shape[1] != head_size:
-        raise _fail("cos_sin_cache", f"shape (max_positions, {head_size})",
-                    tuple(cos_sin_cache.shape))
+        raise arg_error("cos_sin_cache", f"shape (max_positions, {head_size})",
+                        tuple(cos_sin_cache.shape))
     if qk_norm is not None:
         if not isinstance(qk_norm, tuple) or len(qk_norm) != 3:
-            raise _fail("qk_norm", "None or a tuple (q_weight, k_weight, eps)", repr(qk_norm))
+            raise arg_error("qk_norm", "None or a tuple (q_weight, k_weight, eps)", repr(qk_norm))
         for name, w in zip(("qk_norm[0] (q_weight)", "qk_norm[1] (k_weight)"), qk_norm[:2]):
             check_tensor(name, w, ndim=1, dtypes=(q.dtype,), device=q.device)
             if w.shape[0] != head_size:
-                raise _fail(name, f"shape ({head_size},)", tuple(w.shape))
+                raise arg_error(name, f"shape ({head_size},)", tuple(w.shape))
         _check_eps("qk_norm[2] (eps)", qk_norm[2])
     chosen = resolve_backend(backend, q.device)
     if chosen == "torch":
@@ -162,8 +159,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     from .fused_triton import triton_apply_rotary
     weights = () if qk_norm is None else (("q_weight", qk_norm[0]), ("k_weight", qk_norm[1]))
     for name, t in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache), *weights):
-        if t.stride(-1) != 1:
-            raise _fail(name, "a contiguous last dimension (stride 1)", f"strides {t.stride()}")
+        check_last_dim_contiguous(name, t)
     return triton_apply_rotary(q, k, positions, cos_sin_cache, qk_norm)
 
 
@@ -180,13 +176,12 @@ def silu_and_mul(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     if x.shape[1] % 2 != 0:
-        raise _fail("x", "an even last dim (gate and up halves)", tuple(x.shape))
+        raise arg_error("x", "an even last dim (gate and up halves)", tuple(x.shape))
     chosen = resolve_backend(backend, x.device)
     if chosen == "torch":
         return silu_and_mul_reference(x)
     from .fused_triton import triton_silu_and_mul
-    if x.stride(-1) != 1:
-        raise _fail("x", "a contiguous last dimension (stride 1)", f"strides {x.stride()}")
+    check_last_dim_contiguous("x", x)
     return triton_silu_and_mul(x)
 
 

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..core.args import cdiv
+
 
 def _num_warps(block: int) -> int:
     return 8 if block >= 4096 else 4 if block >= 1024 else 2 if block >= 256 else 1
@@ -169,7 +171,7 @@ def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if num_rows == 0 or inter == 0:
         return out
     block = min(1024, triton.next_power_of_2(inter))
-    _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block))](
+    _silu_and_mul_kernel[(num_rows, cdiv(inter, block))](
         x, out, x.stride(0), out.stride(0), INTER=inter, BLOCK=block,
         num_warps=_num_warps(block))
     return out

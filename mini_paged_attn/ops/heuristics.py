@@ -22,24 +22,17 @@ import math
 
 import numpy as np
 
-from ..core.args import as_int
+from ..core.args import cdiv, positive_int
 
 _INT32_MAX = 2**31 - 1
 
 
-def _positive_int(name: str, value: object) -> int:
-    try:
-        v = as_int(name, value)
-    except TypeError as e:
-        raise ValueError(str(e)) from None
-    if not 0 < v <= _INT32_MAX:
+def _c_int(name: str, value: object) -> int:
+    v = positive_int(name, value)
+    if v > _INT32_MAX:
         raise ValueError(f"{name}: expected a positive int (at most {_INT32_MAX}, a C int), "
                          f"got {v}")
     return v
-
-
-def _ceildiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: int,
@@ -62,10 +55,10 @@ def num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: 
     Raises:
         ValueError: an argument that is not a positive int within C int range.
     """
-    units = _positive_int("batch_nheads_mblocks", batch_nheads_mblocks)
-    sms = _positive_int("num_sms", num_sms)
-    n_blocks = _positive_int("num_n_blocks", num_n_blocks)
-    max_splits = _positive_int("max_splits", max_splits)
+    units = _c_int("batch_nheads_mblocks", batch_nheads_mblocks)
+    sms = _c_int("num_sms", num_sms)
+    n_blocks = _c_int("num_n_blocks", num_n_blocks)
+    max_splits = _c_int("max_splits", max_splits)
 
     f32 = np.float32
     # C++ `units >= 0.8f * num_SMs`: both sides are float.
@@ -75,7 +68,7 @@ def num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: 
 
     def eligible(splits: int) -> bool:
         # 12 splits of 64 tiles are 11 splits of 6 tiles (and one of -2): the same as 11, skip.
-        return splits == 1 or _ceildiv(n_blocks, splits) != _ceildiv(n_blocks, splits - 1)
+        return splits == 1 or cdiv(n_blocks, splits) != cdiv(n_blocks, splits - 1)
 
     efficiency: dict[int, np.float32] = {}
     max_efficiency = f32(0.0)

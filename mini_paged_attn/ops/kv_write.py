@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import check_last_dim_contiguous
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -54,9 +56,7 @@ def triton_store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Ten
     ``[num_tokens]``; -1 skips). Arguments are validated by :func:`~.dispatch.store_kv`.
     """
     for name, t in (("key", key), ("value", value)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), "
-                             f"got strides {t.stride()}")
+        check_last_dim_contiguous(name, t)
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return

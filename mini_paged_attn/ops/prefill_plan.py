@@ -19,16 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.args import cdiv, next_pow2
+from .checks import check_launch_config
+
 
 # A sequence with q_len * group_size <= SMALL_ROWS (decode rows, short chunks) runs a tile of
 # SMALL_ROWS rows (the smallest tl.dot M) instead of block_m: a decode row walking a long
 # context is memory-bound, and a 128-row tile would spend most of its tensor-core work on
 # empty rows.
 SMALL_ROWS = 16
-
-
-def _is_pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -46,14 +45,7 @@ class PrefillConfig:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and _is_pow2(value) and value >= 16):
-                raise ValueError(f"{name}: expected a power of two >= 16, got {value!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}")
-        if not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 8):
-            raise ValueError(f"num_stages: expected an int in 1..8, got {self.num_stages!r}")
+        check_launch_config(self, ("block_m", "block_n"), max_stages=8)
 
 
 @dataclass(frozen=True)
@@ -70,7 +62,7 @@ class PrefillTiling:
         """Programs = tile slots x kv heads x head chunks, flattened slot-major into one axis
         (so a batch's first sequences, e.g. its decode rows, start first); an upper bound
         that needs no host sync."""
-        slots = -(-total_q // self.tokens_per_tile) + num_seqs
+        slots = cdiv(total_q, self.tokens_per_tile) + num_seqs
         return (slots * num_kv_heads * self.head_chunks,)
 
 
@@ -78,9 +70,9 @@ def tiling(config: PrefillConfig, group_size: int, head_size: int) -> PrefillTil
     heads_per_tile = min(group_size, config.block_m)
     return PrefillTiling(
         heads_per_tile=heads_per_tile,
-        head_chunks=-(-group_size // heads_per_tile),
+        head_chunks=cdiv(group_size, heads_per_tile),
         tokens_per_tile=config.block_m // heads_per_tile,
-        head_size_padded=max(16, 1 << (head_size - 1).bit_length()),
+        head_size_padded=max(16, next_pow2(head_size)),
         small_rows=SMALL_ROWS if config.block_m > SMALL_ROWS >= heads_per_tile else 0,
     )
 
@@ -107,7 +99,7 @@ def default_config(head_size: int, dtype: torch.dtype, device: torch.device,
     """
     if device.type != "cuda":
         return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
-    padded = max(16, 1 << (head_size - 1).bit_length())
+    padded = max(16, next_pow2(head_size))
     if dtype == torch.float32:
         return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if padded > 128:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.slots import write_slots
+from ..core.args import cdiv
 
 _NEG_INF = float("-inf")
 
@@ -117,7 +118,7 @@ def _attend_blockwise(q: torch.Tensor, seq: torch.Tensor, n_visible: torch.Tenso
     m = q.new_full((rows, hkv, hq // hkv), _NEG_INF)  # [R, Hkv, G]
     l = q.new_zeros(m.shape)
     acc = q.new_zeros((*m.shape, d))  # [R, Hkv, G, D]
-    num_logical = -(-int(n_visible.max()) // block_size) if rows else 0
+    num_logical = cdiv(int(n_visible.max()), block_size) if rows else 0
     offsets = torch.arange(block_size, device=q.device)
     for j in range(num_logical):
         active = torch.nonzero(n_visible > j * block_size, as_tuple=True)[0]  # [A]

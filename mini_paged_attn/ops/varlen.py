@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from ..core.args import as_int
+from ..core.args import check_bool, is_number, non_negative_int
 from . import reference
-from .checks import FLOAT_DTYPES, check_scale, check_tensor
+from .checks import FLOAT_DTYPES, check_cu_seqlens, check_scale, check_tensor
 from .dispatch import paged_prefill, resolve_backend
 
 
 def _not_implemented(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs) -> None:
-    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or \
-            not 0.0 <= dropout_p < 1.0:
+    if not is_number(dropout_p) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
     if dropout_p > 0:
         raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not implemented "
@@ -45,26 +44,11 @@ def _not_implemented(dropout_p, window_size, softcap, alibi_slopes, return_attn_
                                   "is not implemented")
 
 
-def _seqlen_bound(name: str, value: object) -> int:
-    try:
-        v = as_int(name, value)
-    except TypeError as e:
-        raise ValueError(str(e)) from None
-    if v < 0:
-        raise ValueError(f"{name}: expected a non-negative int, got {v}")
-    return v
-
-
-def _check_cu_values(name: str, cu: torch.Tensor, total: int, exact: bool,
+def _check_cu_values(name: str, cu: torch.Tensor, total: int, total_name: str, exact: bool,
                      max_seqlen_name: str, max_seqlen: int) -> None:
-    """Values of a cu_seqlens tensor (a host sync): 0, non-decreasing, ends at / within total."""
-    c = cu.detach().to("cpu", torch.int64)
-    lens = c[1:] - c[:-1]
-    end_ok = int(c[-1]) == total if exact else int(c[-1]) <= total
-    if int(c[0]) != 0 or (lens < 0).any() or not end_ok:
-        relation = "=" if exact else "<="
-        raise ValueError(f"{name}: expected a non-decreasing sequence from 0 to a last value "
-                         f"{relation} {total} (the rows of the tensor), got {c.tolist()}")
+    """Values of a cu_seqlens tensor (a host sync): 0, non-decreasing, ends at / within total,
+    no length over its max_seqlen."""
+    lens = check_cu_seqlens(name, cu, total, total_name, exact=exact)
     if lens.numel() and int(lens.max()) > max_seqlen:
         raise ValueError(f"{max_seqlen_name}: expected >= the longest sequence in {name} "
                          f"({int(lens.max())}), got {max_seqlen}")
@@ -105,8 +89,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         NotImplementedError: an unimplemented option.
     """
     _not_implemented(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs)
-    max_seqlen_q = _seqlen_bound("max_seqlen_q", max_seqlen_q)
-    max_seqlen_k = _seqlen_bound("max_seqlen_k", max_seqlen_k)
+    max_seqlen_q = non_negative_int("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = non_negative_int("max_seqlen_k", max_seqlen_k)
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=q.device)
     check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=(torch.int32,), device=q.device)
@@ -114,24 +98,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise ValueError(f"cu_seqlens_k: expected the shape of cu_seqlens_q "
                          f"{tuple(cu_seqlens_q.shape)} (num_seqs + 1, at least 1), "
                          f"got {tuple(cu_seqlens_k.shape)}")
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal: expected a bool, got {causal!r}")
+    check_bool("causal", causal)
     q = _last_dim_contiguous(q)
-    try:
-        scale = check_scale(softmax_scale, q.shape[-1])
-    except ValueError:
-        raise ValueError(f"softmax_scale: expected a positive float or None, "
-                         f"got {softmax_scale!r}") from None
+    scale = check_scale(softmax_scale, q.shape[-1], name="softmax_scale")
 
     if block_table is not None:
         # Paged K/V: FlashAttention's per-sequence K length is the difference of cu_seqlens_k.
         chosen = resolve_backend(backend, q.device)
         if chosen == "torch":
             total_k = int(cu_seqlens_k[-1]) if cu_seqlens_k.numel() else 0
-            _check_cu_values("cu_seqlens_k", cu_seqlens_k, total_k, True, "max_seqlen_k",
-                             max_seqlen_k)
-            _check_cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], True, "max_seqlen_q",
-                             max_seqlen_q)
+            _check_cu_values("cu_seqlens_k", cu_seqlens_k, total_k, "its last value", True,
+                             "max_seqlen_k", max_seqlen_k)
+            _check_cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "total_q", True,
+                             "max_seqlen_q", max_seqlen_q)
         context_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
         return paged_prefill(q, k, v, block_table, cu_seqlens_q, context_lens, causal=causal,
                              scale=scale, backend=backend, max_seqlen_q=max_seqlen_q)
@@ -149,10 +128,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          f"(k's heads), got num_q_heads={num_q_heads}")
     chosen = resolve_backend(backend, q.device)
     if chosen == "torch":
-        _check_cu_values("cu_seqlens_q", cu_seqlens_q, total_q, True, "max_seqlen_q",
-                         max_seqlen_q)
-        _check_cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], False, "max_seqlen_k",
-                         max_seqlen_k)
+        _check_cu_values("cu_seqlens_q", cu_seqlens_q, total_q, "total_q", True,
+                         "max_seqlen_q", max_seqlen_q)
+        _check_cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "total_k", False,
+                         "max_seqlen_k", max_seqlen_k)
         out, _ = reference.varlen_attention_contiguous(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                        causal=causal, scale=scale)
         return out.to(q.dtype)

@@ -99,6 +99,7 @@ def test_missing_config_json_names_it(tmp_path):
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "original_max_position_embeddings"),
     ({"torch_dtype": "int8"}, "int8"),
     ({"num_key_value_heads": 5}, "num_kv_heads"),
+    ({"num_attention_heads": 0}, "num_q_heads"),
 ])
 def test_bad_configs_raise_naming_the_field(patch, match):
     with pytest.raises(ValueError, match=match):

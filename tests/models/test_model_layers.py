@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import LlamaConfig
 from transformers.models.llama import modeling_llama as hf_llama
 
+from mini_paged_attn.models.attention import AttentionMetadata
 from mini_paged_attn.models.config import RopeConfig
 from mini_paged_attn.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rope_inv_freq
 
@@ -99,3 +102,20 @@ def test_gated_mlp_matches_separate_projections():
         gate, up = x @ w[:24].T + b[:24], x @ w[24:].T + b[24:]
         ref = (torch.nn.functional.silu(gate) * up) @ mlp.down_proj.weight.T + mlp.down_proj.bias
         torch.testing.assert_close(mlp(x), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_metadata_for_step_keeps_the_workspace_for_decode_only():
+    def step(q_lens):
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        return SimpleNamespace(slot_mapping=torch.arange(int(cu[-1])), cu_seqlens_q=cu,
+                               context_lens=torch.tensor(q_lens, dtype=torch.int32),
+                               block_tables=torch.zeros(len(q_lens), 4, dtype=torch.int32),
+                               max_seqlen_q=max(q_lens))
+
+    workspace = torch.zeros(8)
+    decode = AttentionMetadata.for_step(step([1, 1]), decode_only=True, backend="torch",
+                                        decode_workspace=workspace)
+    assert decode.decode_workspace is workspace and decode.num_seqs == decode.num_tokens == 2
+    prefill = AttentionMetadata.for_step(step([3, 1]), decode_only=False, backend="torch",
+                                         decode_workspace=workspace)
+    assert prefill.decode_workspace is None and prefill.num_tokens == 4

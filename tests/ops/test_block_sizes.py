@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.decode_batches import assert_decode_matches_reference, make_decode_batch
-from helpers.prefill_batches import make_prefill_batch, run_and_compare
+from helpers.paged_batch import make_decode_batch, make_prefill_batch
+from helpers.reference_checks import assert_decode_matches_reference, run_and_compare
 from mini_paged_attn.ops import flash_attn_varlen_func, paged_prefill, store_kv
 from mini_paged_attn.ops.checks import check_paged_decode_args
 from mini_paged_attn.ops.decode import triton_paged_decode
@@ -50,7 +50,7 @@ def test_prefill_dispatcher_default_tiles(block_size):
     q_lens, prefix = _lens(block_size)
     batch = make_prefill_batch(q_lens, prefix, num_q_heads=8, num_kv_heads=2, head_size=32,
                                block_size=block_size, dtype=torch.float32, seed=block_size + 1,
-                               seed_layout=True, device=DEVICE)
+                               pool_layout=True, device=DEVICE)
     run_and_compare(batch, causal=True, config=None)
 
 
@@ -61,11 +61,11 @@ def test_decode_kernel_with_straddling_tiles(block_size, num_splits):
     batch = make_decode_batch(lens, num_q_heads=8, num_kv_heads=2, head_size=32,
                               block_size=block_size, dtype=torch.float16, seed=block_size,
                               device=DEVICE)
-    shapes = check_paged_decode_args(*batch.args, None, None)
+    shapes = check_paged_decode_args(*batch.decode_args, None, None)
     out = torch.full_like(batch.query, float("nan"))
     lse = torch.full(batch.query.shape[:2], float("nan"), device=DEVICE)
     tiles = DecodeTiles(block_n=_tile_for(block_size), num_warps=4, num_stages=1)
-    triton_paged_decode(*batch.args, shapes, out=out, lse=lse, num_splits=num_splits,
+    triton_paged_decode(*batch.decode_args, shapes, out=out, lse=lse, num_splits=num_splits,
                         tiles=tiles)
     assert_decode_matches_reference(batch, out, lse)
 

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from mini_paged_attn.ops import paged_decode, paged_prefill, store_kv
+from mini_paged_attn.ops.explain import DecodeTiles
+from mini_paged_attn.ops.prefill_plan import PrefillConfig
 
 NUM_BLOCKS, BLOCK_SIZE, HKV, HQ, D = 6, 4, 2, 4, 8
 
@@ -69,14 +71,21 @@ BAD = [
     ("cu_seqlens_q", dict(cu_seqlens_q=int32(0, 4, 3))),  # decreasing
     ("cu_seqlens_q", dict(cu_seqlens_q=int32(0, 2, 4))),  # ends before total_q = 5
     ("cu_seqlens_q", dict(cu_seqlens_q=int32(0, 1, 5))),  # q_len 4 > context_len 3
+    ("scale", dict(scale=float("inf"))),
+    ("return_lse", dict(return_lse=1)),
     ("causal", dict(causal=None)),  # prefill only
+    ("max_seqlen_q", dict(max_seqlen_q=-1)),  # prefill only
+    ("max_seqlen_q", dict(max_seqlen_q=2.5)),  # prefill only
+    ("explain", dict(explain="yes")),  # decode only
 ]
 
 
 def applies(op, change):
-    """decode has no cu_seqlens_q or causal; prefill has no num_splits."""
-    only_prefill = {"cu_seqlens_q", "causal"} & change.keys()
-    return not (only_prefill if op == "decode" else "num_splits" in change)
+    """decode has no cu_seqlens_q, causal or max_seqlen_q; prefill has no num_splits or
+    explain."""
+    only_prefill = {"cu_seqlens_q", "causal", "max_seqlen_q"} & change.keys()
+    only_decode = {"num_splits", "explain"} & change.keys()
+    return not (only_prefill if op == "decode" else only_decode)
 
 
 def out_like(query, rows):
@@ -151,3 +160,14 @@ def test_store_kv_bad_argument_writes_nothing(name, change):
     with pytest.raises(ValueError, match=rf"^{name}:"):
         store_kv(**args)
     assert not args["key_cache"].any() and not args["value_cache"].any()
+
+
+@pytest.mark.parametrize("cls, field, value", [
+    (DecodeTiles, "block_n", 48), (DecodeTiles, "num_warps", True),
+    (DecodeTiles, "num_stages", 13), (DecodeTiles, "num_stages", True),
+    (PrefillConfig, "block_m", 8), (PrefillConfig, "num_warps", 3),
+    (PrefillConfig, "num_stages", 9),
+])
+def test_bad_launch_config_raises_naming_the_field(cls, field, value):
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        cls(**{field: value})

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.decode_batches import DecodeBatch, assert_decode_matches_reference, make_decode_batch
+from helpers.paged_batch import PagedBatch, make_decode_batch
+from helpers.reference_checks import assert_decode_matches_reference
 from mini_paged_attn.ops import reference
 from mini_paged_attn.ops.decode import workspace_size
 from mini_paged_attn.ops.dispatch import paged_decode
@@ -23,12 +24,12 @@ def _batch(lens=LENS, *, hq=32, hkv=8, head_size=128, block_size=16, dtype=torch
            seed=0, seed_layout=True):
     return make_decode_batch(lens, num_q_heads=hq, num_kv_heads=hkv, head_size=head_size,
                              block_size=block_size, dtype=dtype, seed=seed,
-                             seed_layout=seed_layout, device="cuda")
+                             pool_layout=seed_layout, device="cuda")
 
 
 def _run(batch, **kwargs):
     out = torch.full_like(batch.query, float("nan"))
-    _, lse = paged_decode(*batch.args, out=out, return_lse=True, **kwargs)
+    _, lse = paged_decode(*batch.decode_args, out=out, return_lse=True, **kwargs)
     return out, lse
 
 
@@ -73,19 +74,19 @@ def test_num_splits_1_is_batch_invariant():
     """A sequence's output is bitwise the same alone and inside a batch of others."""
     lens = [4097, 3, 777, 16, 12000, 64] * 8
     batch = _batch(lens, seed=21)
-    out = paged_decode(*batch.args, num_splits=1)
-    q, kc, vc, bt, cl = batch.args
+    out = paged_decode(*batch.decode_args, num_splits=1)
+    q, kc, vc, bt, cl = batch.decode_args
     for i in (0, 4, 13, 46):
         alone = paged_decode(q[i:i + 1], kc, vc, bt[i:i + 1], cl[i:i + 1], num_splits=1)
         assert torch.equal(alone, out[i:i + 1]), f"sequence {i} differs alone vs in the batch"
-    again = paged_decode(*batch.args, num_splits=1)
+    again = paged_decode(*batch.decode_args, num_splits=1)
     assert torch.equal(again, out)   # deterministic
 
 
 def test_cuda_graph_capture_and_replay():
     """Capture one decode step (split-KV path, workspace given), then replay it on new data."""
     batch = _batch([300, 5000, 17], seed=31)    # 3 seqs x 8 kv heads: the heuristic splits
-    q, kc, vc, bt, cl = batch.args
+    q, kc, vc, bt, cl = batch.decode_args
     ws = torch.empty(workspace_size(q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32,
                      device="cuda")
     out = torch.empty_like(q)
@@ -110,7 +111,7 @@ def test_cuda_graph_capture_and_replay():
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert_decode_matches_reference(DecodeBatch(q, kc, vc, bt, cl), out, lse)
+        assert_decode_matches_reference(PagedBatch.decode(q, kc, vc, bt, cl), out, lse)
 
 
 def test_pool_over_2_pow_31_elements():
@@ -132,8 +133,8 @@ def test_pool_over_2_pow_31_elements():
     pool[top.long()] = torch.randn((top.numel(), block_size, 2, hkv, d), device="cuda").half()
     assert int(top.min()) * per_block > 2 ** 31        # every used block lies past 2^31
     query = torch.randn(len(lens), 32, d, device="cuda", dtype=torch.float16)
-    batch = DecodeBatch(query, pool[:, :, 0], pool[:, :, 1], tables,
-                        torch.tensor(lens, dtype=torch.int32, device="cuda"))
+    batch = PagedBatch.decode(query, pool[:, :, 0], pool[:, :, 1], tables,
+                              torch.tensor(lens, dtype=torch.int32, device="cuda"))
     for num_splits in (None, 1):
         assert_decode_matches_reference(batch, *_run(batch, num_splits=num_splits))
     del pool
@@ -142,7 +143,7 @@ def test_pool_over_2_pow_31_elements():
 def test_store_kv_then_decode_matches_reference():
     """A decode step as the engine runs it: write the new token's K/V, then attend."""
     batch = _batch([100, 33], seed=41, seed_layout=True)
-    q, kc, vc, bt, cl = batch.args
+    q, kc, vc, bt, cl = batch.decode_args
     new_k = torch.randn(2, 8, 128, device="cuda", dtype=torch.bfloat16)
     new_v = torch.randn_like(new_k)
     pos = cl.long()                                   # the new token's position
@@ -151,5 +152,5 @@ def test_store_kv_then_decode_matches_reference():
     store_kv(new_k, new_v, kc, vc, slots)
     cl += 1
     out, lse = _run(batch)
-    ref_out, _ = reference.paged_decode_gather(*batch.args, scale=128 ** -0.5)
+    ref_out, _ = reference.paged_decode_gather(*batch.decode_args, scale=128 ** -0.5)
     torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)

@@ -14,7 +14,8 @@ import pytest
 import torch
 import triton
 
-from helpers.decode_batches import assert_decode_matches_reference, make_decode_batch
+from helpers.paged_batch import make_decode_batch
+from helpers.reference_checks import assert_decode_matches_reference
 from mini_paged_attn.ops.checks import check_paged_decode_args
 from mini_paged_attn.ops.decode import triton_paged_decode, workspace_size
 from mini_paged_attn.ops.dispatch import paged_decode
@@ -34,8 +35,8 @@ CASES = [
 
 def _run(batch, *, num_splits=None, workspace=None, scale=None):
     out = torch.full_like(batch.query, float("nan"))   # every element must be written
-    _, lse = paged_decode(*batch.args, scale=scale, out=out, return_lse=True, backend="triton",
-                          num_splits=num_splits, workspace=workspace)
+    _, lse = paged_decode(*batch.decode_args, scale=scale, out=out, return_lse=True,
+                          backend="triton", num_splits=num_splits, workspace=workspace)
     return out, lse
 
 
@@ -44,7 +45,7 @@ def _run(batch, *, num_splits=None, workspace=None, scale=None):
 def test_matches_reference(hq, hkv, head_size, block_size, lens, dtype, seed_layout, num_splits):
     batch = make_decode_batch(lens, num_q_heads=hq, num_kv_heads=hkv, head_size=head_size,
                               block_size=block_size, dtype=dtype, seed=len(lens) + head_size,
-                              seed_layout=seed_layout, device=DEVICE)
+                              pool_layout=seed_layout, device=DEVICE)
     out, lse = _run(batch, num_splits=num_splits)
     assert_decode_matches_reference(batch, out, lse)
 
@@ -78,7 +79,7 @@ def test_empty_sequence_gives_zeros_and_minus_inf(num_splits):
 def test_empty_batch_launches_nothing():
     batch = make_decode_batch([5], num_q_heads=4, num_kv_heads=2, head_size=64, block_size=16,
                               dtype=torch.float16, seed=4, device=DEVICE)
-    q, kc, vc, bt, cl = batch.args
+    q, kc, vc, bt, cl = batch.decode_args
     out, lse = paged_decode(q[:0], kc, vc, bt[:0], cl[:0], backend="triton", return_lse=True)
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
 
@@ -95,7 +96,7 @@ def test_num_splits_1_is_batch_invariant():
                               block_size=16, dtype=torch.float16, seed=5, device=DEVICE)
     out_batch, _ = _run(batch, num_splits=1)
     for i in range(3):
-        q, kc, vc, bt, cl = batch.args
+        q, kc, vc, bt, cl = batch.decode_args
         alone = paged_decode(q[i:i + 1], kc, vc, bt[i:i + 1], cl[i:i + 1], backend="triton",
                              num_splits=1)
         assert torch.equal(alone, out_batch[i:i + 1])
@@ -111,9 +112,9 @@ def test_workspace_is_used_and_checked():
     assert_decode_matches_reference(batch, out_auto, lse_auto)
     out = torch.zeros_like(batch.query)
     with pytest.raises(ValueError, match="workspace"):
-        paged_decode(*batch.args, out=out, backend="triton", num_splits=5, workspace=ws)
+        paged_decode(*batch.decode_args, out=out, backend="triton", num_splits=5, workspace=ws)
     with pytest.raises(ValueError, match="workspace"):
-        paged_decode(*batch.args, out=out, backend="triton", workspace=ws.half())
+        paged_decode(*batch.decode_args, out=out, backend="triton", workspace=ws.half())
     assert not out.any()  # nothing written on error
 
 
@@ -128,7 +129,7 @@ def test_unsupported_input_raises_before_launch(bad):
                               block_size=block_size, dtype=torch.float16, seed=1, device=DEVICE)
     out = torch.zeros_like(batch.query)
     with pytest.raises(ValueError, match=bad):
-        paged_decode(*batch.args, out=out, backend="triton", num_splits=num_splits)
+        paged_decode(*batch.decode_args, out=out, backend="triton", num_splits=num_splits)
     assert not out.any()
 
 
@@ -137,10 +138,10 @@ def test_tile_override_spans_and_splits_blocks():
     for block_size in (16, 64):
         batch = make_decode_batch([70, 3], num_q_heads=4, num_kv_heads=4, head_size=64,
                                   block_size=block_size, dtype=torch.float16, seed=block_size, device=DEVICE)
-        shapes = check_paged_decode_args(*batch.args, None, None)
+        shapes = check_paged_decode_args(*batch.decode_args, None, None)
         out = torch.full_like(batch.query, float("nan"))
         lse = torch.full(batch.query.shape[:2], float("nan"), device=DEVICE)
-        triton_paged_decode(*batch.args, shapes, out=out, lse=lse, num_splits=2,
+        triton_paged_decode(*batch.decode_args, shapes, out=out, lse=lse, num_splits=2,
                             tiles=DecodeTiles(block_n=32, num_warps=4, num_stages=1))
         assert_decode_matches_reference(batch, out, lse)
 
@@ -201,6 +202,6 @@ def test_explain_flag_logs_the_plan(caplog):
     batch = make_decode_batch([20], num_q_heads=4, num_kv_heads=2, head_size=64,
                               block_size=16, dtype=torch.float16, seed=2, device=DEVICE)
     with caplog.at_level(logging.INFO, logger="mini_paged_attn.ops.decode"):
-        paged_decode(*batch.args, backend="triton", num_splits=2, explain=True)
+        paged_decode(*batch.decode_args, backend="triton", num_splits=2, explain=True)
     assert "num_splits=2 was forced" in caplog.text and "kernel:" in caplog.text
 

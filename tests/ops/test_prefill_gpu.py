@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.prefill_batches import PrefillBatch, make_prefill_batch, run_and_compare
+from helpers.paged_batch import PagedBatch, make_prefill_batch
+from helpers.reference_checks import run_and_compare
 from mini_paged_attn.ops import reference
 from mini_paged_attn.ops.dispatch import paged_prefill
 
@@ -26,10 +27,10 @@ PREFIX = [7, 4000, 0, 5, 700, 0, 33, 2048]
 
 
 def _batch(q_lens=Q_LENS, prefix=PREFIX, *, hq=32, hkv=8, head_size=128, block_size=16,
-           dtype=torch.bfloat16, seed=0, seed_layout=True) -> PrefillBatch:
+           dtype=torch.bfloat16, seed=0, seed_layout=True) -> PagedBatch:
     return make_prefill_batch(q_lens, prefix, num_q_heads=hq, num_kv_heads=hkv,
                               head_size=head_size, block_size=block_size, dtype=dtype,
-                              seed=seed, seed_layout=seed_layout, device="cuda")
+                              seed=seed, pool_layout=seed_layout, device="cuda")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -66,7 +67,7 @@ def test_cuda_graph_capture_and_replay_with_new_lengths():
     """The launch path needs no host sync, so it can be captured and replayed on new data."""
     batch = _batch(seed=1)
     out = torch.empty_like(batch.query)
-    run = lambda: paged_prefill(*batch.args, out=out, backend="triton")  # noqa: E731
+    run = lambda: paged_prefill(*batch.prefill_args, out=out, backend="triton")  # noqa: E731
     run()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -77,7 +78,7 @@ def test_cuda_graph_capture_and_replay_with_new_lengths():
                                          dtype=torch.int32))
     out.fill_(float("nan"))
     graph.replay()
-    ref_out, _ = reference.paged_prefill_gather(*batch.args, causal=True,
+    ref_out, _ = reference.paged_prefill_gather(*batch.prefill_args, causal=True,
                                                 scale=batch.query.shape[-1] ** -0.5)
     torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
 
@@ -94,8 +95,8 @@ def test_cache_larger_than_2_to_31_elements():
     key_cache[far] = small.key_cache[used.long()]
     value_cache[far] = small.value_cache[used.long()]
     tables = far.to(torch.int32)
-    batch = PrefillBatch(small.query, key_cache, value_cache, tables, small.cu_seqlens_q,
-                         small.context_lens)
+    batch = PagedBatch(small.query, key_cache, value_cache, tables, small.cu_seqlens_q,
+                       small.context_lens)
     run_and_compare(batch, causal=True, config=None)
 
 

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from helpers.decode_batches import TOL
-from helpers.prefill_batches import PrefillBatch, make_prefill_batch, run_and_compare
+from helpers.paged_batch import PagedBatch, make_prefill_batch
+from helpers.reference_checks import TOL, run_and_compare
 from mini_paged_attn.ops import reference
 from mini_paged_attn.ops.dispatch import paged_prefill
 from mini_paged_attn.ops.prefill import triton_varlen_contiguous
@@ -22,12 +22,12 @@ from mini_paged_attn.ops.prefill_plan import PrefillConfig
 SMALL = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 
 
-def make_paged_batch(q_lens, prefix_lens, **kw):
-    return make_prefill_batch(q_lens, prefix_lens, **kw).args
+def prefill_args(q_lens, prefix_lens, **kw):
+    return make_prefill_batch(q_lens, prefix_lens, **kw).prefill_args
 
 
 def check_against_reference(batch, *, causal, config=SMALL, scale=None):
-    run_and_compare(PrefillBatch(*batch), causal=causal, config=config, scale=scale)
+    run_and_compare(PagedBatch(*batch), causal=causal, config=config, scale=scale)
 
 
 # q_len 0, 1 (decode rows), block_size - 1, block_size + 1, longer; cached prefix 0, a partial
@@ -44,55 +44,55 @@ def lengths(block_size):
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_batch_matches_reference(dtype, heads, causal):
     q_lens, prefix = lengths(8)
-    batch = make_paged_batch(q_lens, prefix, num_q_heads=heads[0], num_kv_heads=heads[1],
-                             head_size=32, block_size=8, dtype=dtype, seed=sum(heads))
+    batch = prefill_args(q_lens, prefix, num_q_heads=heads[0], num_kv_heads=heads[1],
+                         head_size=32, block_size=8, dtype=dtype, seed=sum(heads))
     check_against_reference(batch, causal=causal)
 
 
 @pytest.mark.parametrize("block_size,block_n", [(1, 16), (4, 16), (16, 16), (64, 16), (2, 32)])
 def test_block_sizes_smaller_and_larger_than_kv_tile(block_size, block_n):
     q_lens, prefix = lengths(block_size)
-    batch = make_paged_batch(q_lens, prefix, num_q_heads=4, num_kv_heads=2, head_size=16,
-                             block_size=block_size, dtype=torch.float16, seed=block_size)
+    batch = prefill_args(q_lens, prefix, num_q_heads=4, num_kv_heads=2, head_size=16,
+                         block_size=block_size, dtype=torch.float16, seed=block_size)
     check_against_reference(batch, causal=True,
                             config=PrefillConfig(block_m=16, block_n=block_n, num_stages=1))
 
 
 @pytest.mark.parametrize("head_size", [16, 24, 40, 64])
 def test_head_sizes_padded_to_power_of_two(head_size):
-    batch = make_paged_batch([3, 17], [11, 0], num_q_heads=4, num_kv_heads=1,
-                             head_size=head_size, block_size=4, dtype=torch.float32, seed=head_size)
+    batch = prefill_args([3, 17], [11, 0], num_q_heads=4, num_kv_heads=1,
+                         head_size=head_size, block_size=4, dtype=torch.float32, seed=head_size)
     check_against_reference(batch, causal=True, scale=0.2, config=None)
 
 
 def test_gqa_group_larger_than_tile_is_split_over_head_chunks():
     # 32 query heads on one KV head with 16-row tiles: two head chunks per token tile.
-    batch = make_paged_batch([5, 1, 12], [0, 30, 7], num_q_heads=32, num_kv_heads=1,
-                             head_size=16, block_size=4, dtype=torch.float16, seed=3)
+    batch = prefill_args([5, 1, 12], [0, 30, 7], num_q_heads=32, num_kv_heads=1,
+                         head_size=16, block_size=4, dtype=torch.float16, seed=3)
     check_against_reference(batch, causal=True)
 
 
 def test_seed_layout_strided_views_and_wide_tiles():
-    batch = make_paged_batch([40, 1, 0, 33], [0, 50, 8, 16], num_q_heads=8, num_kv_heads=2,
-                             head_size=32, block_size=16, dtype=torch.float16, seed=7,
-                             seed_layout=True)
+    batch = prefill_args([40, 1, 0, 33], [0, 50, 8, 16], num_q_heads=8, num_kv_heads=2,
+                         head_size=32, block_size=16, dtype=torch.float16, seed=7,
+                         pool_layout=True)
     assert not batch[1].is_contiguous()
     check_against_reference(batch, causal=True,
                             config=PrefillConfig(block_m=32, block_n=32, num_stages=1))
 
 
 def test_all_empty_and_single_sequences():
-    batch = make_paged_batch([0, 0], [4, 0], num_q_heads=2, num_kv_heads=1, head_size=16,
-                             block_size=4, dtype=torch.float32, seed=1)
+    batch = prefill_args([0, 0], [4, 0], num_q_heads=2, num_kv_heads=1, head_size=16,
+                         block_size=4, dtype=torch.float32, seed=1)
     out = paged_prefill(*batch, backend="triton")
     assert out.shape == (0, 2, 16)
-    batch = make_paged_batch([1], [0], num_q_heads=2, num_kv_heads=1, head_size=16,
-                             block_size=4, dtype=torch.float32, seed=2)
+    batch = prefill_args([1], [0], num_q_heads=2, num_kv_heads=1, head_size=16,
+                         block_size=4, dtype=torch.float32, seed=2)
     check_against_reference(batch, causal=True, config=None)
 
 
 def test_bad_input_raises_before_launch():
-    query, key_cache, value_cache, tables, cu, ctx = make_paged_batch(
+    query, key_cache, value_cache, tables, cu, ctx = prefill_args(
         [3], [2], num_q_heads=2, num_kv_heads=1, head_size=16, block_size=4,
         dtype=torch.float32, seed=4)
     out = torch.zeros_like(query)
@@ -129,8 +129,8 @@ def test_contiguous_varlen_matches_reference(causal, dtype):
 
 def test_default_config_and_kv_tile_larger_than_sequence():
     # The default interpreter config, and a KV tile much longer than every sequence.
-    batch = make_paged_batch([2, 5], [1, 3], num_q_heads=4, num_kv_heads=4, head_size=16,
-                             block_size=2, dtype=torch.float32, seed=5)
+    batch = prefill_args([2, 5], [1, 3], num_q_heads=4, num_kv_heads=4, head_size=16,
+                         block_size=2, dtype=torch.float32, seed=5)
     check_against_reference(batch, causal=False, config=None)
     check_against_reference(batch, causal=True,
                             config=PrefillConfig(block_m=64, block_n=64, num_stages=1))
@@ -142,8 +142,8 @@ def test_short_sequences_take_the_small_tile(heads, block_m):
     # q_len * group <= 16 runs a 16-row tile instead of block_m rows; longer ones the big tile.
     q_lens = [1, 2, 4, 5, 1, 3, 6, 40]
     prefix = [60, 0, 17, 3, 1, 32, 0, 8]
-    batch = make_paged_batch(q_lens, prefix, num_q_heads=heads[0], num_kv_heads=heads[1],
-                             head_size=32, block_size=8, dtype=torch.float16, seed=block_m)
+    batch = prefill_args(q_lens, prefix, num_q_heads=heads[0], num_kv_heads=heads[1],
+                         head_size=32, block_size=8, dtype=torch.float16, seed=block_m)
     check_against_reference(batch, causal=True,
                             config=PrefillConfig(block_m=block_m, block_n=16, num_stages=1))
 

@@ -1,7 +1,7 @@
 """The reference paged attention ops (ops/reference.py) against dense attention.
 
-Each batch is built token by token: every sequence's K/V are drawn as dense tensors, then
-written one token at a time into shuffled physical blocks. The expected result is float64
+Every sequence's K/V are drawn as dense tensors, then written into shuffled physical blocks
+(``helpers.paged_batch``). The expected result is float64
 ``scaled_dot_product_attention`` on those dense tensors, so the test shares no gather code with
 the ops. Every cache slot no sequence uses holds NaN, and every table entry past a sequence's
 length holds garbage (negative ids, ids past the pool, INT32 extremes): neither may reach a result.
@@ -9,12 +9,11 @@ length holds garbage (negative ids, ids past the pool, INT32 extremes): neither 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.paged_batch import GARBAGE_IDS, PagedBatch, make_paged_batch
 from mini_paged_attn.ops import paged_decode, paged_prefill, reference, store_kv
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -25,57 +24,17 @@ REF_TOL = dict(atol=2e-5, rtol=2e-5)
 # 2^-8 for bf16, relative).
 OUT_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=1e-3, rtol=1e-3),
            torch.bfloat16: dict(atol=8e-3, rtol=8e-3)}
-GARBAGE_IDS = (-1, 10 ** 6, 2 ** 31 - 1, -(2 ** 31))
 # (num_q_heads, num_kv_heads): MHA, GQA 4, GQA 8 (MQA), an odd group of 5.
 HEADS = [(4, 4), (8, 2), (8, 1), (10, 2)]
 
 
-@dataclass
-class Batch:
-    query: torch.Tensor          # [total_q, num_q_heads, head_size]
-    key_cache: torch.Tensor      # [num_blocks, block_size, num_kv_heads, head_size]
-    value_cache: torch.Tensor
-    block_tables: torch.Tensor   # int32 [num_seqs, max_blocks_per_seq]
-    cu_seqlens_q: torch.Tensor   # int32 [num_seqs + 1]
-    context_lens: torch.Tensor   # int32 [num_seqs]
-    keys: list[torch.Tensor]     # per sequence [context_len, num_kv_heads, head_size]
-    values: list[torch.Tensor]
+def make_batch(q_lens, ctx_lens, *, heads, head_size=32, **kwargs) -> PagedBatch:
+    """A paged batch with the harshest garbage in its tables; ``heads``: (num_q, num_kv)."""
+    return make_paged_batch(q_lens, ctx_lens, num_q_heads=heads[0], num_kv_heads=heads[1],
+                            head_size=head_size, garbage=GARBAGE_IDS, **kwargs)
 
 
-def make_batch(q_lens, ctx_lens, *, block_size, heads, head_size=32, dtype=torch.float32,
-               seed=0, pool_layout=False, unused=float("nan")) -> Batch:
-    """A paged batch; ``pool_layout`` stores K/V in the manager's (blocks, bs, 2, H, D) pool."""
-    gen = torch.Generator().manual_seed(seed)
-    num_q_heads, num_kv_heads = heads
-    blocks_per_seq = [-(-n // block_size) for n in ctx_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    max_blocks = max(blocks_per_seq + [0]) + 2
-    pool = torch.full((num_blocks, block_size, 2, num_kv_heads, head_size), unused, dtype=dtype)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.tensor([[GARBAGE_IDS[(i + j) % 4] for j in range(max_blocks)]
-                           for i in range(len(ctx_lens))], dtype=torch.int32).view(-1, max_blocks)
-    keys, values = [], []
-    for i, n in enumerate(ctx_lens):
-        own = [perm.pop() for _ in range(blocks_per_seq[i])]
-        tables[i, :len(own)] = torch.tensor(own, dtype=torch.int32)
-        k = torch.randn(n, num_kv_heads, head_size, generator=gen).to(dtype)
-        v = torch.randn(n, num_kv_heads, head_size, generator=gen).to(dtype)
-        for pos in range(n):
-            pool[own[pos // block_size], pos % block_size, 0] = k[pos]
-            pool[own[pos // block_size], pos % block_size, 1] = v[pos]
-        keys.append(k)
-        values.append(v)
-    if pool_layout:
-        key_cache, value_cache = pool[:, :, 0], pool[:, :, 1]
-    else:
-        key_cache, value_cache = pool[:, :, 0].contiguous(), pool[:, :, 1].contiguous()
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    query = torch.randn(int(cu[-1]), num_q_heads, head_size, generator=gen).to(dtype)
-    return Batch(query, key_cache, value_cache, tables, cu,
-                 torch.tensor(ctx_lens, dtype=torch.int32), keys, values)
-
-
-def dense_attention(batch: Batch, *, causal: bool, scale: float):
+def dense_attention(batch: PagedBatch, *, causal: bool, scale: float):
     """float64 SDPA per sequence on the dense K/V: (out [total_q, Hq, D], lse [total_q, Hq])."""
     outs, lses = [], []
     num_q_heads = batch.query.shape[1]
@@ -134,8 +93,7 @@ def test_decode_matches_dense(block_size, heads, dtype):
                        seed=block_size + heads[0] * 7 + heads[1])
     scale = 0.17
     want_out, want_lse = dense_attention(batch, causal=True, scale=scale)
-    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
-            batch.context_lens)
+    args = batch.decode_args
     gather_out, gather_lse = reference.paged_decode_gather(*args, scale=scale)
     block_out, block_lse = reference.paged_decode_blockwise(*args, scale=scale)
     for out, lse in ((gather_out, gather_lse), (block_out, block_lse)):
@@ -159,8 +117,7 @@ def test_prefill_matches_dense(block_size, heads, dtype, causal):
                        seed=3 * block_size + heads[0] + 11 * heads[1])
     scale = 0.21
     want_out, want_lse = dense_attention(batch, causal=causal, scale=scale)
-    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
-            batch.cu_seqlens_q, batch.context_lens)
+    args = batch.prefill_args
     gather_out, gather_lse = reference.paged_prefill_gather(*args, causal=causal, scale=scale)
     block_out, block_lse = reference.paged_prefill_blockwise(*args, causal=causal, scale=scale)
     for out, lse in ((gather_out, gather_lse), (block_out, block_lse)):
@@ -196,14 +153,13 @@ def test_unused_memory_never_reaches_the_result(op):
             lens = decode_lens(16)
             b = make_batch([1] * len(lens), lens, block_size=16, heads=(8, 2), seed=9,
                            unused=unused)
-            args = (b.query, b.key_cache, b.value_cache, b.block_tables, b.context_lens)
+            args = b.decode_args
             pairs = [reference.paged_decode_gather(*args, scale=0.3),
                      reference.paged_decode_blockwise(*args, scale=0.3)]
         else:
             q_lens, ctx = zip(*prefill_mix(16))
             b = make_batch(q_lens, ctx, block_size=16, heads=(8, 2), seed=9, unused=unused)
-            args = (b.query, b.key_cache, b.value_cache, b.block_tables, b.cu_seqlens_q,
-                    b.context_lens)
+            args = b.prefill_args
             pairs = [reference.paged_prefill_gather(*args, causal=True, scale=0.3),
                      reference.paged_prefill_blockwise(*args, causal=True, scale=0.3)]
         for out, _ in pairs:
@@ -226,8 +182,7 @@ def test_dispatch_torch_backend(dtype, pool_layout):
     scale = 32 ** -0.5
     want_out, want_lse = dense_attention(b, causal=True, scale=scale)
     out = torch.full_like(b.query, float("nan"))
-    got, lse = paged_decode(b.query, b.key_cache, b.value_cache, b.block_tables,
-                            b.context_lens, out=out, return_lse=True, backend="torch")
+    got, lse = paged_decode(*b.decode_args, out=out, return_lse=True, backend="torch")
     assert got is out and out.dtype == dtype and lse.dtype == torch.float32
     torch.testing.assert_close(out.float(), want_out, **OUT_TOL[dtype])
     torch.testing.assert_close(lse, want_lse, **REF_TOL)
@@ -236,8 +191,7 @@ def test_dispatch_torch_backend(dtype, pool_layout):
     b = make_batch(q_lens, ctx, block_size=16, heads=(10, 2), dtype=dtype, seed=2,
                    pool_layout=pool_layout)
     want_out, _ = dense_attention(b, causal=True, scale=scale)
-    got = paged_prefill(b.query, b.key_cache, b.value_cache, b.block_tables, b.cu_seqlens_q,
-                        b.context_lens, backend="torch")
+    got = paged_prefill(*b.prefill_args, backend="torch")
     assert got.dtype == dtype and got.shape == b.query.shape
     torch.testing.assert_close(got.float(), want_out, **OUT_TOL[dtype])
 
@@ -245,11 +199,9 @@ def test_dispatch_torch_backend(dtype, pool_layout):
 def test_decode_is_prefill_with_one_query_per_sequence():
     lens = decode_lens(16)[:-1]  # prefill needs q_len <= context_len
     b = make_batch([1] * len(lens), lens, block_size=16, heads=(8, 2), seed=4)
-    decode = paged_decode(b.query, b.key_cache, b.value_cache, b.block_tables,
-                          b.context_lens, backend="torch")
+    decode = paged_decode(*b.decode_args, backend="torch")
     for causal in (True, False):
-        prefill = paged_prefill(b.query, b.key_cache, b.value_cache, b.block_tables,
-                                b.cu_seqlens_q, b.context_lens, causal=causal, backend="torch")
+        prefill = paged_prefill(*b.prefill_args, causal=causal, backend="torch")
         torch.testing.assert_close(prefill, decode, atol=1e-6, rtol=1e-6)
 
 
@@ -295,9 +247,7 @@ def test_store_kv_then_attention():
 
 def test_empty_batch():
     b = make_batch([], [], block_size=4, heads=(4, 2))
-    out, lse = paged_decode(b.query, b.key_cache, b.value_cache, b.block_tables,
-                            b.context_lens, return_lse=True, backend="torch")
+    out, lse = paged_decode(*b.decode_args, return_lse=True, backend="torch")
     assert out.shape == (0, 4, 32) and lse.shape == (0, 4)
-    out = paged_prefill(b.query, b.key_cache, b.value_cache, b.block_tables, b.cu_seqlens_q,
-                        b.context_lens, backend="torch")
+    out = paged_prefill(*b.prefill_args, backend="torch")
     assert out.shape == (0, 4, 32)

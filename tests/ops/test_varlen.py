@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.paged_batch import paginate
 from mini_paged_attn import flash_attn_varlen_func
 
 SEED_SCRIPT = pathlib.Path(__file__).with_name("seed003_varlen_script.py")
@@ -95,22 +96,9 @@ def test_strided_last_dim_is_copied_like_flash_attention():
 
 def to_paged(k, v, k_lens, block_size, seed=0):
     """Contiguous varlen K/V -> shuffled paged caches (NaN elsewhere) and a block table."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks = [-(-n // block_size) for n in k_lens]
-    num_blocks = sum(blocks) + 2
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    key_cache = torch.full((num_blocks, block_size, *k.shape[1:]), float("nan"), dtype=k.dtype)
-    value_cache = key_cache.clone()
-    table = torch.full((len(k_lens), max(blocks) + 1), -5, dtype=torch.int32)
-    row = 0
-    for i, n in enumerate(k_lens):
-        own = [perm.pop() for _ in range(blocks[i])]
-        table[i, :len(own)] = torch.tensor(own, dtype=torch.int32)
-        for pos in range(n):
-            key_cache[own[pos // block_size], pos % block_size] = k[row]
-            value_cache[own[pos // block_size], pos % block_size] = v[row]
-            row += 1
-    return key_cache, value_cache, table
+    return paginate(list(k.split(k_lens)), list(v.split(k_lens)), block_size,
+                    head_shape=tuple(k.shape[1:]), dtype=k.dtype,
+                    gen=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("causal", [True, False])
