@@ -9,6 +9,7 @@ body ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -20,6 +21,9 @@ MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
 # OpenAI's default for /v1/completions; chat defaults to "as long as the context allows".
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# A str holding one of these came from a lone "\udXXX" escape (json pairs the others): it
+# cannot be encoded as UTF-8, so no tokenizer, template or response can take it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class APIError(Exception):
@@ -35,8 +39,14 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        """``{"error": {...}}``; its strings always encode as UTF-8 (a message that quotes the
+        request may hold a lone surrogate: it becomes U+FFFD)."""
+        return {"error": {"message": _utf8_safe(self.message), "type": self.type,
+                          "param": _utf8_safe(self.param), "code": self.code}}
+
+
+def _utf8_safe(text: str | None) -> str | None:
+    return None if text is None else _SURROGATE.sub("\ufffd", text)
 
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
@@ -44,8 +54,9 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
 
 
 class _Strict(BaseModel):
-    # strict: no "5" -> 5 coercion; forbid: an unknown field is an error, not ignored.
-    model_config = ConfigDict(strict=True, extra="forbid")
+    # strict: no "5" -> 5 coercion; forbid: an unknown field is an error, not ignored;
+    # no inf/nan: 1e999 parses to inf, which no sampling parameter means.
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -59,7 +70,7 @@ class _SamplingFields(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1)  # its upper bound is ServerLimits.max_n
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
@@ -195,14 +206,80 @@ def _param_name(loc: tuple[Any, ...]) -> tuple[str, bool]:
 RequestT = TypeVar("RequestT", bound=_SamplingFields)
 
 
-def parse_request(raw: bytes, model_cls: type[RequestT]) -> RequestT:
-    """Parse and validate a request body; :class:`APIError` (400) on anything malformed."""
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _lone_surrogate_path(data: Any) -> str | None:
+    """Where in ``data`` (parsed JSON) a string, key or value, holds a lone surrogate: the
+    param name (``messages[0].content``), ``""`` for the top level, None if nowhere.
+
+    Iterative, so a nesting as deep as json.loads accepts cannot overflow the stack.
+    """
+    todo: list[tuple[Any, str]] = [(data, "")]
+    while todo:
+        value, where = todo.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return where
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                name = f"{where}.{key}" if where else key
+                if _SURROGATE.search(key):
+                    return name
+                todo.append((item, name))
+        elif isinstance(value, list):
+            todo.extend((item, f"{where}[{i}]") for i, item in enumerate(value))
+    return None
+
+
+def _preview(value: Any, limit: int = 80) -> str:
+    """A short JSON rendering of a rejected value, for an error message (never the whole of a
+    big value: strings and containers are cut before they are rendered)."""
+
+    def cut(v: Any, depth: int) -> Any:
+        if isinstance(v, str):
+            return v[:limit]
+        if isinstance(v, list):
+            return [cut(x, depth + 1) for x in v[:8]] if depth < 3 else "..."
+        if isinstance(v, dict):
+            return ({str(k)[:limit]: cut(x, depth + 1) for k, x in list(v.items())[:8]}
+                    if depth < 3 else "...")
+        if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
+            return f"<an integer of {len(str(abs(v)))} digits>"
+        return v
+
+    text = json.dumps(cut(value, 0), default=str, ensure_ascii=False)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; :class:`APIError` (400) for anything else.
+
+    Rejected as malformed, not left to fail later: invalid UTF-8 or JSON, NaN / Infinity
+    literals (not JSON), a nesting deeper than the parser's recursion limit, an integer longer
+    than Python's 4300-digit conversion limit, a string with a lone surrogate escape.
+    """
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise bad_request("The request body is not valid JSON: it is nested too deeply"
+                          ) from None
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError too
         raise bad_request(f"The request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise bad_request(f"The request body must be a JSON object, got {type(data).__name__}")
+    where = _lone_surrogate_path(data)
+    if where is not None:
+        raise bad_request(f"{where or 'The request body'}: a string holds a lone UTF-16 "
+                          "surrogate escape (\\ud800-\\udfff), which is not a character",
+                          param=where or None)
+    return data
+
+
+def parse_request(raw: bytes, model_cls: type[RequestT]) -> RequestT:
+    """Parse and validate a request body; :class:`APIError` (400) on anything malformed."""
+    data = parse_json(raw)
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
@@ -213,14 +290,12 @@ def parse_request(raw: bytes, model_cls: type[RequestT]) -> RequestT:
                               param=param) from None
         if err["type"] == "missing":
             raise bad_request(f"Missing required parameter: {param}", param=param) from None
-        got = json.dumps(err.get("input"), default=str)
-        if len(got) > 80:
-            got = got[:77] + "..."
         msg = err["msg"].removeprefix("Value error, ")
         field_name = param.rsplit(".", 1)[-1].split("[", 1)[0]
         if in_union and field_name in _UNION_FIELDS:
             msg = f"expected {_UNION_FIELDS[field_name]}"
-        raise bad_request(f"{param}: {msg} (got {got})", param=param) from None
+        raise bad_request(f"{param}: {msg} (got {_preview(err.get('input'))})",
+                          param=param) from None
 
 
 def to_sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
