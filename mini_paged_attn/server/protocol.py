@@ -210,6 +210,34 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+# Longest JSON integer taken as a number: 20 digits hold every 64-bit value (seed, ids, counts).
+_MAX_INT_DIGITS = 20
+
+
+class _HugeInt:
+    """A JSON integer of more than ``_MAX_INT_DIGITS`` digits. No field's type accepts it, so
+    validation names the field; meanwhile no arithmetic or message meets a number that Python's
+    int <-> str conversion limit (4300 digits) or a 64-bit engine value could choke on."""
+
+    def __init__(self, text: str) -> None:
+        self.digits = len(text.lstrip("-"))
+
+    def __str__(self) -> str:
+        return f"<an integer of {self.digits} digits>"
+
+
+def _parse_int(text: str) -> int | _HugeInt:
+    return int(text) if len(text.lstrip("-")) <= _MAX_INT_DIGITS else _HugeInt(text)
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, (bool, type(None))):
+        return json.dumps(value)
+    if isinstance(value, (int, float, _HugeInt)):
+        return "a number"
+    return "a string" if isinstance(value, str) else "an array"
+
+
 def _lone_surrogate_path(data: Any) -> str | None:
     """Where in ``data`` (parsed JSON) a string, key or value, holds a lone surrogate: the
     param name (``messages[0].content``), ``""`` for the top level, None if nowhere.
@@ -245,8 +273,6 @@ def _preview(value: Any, limit: int = 80) -> str:
         if isinstance(v, dict):
             return ({str(k)[:limit]: cut(x, depth + 1) for k, x in list(v.items())[:8]}
                     if depth < 3 else "...")
-        if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
-            return f"<an integer of {len(str(abs(v)))} digits>"
         return v
 
     text = json.dumps(cut(value, 0), default=str, ensure_ascii=False)
@@ -257,18 +283,19 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object; :class:`APIError` (400) for anything else.
 
     Rejected as malformed, not left to fail later: invalid UTF-8 or JSON, NaN / Infinity
-    literals (not JSON), a nesting deeper than the parser's recursion limit, an integer longer
-    than Python's 4300-digit conversion limit, a string with a lone surrogate escape.
+    literals (not JSON), a nesting deeper than the parser's recursion limit, a string with a
+    lone surrogate escape. An integer of more than 20 digits stays in ``data`` as a value no
+    field accepts (validation then names the field).
     """
     try:
-        data = json.loads(raw, parse_constant=_reject_constant)
+        data = json.loads(raw, parse_constant=_reject_constant, parse_int=_parse_int)
     except RecursionError:
         raise bad_request("The request body is not valid JSON: it is nested too deeply"
                           ) from None
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError too
         raise bad_request(f"The request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise bad_request(f"The request body must be a JSON object, got {type(data).__name__}")
+        raise bad_request(f"The request body must be a JSON object, got {_json_type(data)}")
     where = _lone_surrogate_path(data)
     if where is not None:
         raise bad_request(f"{where or 'The request body'}: a string holds a lone UTF-16 "
@@ -291,6 +318,8 @@ def parse_request(raw: bytes, model_cls: type[RequestT]) -> RequestT:
         if err["type"] == "missing":
             raise bad_request(f"Missing required parameter: {param}", param=param) from None
         msg = err["msg"].removeprefix("Value error, ")
+        if isinstance(err.get("input"), _HugeInt):
+            msg = f"expected a number of at most {_MAX_INT_DIGITS} digits"
         field_name = param.rsplit(".", 1)[-1].split("[", 1)[0]
         if in_union and field_name in _UNION_FIELDS:
             msg = f"expected {_UNION_FIELDS[field_name]}"
