@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 import signal
 import sys
@@ -40,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--max-queue", type=positive_int, default=None,
                       help="at most N requests may wait for their first token; more get 429 "
                            "(default: no limit)")
+    http.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                      help="a host name clients may use in the Host header (repeat it for "
+                           "several); bound to a loopback address, localhost, 127.0.0.1 and ::1 "
+                           "are allowed and any other name is refused, against DNS rebinding")
     _add_limit_arguments(http)
     http.add_argument("--engine-process", choices=("auto", "on", "off"), default="auto",
                       help="run the engine in a process of its own, so HTTP work does not slow "
@@ -74,6 +79,22 @@ def api_key_error(api_key: str | None) -> str | None:
         return (f"--api-key / $MINI_PAGED_ATTN_API_KEY is set but blank ({api_key!r}): give a "
                 "key, or unset it to serve without one")
     return None
+
+
+def allowed_hosts(host: str, extra: list[str]) -> list[str] | None:
+    """The Host header names the server accepts when bound to ``host`` (None: any)."""
+    from mini_paged_attn.server.cross_site import LOOPBACK_HOSTS
+
+    if _is_loopback(host):
+        return [*LOOPBACK_HOSTS, *extra]
+    return extra or None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 def wants_engine_process(choice: str, device: str | None) -> bool:
@@ -143,10 +164,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         name = args.served_model_name or Path(args.model).resolve().name
         app = build_app(engine, model_name=name, api_key=args.api_key,
-                        max_queue=args.max_queue, limits=server_limits(args))
+                        max_queue=args.max_queue, limits=server_limits(args),
+                        allowed_hosts=allowed_hosts(args.host, args.allowed_host))
         print(f"serving {name!r} on http://{args.host}:{args.port}/v1, engine in {where} "
               f"({engine.stats().summary()})", flush=True)
-        if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        if args.api_key is None and not _is_loopback(args.host):
             log.warning("listening on %s with no API key: anyone who can reach it can use it",
                         args.host)
         # uvicorn shuts down on SIGTERM, then raises the signal again: make that an ordinary

@@ -8,7 +8,9 @@ API key when one is set), ``GET /health`` and ``GET /metrics`` (open, for probes
 Every error, a 404 included, carries OpenAI's body ``{"error": {"message", "type", "param",
 "code"}}``: malformed input of any kind is a 4xx, and a 500 says only that the server failed (the
 exception goes to the log, under an id the body quotes). Bodies over ``limits.max_request_bytes``
-get 413 before they are read (:mod:`.limits`).
+get 413 before they are read (:mod:`.limits`). A POST must be ``Content-Type: application/json``
+(415), and with ``allowed_hosts`` the Host header must name one of them (:mod:`.cross_site`: what
+keeps web pages from using a key-less server on this machine).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -29,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from .cross_site import CrossSiteGuard
 from .engine_loop import EngineLoop
 from .limits import RequestSizeLimit, ServerLimits
 from .metrics import CONTENT_TYPE, render_metrics
@@ -43,11 +46,6 @@ Handler = Callable[[Request, ServedModel], Awaitable[Response]]
 # Threads that parse and tokenize requests: enough that one huge prompt does not hold up the
 # others, few enough that they leave the engine its cores.
 _REQUEST_WORKERS = 2
-
-
-def _error_response(exc: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 def _check_api_key(request: Request, api_key: str) -> None:
@@ -70,7 +68,7 @@ def _endpoint(handler: Handler, served: ServedModel, api_key: str | None
                 _check_api_key(request, api_key)
             return await handler(request, served)
         except APIError as exc:
-            return _error_response(exc)
+            return exc.response()
         except Exception:  # this request fails; the server and the engine go on
             return _internal_error(request)
 
@@ -81,9 +79,8 @@ def _internal_error(request: Request) -> Response:
     """A 500 that tells the client nothing of the exception being handled, which is logged."""
     error_id = uuid.uuid4().hex[:12]
     logger.exception("request to %s failed (error id %s)", request.url.path, error_id)
-    return _error_response(APIError(500, f"The server had an error while processing the "
-                                         f"request (error id {error_id})",
-                                    type="server_error", code="internal_error"))
+    return APIError(500, f"The server had an error while processing the request (error id "
+                         f"{error_id})", type="server_error", code="internal_error").response()
 
 
 async def _unhandled(request: Request, exc: Exception) -> Response:
@@ -110,13 +107,14 @@ async def _metrics(request: Request, served: ServedModel) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "not_found" if exc.status_code == 404 else None
-    return _error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: "
-                                                     f"{exc.detail}", code=kind))
+    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                    code=kind).response()
 
 
 def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
               max_queue: int | None = None, max_consecutive_failures: int = 3,
-              limits: ServerLimits | None = None) -> Starlette:
+              limits: ServerLimits | None = None,
+              allowed_hosts: Collection[str] | None = None) -> Starlette:
     """The server for ``engine`` (an ``LLMEngine``), served under ``model_name``.
 
     The engine loop thread starts with the application (ASGI lifespan) and stops with it; it is
@@ -130,6 +128,8 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
             request with more prompts than that gets 400: it could never be admitted).
         max_consecutive_failures: failed engine steps in a row after which the loop is dead.
         limits: the per-request caps (body size, stop strings, prompts, n); None: the defaults.
+        allowed_hosts: if set, a request whose Host header names another host gets 400 (a
+            DNS-rebinding web page); ``cross_site.LOOPBACK_HOSTS`` for a server on 127.0.0.1.
     """
     if not model_name:
         raise ValueError(f"model_name: expected a non-empty string, got {model_name!r}")
@@ -160,8 +160,8 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
         Route("/metrics", _endpoint(_metrics, served, None), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=[Middleware(RequestSizeLimit,
-                                           max_bytes=limits.max_request_bytes)],
+                    middleware=[Middleware(CrossSiteGuard, allowed_hosts=allowed_hosts),
+                                Middleware(RequestSizeLimit, max_bytes=limits.max_request_bytes)],
                     exception_handlers={HTTPException: _http_error, Exception: _unhandled})
     app.state.engine_loop = engine_loop
     return app

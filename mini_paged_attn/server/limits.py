@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .protocol import APIError, bad_request
@@ -114,7 +113,7 @@ class RequestSizeLimit:
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
             error = RequestTooLargeError(self.max_bytes, f"Content-Length is {declared}")
-            await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+            await error.response()(scope, receive, send)
             return
         received = 0
 

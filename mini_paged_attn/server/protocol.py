@@ -13,6 +13,7 @@ import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.responses import JSONResponse
 
 from ..engine import SamplingParams
 
@@ -43,6 +44,11 @@ class APIError(Exception):
         request may hold a lone surrogate: it becomes U+FFFD)."""
         return {"error": {"message": _utf8_safe(self.message), "type": self.type,
                           "param": _utf8_safe(self.param), "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        """The HTTP response: the body, and Retry-After where retrying may help (429, 503)."""
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def _utf8_safe(text: str | None) -> str | None:

@@ -15,6 +15,7 @@ import pytest
 from mini_paged_attn.server.limits import ServerLimits
 from server_harness import GOOD, TIMEOUT_S, assert_error, served
 
+JSON = {"Content-Type": "application/json"}
 SMALL = ServerLimits(max_request_bytes=4096, max_prompts=4, max_n=3, max_choices=6,
                      max_stop_strings=2, max_stop_chars=5)
 
@@ -77,7 +78,7 @@ def test_default_body_limit_is_413_before_the_engine_sees_it(recorder):
     with served(recorder) as s:
         body = b'{"model": "tiny", "prompt": "' + b"x" * (4 * 1024 * 1024) + b'"}'
         r = httpx.post(f"{s.url}/v1/completions", content=body, timeout=TIMEOUT_S,
-                       headers={"Content-Type": "application/json"})
+                       headers=JSON)
         assert assert_error(r, 413)["code"] == "request_too_large"
         assert recorder.added == [] and recorder.tokenizer_threads == []
         assert httpx.post(f"{s.url}/v1/completions", json=GOOD,
@@ -95,16 +96,30 @@ def _chunks(total: int, size: int = 1000):
 def test_a_body_without_content_length_is_counted_as_it_arrives(recorder, endpoint):
     with served(recorder, limits=SMALL) as s:
         # A generator body goes out chunked: no Content-Length to check up front.
-        r = httpx.post(f"{s.url}/v1/{endpoint}", content=_chunks(8000), timeout=TIMEOUT_S)
+        r = httpx.post(f"{s.url}/v1/{endpoint}", content=_chunks(8000), headers=JSON,
+                       timeout=TIMEOUT_S)
         assert r.request.headers.get("transfer-encoding") == "chunked"
         assert "content-length" not in r.request.headers
         assert assert_error(r, 413)["code"] == "request_too_large"
         # Just under the limit, chunked too: read whole and served.
-        ok = httpx.post(f"{s.url}/v1/completions", timeout=TIMEOUT_S,
+        ok = httpx.post(f"{s.url}/v1/completions", timeout=TIMEOUT_S, headers=JSON,
                         content=(c for c in [b'{"model": "tiny", "prompt": "hi", ',
                                              b'"max_tokens": 2}']))
         assert ok.status_code == 200, ok.text
         assert len(recorder.added) == 1
+
+
+def _read_response(sock: socket.socket) -> str:
+    """One whole HTTP response (head and Content-Length body) from ``sock``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return (head + b"\r\n\r\n" + body).decode()
 
 
 def test_a_content_length_over_the_limit_is_refused_before_the_body_is_sent(recorder):
@@ -113,9 +128,9 @@ def test_a_content_length_over_the_limit_is_refused_before_the_body_is_sent(reco
         with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
                          b"Content-Type: application/json\r\nContent-Length: 100000000\r\n\r\n")
-            head = sock.recv(65536).decode()  # answered with no byte of the body sent
-        assert head.startswith("HTTP/1.1 413 "), head
-        assert '"request_too_large"' in head
+            response = _read_response(sock)  # answered with no byte of the body sent
+        assert response.startswith("HTTP/1.1 413 "), response
+        assert '"request_too_large"' in response
         assert recorder.added == [] and recorder.tokenizer_threads == []
 
 
