@@ -37,7 +37,7 @@ from .limits import RequestSizeLimit, ServerLimits
 from .metrics import CONTENT_TYPE, render_metrics
 from .openai_api import ENGINE_DEAD, create_chat_completion, create_completion
 from .prepare import ServedModel
-from .protocol import APIError
+from .errors import APIError
 
 logger = logging.getLogger(__name__)
 

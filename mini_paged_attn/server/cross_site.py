@@ -19,7 +19,7 @@ from collections.abc import Collection
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .protocol import APIError
+from .errors import APIError
 
 # What a client on this machine calls it (serve's default for a loopback --host).
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")

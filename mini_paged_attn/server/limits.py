@@ -18,7 +18,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .protocol import APIError, bad_request
+from .errors import APIError, bad_request
 
 
 def _cap(default: int, help_text: str) -> Any:

@@ -25,7 +25,7 @@ from .engine_loop import (ClientGoneError, EngineDeadError, QueueFullError, Requ
                           Submission)
 from .formats import ResponseFormat, usage
 from .prepare import Prepared, ServedModel, prepare_chat, prepare_completion
-from .protocol import APIError, bad_request
+from .errors import APIError, bad_request
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 from .engine_loop import EngineLoop
 from .formats import Logprobs, ResponseFormat
 from .limits import ServerLimits, check_request
-from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, APIError, ChatCompletionRequest,
-                       CompletionRequest, bad_request, parse_request, to_sampling_params)
+from .errors import APIError, bad_request
+from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
+                       parse_request, to_sampling_params)
 
 T = TypeVar("T")
 

@@ -8,57 +8,19 @@ body ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from starlette.responses import JSONResponse
 
 from ..engine import SamplingParams
+from .errors import bad_request
+from .json_body import MAX_INT_DIGITS, HugeInt, parse_json, preview
 
 # OpenAI caps `logprobs` of completions at 5 and `top_logprobs` of chat at 20.
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
 # OpenAI's default for /v1/completions; chat defaults to "as long as the context allows".
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-# A str holding one of these came from a lone "\udXXX" escape (json pairs the others): it
-# cannot be encoded as UTF-8, so no tokenizer, template or response can take it.
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class APIError(Exception):
-    """A request the server answers with an error status and OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        """``{"error": {...}}``; its strings always encode as UTF-8 (a message that quotes the
-        request may hold a lone surrogate: it becomes U+FFFD)."""
-        return {"error": {"message": _utf8_safe(self.message), "type": self.type,
-                          "param": _utf8_safe(self.param), "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        """The HTTP response: the body, and Retry-After where retrying may help (429, 503)."""
-        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
-
-
-def _utf8_safe(text: str | None) -> str | None:
-    return None if text is None else _SURROGATE.sub("\ufffd", text)
-
-
-def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
 class _Strict(BaseModel):
     # strict: no "5" -> 5 coercion; forbid: an unknown field is an error, not ignored;
     # no inf/nan: 1e999 parses to inf, which no sampling parameter means.
@@ -212,104 +174,6 @@ def _param_name(loc: tuple[Any, ...]) -> tuple[str, bool]:
 RequestT = TypeVar("RequestT", bound=_SamplingFields)
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-# Longest JSON integer taken as a number: 20 digits hold every 64-bit value (seed, ids, counts).
-_MAX_INT_DIGITS = 20
-
-
-class _HugeInt:
-    """A JSON integer of more than ``_MAX_INT_DIGITS`` digits. No field's type accepts it, so
-    validation names the field; meanwhile no arithmetic or message meets a number that Python's
-    int <-> str conversion limit (4300 digits) or a 64-bit engine value could choke on."""
-
-    def __init__(self, text: str) -> None:
-        self.digits = len(text.lstrip("-"))
-
-    def __str__(self) -> str:
-        return f"<an integer of {self.digits} digits>"
-
-
-def _parse_int(text: str) -> int | _HugeInt:
-    return int(text) if len(text.lstrip("-")) <= _MAX_INT_DIGITS else _HugeInt(text)
-
-
-def _json_type(value: Any) -> str:
-    if isinstance(value, (bool, type(None))):
-        return json.dumps(value)
-    if isinstance(value, (int, float, _HugeInt)):
-        return "a number"
-    return "a string" if isinstance(value, str) else "an array"
-
-
-def _lone_surrogate_path(data: Any) -> str | None:
-    """Where in ``data`` (parsed JSON) a string, key or value, holds a lone surrogate: the
-    param name (``messages[0].content``), ``""`` for the top level, None if nowhere.
-
-    Iterative, so a nesting as deep as json.loads accepts cannot overflow the stack.
-    """
-    todo: list[tuple[Any, str]] = [(data, "")]
-    while todo:
-        value, where = todo.pop()
-        if isinstance(value, str):
-            if _SURROGATE.search(value):
-                return where
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                name = f"{where}.{key}" if where else key
-                if _SURROGATE.search(key):
-                    return name
-                todo.append((item, name))
-        elif isinstance(value, list):
-            todo.extend((item, f"{where}[{i}]") for i, item in enumerate(value))
-    return None
-
-
-def _preview(value: Any, limit: int = 80) -> str:
-    """A short JSON rendering of a rejected value, for an error message (never the whole of a
-    big value: strings and containers are cut before they are rendered)."""
-
-    def cut(v: Any, depth: int) -> Any:
-        if isinstance(v, str):
-            return v[:limit]
-        if isinstance(v, list):
-            return [cut(x, depth + 1) for x in v[:8]] if depth < 3 else "..."
-        if isinstance(v, dict):
-            return ({str(k)[:limit]: cut(x, depth + 1) for k, x in list(v.items())[:8]}
-                    if depth < 3 else "...")
-        return v
-
-    text = json.dumps(cut(value, 0), default=str, ensure_ascii=False)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object; :class:`APIError` (400) for anything else.
-
-    Rejected as malformed, not left to fail later: invalid UTF-8 or JSON, NaN / Infinity
-    literals (not JSON), a nesting deeper than the parser's recursion limit, a string with a
-    lone surrogate escape. An integer of more than 20 digits stays in ``data`` as a value no
-    field accepts (validation then names the field).
-    """
-    try:
-        data = json.loads(raw, parse_constant=_reject_constant, parse_int=_parse_int)
-    except RecursionError:
-        raise bad_request("The request body is not valid JSON: it is nested too deeply"
-                          ) from None
-    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError too
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise bad_request(f"The request body must be a JSON object, got {_json_type(data)}")
-    where = _lone_surrogate_path(data)
-    if where is not None:
-        raise bad_request(f"{where or 'The request body'}: a string holds a lone UTF-16 "
-                          "surrogate escape (\\ud800-\\udfff), which is not a character",
-                          param=where or None)
-    return data
-
-
 def parse_request(raw: bytes, model_cls: type[RequestT]) -> RequestT:
     """Parse and validate a request body; :class:`APIError` (400) on anything malformed."""
     data = parse_json(raw)
@@ -324,12 +188,12 @@ def parse_request(raw: bytes, model_cls: type[RequestT]) -> RequestT:
         if err["type"] == "missing":
             raise bad_request(f"Missing required parameter: {param}", param=param) from None
         msg = err["msg"].removeprefix("Value error, ")
-        if isinstance(err.get("input"), _HugeInt):
-            msg = f"expected a number of at most {_MAX_INT_DIGITS} digits"
+        if isinstance(err.get("input"), HugeInt):
+            msg = f"expected a number of at most {MAX_INT_DIGITS} digits"
         field_name = param.rsplit(".", 1)[-1].split("[", 1)[0]
         if in_union and field_name in _UNION_FIELDS:
             msg = f"expected {_UNION_FIELDS[field_name]}"
-        raise bad_request(f"{param}: {msg} (got {_preview(err.get('input'))})",
+        raise bad_request(f"{param}: {msg} (got {preview(err.get('input'))})",
                           param=param) from None
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from server_harness import API_KEY, CHAT_GOOD, GOOD, MODEL_NAME, TIMEOUT_S, served
+from server_harness import API_KEY, CHAT_GOOD, GOOD, TIMEOUT_S, served
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 GOOD_BODY = {COMPLETIONS: GOOD, CHAT: CHAT_GOOD}
