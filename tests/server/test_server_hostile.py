@@ -42,9 +42,13 @@ def conn(server) -> Iterator[http.client.HTTPConnection]:
 
 def _post(conn: http.client.HTTPConnection, path: str, body: bytes
           ) -> tuple[int, dict[str, Any] | None, bytes]:
+    """POST on ``conn``'s socket; fails if the server closes it (http.client would reconnect
+    silently for the next request)."""
+    sock = conn.sock
     conn.request("POST", path, body=body, headers=HEADERS)
     r = conn.getresponse()
     data = r.read()
+    assert conn.sock is sock, f"the server closed the connection after {body[:200]!r}"
     try:
         parsed = json.loads(data)
     except ValueError:
@@ -62,10 +66,9 @@ def _assert_error_body(status: int, parsed: Any, data: bytes, what: str) -> dict
     return err
 
 
-def _assert_still_serves(conn: http.client.HTTPConnection, path: str, sock: Any) -> None:
+def _assert_still_serves(conn: http.client.HTTPConnection, path: str) -> None:
     status, parsed, data = _post(conn, path, json.dumps(GOOD_BODY[path]).encode())
     assert status == 200 and parsed["choices"], data[:300]
-    assert conn.sock is sock, "the server closed the keep-alive connection"
 
 
 def _dumps(obj: Any) -> bytes:
@@ -162,7 +165,6 @@ def test_hostile_bodies_get_4xx_and_the_connection_serves_on(server, conn, chunk
     cases = HOSTILE[chunk::8]
     for i, (path, body, param) in enumerate(cases):
         status, parsed, data = _post(conn, path, body)
-        sock = conn.sock
         if param == VALID_TOO and status == 200:
             assert parsed is None or parsed["choices"], data[:300]  # (a stream is not JSON)
             continue
@@ -170,19 +172,21 @@ def test_hostile_bodies_get_4xx_and_the_connection_serves_on(server, conn, chunk
         if param not in (None, VALID_TOO):
             assert err["param"] == param.replace(LONE, "\ufffd"), (body[:120], err)
         if i % 10 == 0 or param == "model":
-            _assert_still_serves(conn, path, sock)
-    _assert_still_serves(conn, COMPLETIONS, conn.sock)
+            _assert_still_serves(conn, path)
+    _assert_still_serves(conn, COMPLETIONS)
 
 
 def test_hostile_paths_and_methods_get_4xx(conn):
     for method, path in (("GET", "/v1/%ED%A0%80"), ("GET", "/%ff%fe"), ("PUT", COMPLETIONS),
                          ("DELETE", "/v1/models"), ("GET", "/v1/" + "a" * 5000)):
+        sock = conn.sock
         conn.request(method, path, headers=HEADERS)
         r = conn.getresponse()
         data = r.read()
         err = json.loads(data)["error"]
         assert r.status in (404, 405) and set(err) == {"message", "type", "param", "code"}
-    _assert_still_serves(conn, CHAT, conn.sock)
+        assert conn.sock is sock
+    _assert_still_serves(conn, CHAT)
 
 
 # ---- seeded mutation fuzz of valid bodies --------------------------------------------------
@@ -262,12 +266,11 @@ def test_fuzzed_valid_bodies_never_get_5xx(conn):
             raw = _mutate_bytes(rng, raw)
         status, parsed, data = _post(conn, path, raw)
         statuses[status] = statuses.get(status, 0) + 1
-        sock = conn.sock
         if status == 200:  # a mutation can leave the body valid (a stream is text, not JSON)
             assert parsed is None or "choices" in parsed, data[:300]
         else:
             _assert_error_body(status, parsed, data, f"#{i} {path} {raw[:200]!r}")
         if i % 25 == 0:
-            _assert_still_serves(conn, path, sock)
+            _assert_still_serves(conn, path)
     assert statuses.get(400, 0) > FUZZ_COUNT // 2, statuses  # the fuzz does reach the checks
-    _assert_still_serves(conn, CHAT, conn.sock)
+    _assert_still_serves(conn, CHAT)
