@@ -33,11 +33,11 @@ from starlette.routing import Route
 
 from .cross_site import CrossSiteGuard
 from .engine_loop import EngineLoop
+from .errors import ENGINE_DEAD, APIError
 from .limits import RequestSizeLimit, ServerLimits
 from .metrics import CONTENT_TYPE, render_metrics
-from .openai_api import ENGINE_DEAD, create_chat_completion, create_completion
+from .openai_api import create_chat_completion, create_completion
 from .prepare import ServedModel
-from .errors import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
     engine_loop = EngineLoop(engine, max_queue=max_queue,
                              max_consecutive_failures=max_consecutive_failures)
     workers = ThreadPoolExecutor(_REQUEST_WORKERS, thread_name_prefix="mini-paged-attn-request")
-    served = ServedModel(model_name, engine_loop, workers, limits, max_queue)
+    served = ServedModel(model_name, engine_loop, workers, limits=limits, max_queue=max_queue)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

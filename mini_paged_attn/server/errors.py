@@ -12,6 +12,10 @@ from starlette.responses import JSONResponse
 # cannot be encoded as UTF-8, so no tokenizer, template or response can take it.
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
+# What a client sees of a failure inside the server (the details go to the server's log only).
+ENGINE_FAILED = "The engine failed while serving this request; the server's log has the details"
+ENGINE_DEAD = "The engine has stopped; the server's log has the details"
+
 
 class APIError(Exception):
     """A request the server answers with an error status and OpenAI's error body."""

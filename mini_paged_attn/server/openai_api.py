@@ -23,17 +23,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .engine_loop import (ClientGoneError, EngineDeadError, QueueFullError, RequestFailedError,
                           Submission)
+from .errors import ENGINE_DEAD, ENGINE_FAILED, APIError, bad_request
 from .formats import ResponseFormat, usage
 from .prepare import Prepared, ServedModel, prepare_chat, prepare_completion
-from .errors import APIError, bad_request
 
 logger = logging.getLogger(__name__)
 
 # Not an HTTP status anyone receives: the client is gone when a handler returns it.
 _CLIENT_CLOSED = 499
-# What a client sees of a failure inside the server (the details go to the server's log only).
-ENGINE_FAILED = "The engine failed while serving this request; the server's log has the details"
-ENGINE_DEAD = "The engine has stopped; the server's log has the details"
 
 
 def _sse(obj: dict[str, Any] | str) -> str:
