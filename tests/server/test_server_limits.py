@@ -5,6 +5,7 @@ stop strings, prompts, n and n x prompts (400 naming the field), requests that c
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -229,3 +230,32 @@ def test_a_500_does_not_echo_the_exception(recorder, caplog):
         error_id = err["message"].rsplit(" ", 1)[1].rstrip(")")
     logged = [rec for rec in caplog.records if error_id in rec.getMessage()]
     assert logged and "secret detail" in str(logged[0].exc_info[1])
+
+
+def test_an_exception_outside_any_route_still_gets_the_500_body(caplog):
+    """The app-wide handler: what raises before a route runs (here a header value that is not
+    bytes trips the Content-Type check) is still a JSON 500 that does not echo the exception."""
+    import asyncio
+
+    from mini_paged_attn.server.app import build_app
+
+    app = build_app(object(), model_name="tiny")
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions",
+             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"localhost"), (b"content-type", "not bytes")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    with caplog.at_level(logging.ERROR, "mini_paged_attn.server"), pytest.raises(AttributeError):
+        asyncio.run(app(scope, receive, send))  # re-raised for the ASGI server to log
+    assert sent[0]["status"] == 500
+    err = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]
+    assert err["code"] == "internal_error" and "decode" not in err["message"]
+    assert any("error id" in rec.getMessage() for rec in caplog.records)
