@@ -1,7 +1,8 @@
 """``mini-paged-attn serve``: an OpenAI-compatible HTTP server over one engine.
 
     mini-paged-attn serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]
-                          [--max-queue N] [--engine-process auto|on|off] [engine options]
+                          [--max-queue N] [--max-request-bytes N] [request caps]
+                          [--engine-process auto|on|off] [engine options]
 
 With no GPU it runs on the CPU, so ``serve --model DIR`` alone works on a laptop (``--model tiny``:
 the embedded tiny Llama with RANDOM weights, to try the API). It binds to 127.0.0.1 unless
@@ -11,10 +12,17 @@ the embedded tiny Llama with RANDOM weights, to try the API). It binds to 127.0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import ipaddress
 import os
 import signal
+import sys
+from typing import TYPE_CHECKING
 
 from ._args import add_engine_arguments, positive_int
+
+if TYPE_CHECKING:
+    from mini_paged_attn.server.limits import ServerLimits
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,10 +41,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--max-queue", type=positive_int, default=None,
                       help="at most N requests may wait for their first token; more get 429 "
                            "(default: no limit)")
+    http.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                      help="a host name clients may use in the Host header (repeat it for "
+                           "several); bound to a loopback address, localhost, 127.0.0.1 and ::1 "
+                           "are allowed and any other name is refused, against DNS rebinding")
+    _add_limit_arguments(http)
     http.add_argument("--engine-process", choices=("auto", "on", "off"), default="auto",
                       help="run the engine in a process of its own, so HTTP work does not slow "
                            "its steps (auto, the default: on when it runs on a GPU)")
     add_engine_arguments(parser, serving=True)
+
+
+def _add_limit_arguments(group: argparse._ArgumentGroup) -> None:
+    """One ``--max-...`` option per field of ServerLimits (--max-request-bytes, --max-n, ...)."""
+    try:
+        from mini_paged_attn.server.limits import ServerLimits
+    except ImportError:  # no server extra: every other command must still parse; serve can't run
+        return
+
+    for f in dataclasses.fields(ServerLimits):
+        group.add_argument(f"--{f.name.replace('_', '-')}", type=positive_int, default=f.default,
+                           help=f"{f.metadata['help']} (default {f.default})")
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    """The ServerLimits the ``--max-...`` options ask for."""
+    from mini_paged_attn.server.limits import ServerLimits
+
+    return ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
+
+
+def api_key_error(api_key: str | None) -> str | None:
+    """Why ``api_key`` cannot be used (None if it can): a blank key, from ``--api-key ""`` or
+    an empty ``MINI_PAGED_ATTN_API_KEY=``, would otherwise serve with no key at all, or with one
+    no client can send."""
+    if api_key is not None and not api_key.strip():
+        return (f"--api-key / $MINI_PAGED_ATTN_API_KEY is set but blank ({api_key!r}): give a "
+                "key, or unset it to serve without one")
+    return None
+
+
+def allowed_hosts(host: str, extra: list[str]) -> list[str] | None:
+    """The Host header names the server accepts when bound to ``host`` (None: any)."""
+    from mini_paged_attn.server.cross_site import LOOPBACK_HOSTS
+
+    if _is_loopback(host):
+        return [*LOOPBACK_HOSTS, *extra]
+    return extra or None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 def wants_engine_process(choice: str, device: str | None) -> bool:
@@ -74,6 +132,11 @@ def run(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
+    problem = api_key_error(args.api_key)
+    if problem is not None:  # before the model loads, which can take minutes
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+
     import uvicorn
 
     from mini_paged_attn.server.app import build_app
@@ -101,10 +164,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         name = args.served_model_name or Path(args.model).resolve().name
         app = build_app(engine, model_name=name, api_key=args.api_key,
-                        max_queue=args.max_queue)
+                        max_queue=args.max_queue, limits=server_limits(args),
+                        allowed_hosts=allowed_hosts(args.host, args.allowed_host))
         print(f"serving {name!r} on http://{args.host}:{args.port}/v1, engine in {where} "
               f"({engine.stats().summary()})", flush=True)
-        if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        if args.api_key is None and not _is_loopback(args.host):
             log.warning("listening on %s with no API key: anyone who can reach it can use it",
                         args.host)
         # uvicorn shuts down on SIGTERM, then raises the signal again: make that an ordinary

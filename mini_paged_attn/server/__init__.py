@@ -1,9 +1,12 @@
 """The OpenAI-compatible HTTP server: ``build_app(engine, model_name=...)`` is an ASGI app.
 
 ``app.py`` (routes, API key, error bodies), ``openai_api.py`` (the completion and chat
-endpoints), ``protocol.py`` (request schemas -> SamplingParams), ``formats.py`` (response
-objects), ``engine_loop.py`` (the one engine thread and its asyncio bridge), ``metrics.py``
-(/metrics). ``mini-paged-attn serve`` runs it with uvicorn.
+endpoints), ``prepare.py`` (a body -> token ids, on worker threads), ``json_body.py`` (what a
+body must be), ``protocol.py`` (request schemas -> SamplingParams), ``errors.py`` (OpenAI's
+error body), ``limits.py`` (per-request caps, the body-size middleware), ``cross_site.py``
+(Content-Type and Host checks), ``formats.py`` (response objects), ``engine_loop.py`` (the one
+engine thread and its asyncio bridge), ``metrics.py`` (/metrics). ``mini-paged-attn serve`` runs
+it with uvicorn.
 """
 
 from .app import build_app

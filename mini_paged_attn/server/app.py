@@ -6,7 +6,11 @@
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (behind the
 API key when one is set), ``GET /health`` and ``GET /metrics`` (open, for probes and scrapers).
 Every error, a 404 included, carries OpenAI's body ``{"error": {"message", "type", "param",
-"code"}}``.
+"code"}}``: malformed input of any kind is a 4xx, and a 500 says only that the server failed (the
+exception goes to the log, under an id the body quotes). Bodies over ``limits.max_request_bytes``
+get 413 before they are read (:mod:`.limits`). A POST must be ``Content-Type: application/json``
+(415), and with ``allowed_hosts`` the Host header must name one of them (:mod:`.cross_site`: what
+keeps web pages from using a key-less server on this machine).
 """
 
 from __future__ import annotations
@@ -15,28 +19,33 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from .cross_site import CrossSiteGuard
 from .engine_loop import EngineLoop
+from .errors import ENGINE_DEAD, APIError
+from .limits import RequestSizeLimit, ServerLimits
 from .metrics import CONTENT_TYPE, render_metrics
-from .openai_api import ServedModel, create_chat_completion, create_completion
-from .protocol import APIError
+from .openai_api import create_chat_completion, create_completion
+from .prepare import ServedModel
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Request, ServedModel], Awaitable[Response]]
 
-
-def _error_response(exc: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+# Threads that parse and tokenize requests: enough that one huge prompt does not hold up the
+# others, few enough that they leave the engine its cores.
+_REQUEST_WORKERS = 2
 
 
 def _check_api_key(request: Request, api_key: str) -> None:
@@ -59,13 +68,23 @@ def _endpoint(handler: Handler, served: ServedModel, api_key: str | None
                 _check_api_key(request, api_key)
             return await handler(request, served)
         except APIError as exc:
-            return _error_response(exc)
-        except Exception as exc:  # this request fails; the server and the engine go on
-            logger.exception("request to %s failed", request.url.path)
-            return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
-                                            type="server_error", code="internal_error"))
+            return exc.response()
+        except Exception:  # this request fails; the server and the engine go on
+            return _internal_error(request)
 
     return endpoint
+
+
+def _internal_error(request: Request) -> Response:
+    """A 500 that tells the client nothing of the exception being handled, which is logged."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.exception("request to %s failed (error id %s)", request.url.path, error_id)
+    return APIError(500, f"The server had an error while processing the request (error id "
+                         f"{error_id})", type="server_error", code="internal_error").response()
+
+
+async def _unhandled(request: Request, exc: Exception) -> Response:
+    return _internal_error(request)
 
 
 async def _models(request: Request, served: ServedModel) -> Response:
@@ -77,8 +96,7 @@ async def _models(request: Request, served: ServedModel) -> Response:
 async def _health(request: Request, served: ServedModel) -> Response:
     loop = served.engine_loop
     if not loop.alive:
-        raise APIError(503, loop.dead_reason or "the engine loop is not running",
-                       type="server_error", code="engine_dead")
+        raise APIError(503, ENGINE_DEAD, type="server_error", code="engine_dead")
     return JSONResponse({"status": "ok"})
 
 
@@ -89,12 +107,14 @@ async def _metrics(request: Request, served: ServedModel) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "not_found" if exc.status_code == 404 else None
-    return _error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: "
-                                                     f"{exc.detail}", code=kind))
+    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                    code=kind).response()
 
 
 def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
-              max_queue: int | None = None, max_consecutive_failures: int = 3) -> Starlette:
+              max_queue: int | None = None, max_consecutive_failures: int = 3,
+              limits: ServerLimits | None = None,
+              allowed_hosts: Collection[str] | None = None) -> Starlette:
     """The server for ``engine`` (an ``LLMEngine``), served under ``model_name``.
 
     The engine loop thread starts with the application (ASGI lifespan) and stops with it; it is
@@ -104,16 +124,22 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
         engine: the LLMEngine every request goes to (one continuous batch for all clients).
         model_name: the id clients pass as ``model``; anything else is a 400.
         api_key: if set, /v1/* requires ``Authorization: Bearer <api_key>`` (401 otherwise).
-        max_queue: at most this many requests wait for their first token; more get 429.
+        max_queue: at most this many requests wait for their first token; more get 429 (a
+            request with more prompts than that gets 400: it could never be admitted).
         max_consecutive_failures: failed engine steps in a row after which the loop is dead.
+        limits: the per-request caps (body size, stop strings, prompts, n); None: the defaults.
+        allowed_hosts: if set, a request whose Host header names another host gets 400 (a
+            DNS-rebinding web page); ``cross_site.LOOPBACK_HOSTS`` for a server on 127.0.0.1.
     """
     if not model_name:
         raise ValueError(f"model_name: expected a non-empty string, got {model_name!r}")
-    if api_key is not None and not api_key:
-        raise ValueError("api_key: expected None or a non-empty string, got ''")
+    if api_key is not None and not api_key.strip():
+        raise ValueError(f"api_key: expected None or a non-blank string, got {api_key!r}")
+    limits = ServerLimits() if limits is None else limits
     engine_loop = EngineLoop(engine, max_queue=max_queue,
                              max_consecutive_failures=max_consecutive_failures)
-    served = ServedModel(model_name, engine_loop)
+    workers = ThreadPoolExecutor(_REQUEST_WORKERS, thread_name_prefix="mini-paged-attn-request")
+    served = ServedModel(model_name, engine_loop, workers, limits=limits, max_queue=max_queue)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -122,6 +148,7 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
             yield
         finally:
             engine_loop.shutdown()
+            workers.shutdown(wait=False, cancel_futures=True)
 
     routes = [
         Route("/v1/models", _endpoint(_models, served, api_key), methods=["GET"]),
@@ -133,6 +160,8 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
         Route("/metrics", _endpoint(_metrics, served, None), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={HTTPException: _http_error})
+                    middleware=[Middleware(CrossSiteGuard, allowed_hosts=allowed_hosts),
+                                Middleware(RequestSizeLimit, max_bytes=limits.max_request_bytes)],
+                    exception_handlers={HTTPException: _http_error, Exception: _unhandled})
     app.state.engine_loop = engine_loop
     return app

@@ -1,10 +1,12 @@
 """The two generation endpoints: POST /v1/completions and POST /v1/chat/completions.
 
-Both follow one path: parse and validate -> token ids -> ``EngineLoop.submit`` -> either collect
-the final outputs into one JSON response, or stream Server-Sent Events, one chunk per text delta
-and choice, then ``data: [DONE]``. A streamed response starts once the first token exists, so a
-failure before it is still a plain HTTP error. A task watches the connection the whole time: a
-client that goes away has its requests aborted at once (blocks freed at the next step boundary).
+Both follow one path: parse, validate and tokenize (on a worker thread: a big prompt takes
+seconds to tokenize, and the event loop must go on serving everyone else meanwhile) ->
+``EngineLoop.submit`` -> either collect the final outputs into one JSON response, or stream
+Server-Sent Events, one chunk per text delta and choice, then ``data: [DONE]``. A streamed
+response starts once the first token exists, so a failure before it is still a plain HTTP error.
+A task watches the connection the whole time: a client that goes away has its requests aborted
+at once (blocks freed at the next step boundary).
 """
 
 from __future__ import annotations
@@ -12,69 +14,23 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from .engine_loop import (ClientGoneError, EngineDeadError, EngineLoop, QueueFullError,
-                          RequestFailedError, Submission)
-from .formats import Logprobs, ResponseFormat, usage
-from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, APIError, ChatCompletionRequest,
-                       CompletionRequest, bad_request, parse_request, to_sampling_params)
+from .engine_loop import (ClientGoneError, EngineDeadError, QueueFullError, RequestFailedError,
+                          Submission)
+from .errors import ENGINE_DEAD, ENGINE_FAILED, APIError, bad_request
+from .formats import ResponseFormat, usage
+from .prepare import Prepared, ServedModel, prepare_chat, prepare_completion
 
 logger = logging.getLogger(__name__)
 
 # Not an HTTP status anyone receives: the client is gone when a handler returns it.
 _CLIENT_CLOSED = 499
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """What the endpoints need besides the engine loop."""
-
-    name: str
-    engine_loop: EngineLoop
-
-    @property
-    def engine(self) -> Any:
-        return self.engine_loop.engine
-
-
-def _check_model(served: ServedModel, name: str) -> None:
-    if name != served.name:
-        raise APIError(400, f"The model `{name}` does not exist; this server serves "
-                            f"`{served.name}`", param="model", code="model_not_found")
-
-
-def _check_prompt_ids(served: ServedModel, ids: list[int], param: str) -> list[int]:
-    if not ids:
-        raise bad_request(f"{param}: must contain at least one token", param=param)
-    vocab = served.engine.model_config.vocab_size
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})",
-                          param=param)
-    limit = served.engine.max_model_len
-    if len(ids) >= limit:
-        raise bad_request(f"{param}: the prompt has {len(ids)} tokens but the model's context "
-                          f"is {limit} tokens (max_model_len), with at least one to generate",
-                          param=param, code="context_length_exceeded")
-    return ids
-
-
-def _check_fits(served: ServedModel, prompts: list[list[int]], max_tokens: int, param: str) -> None:
-    limit = served.engine.max_model_len
-    longest = max(len(ids) for ids in prompts)
-    if longest + max_tokens > limit:
-        raise bad_request(f"This model's maximum context length is {limit} tokens, but "
-                          f"{longest + max_tokens} were requested ({longest} in the prompt, "
-                          f"{max_tokens} in the completion): reduce the prompt or max_tokens",
-                          param=param, code="context_length_exceeded")
 
 
 def _sse(obj: dict[str, Any] | str) -> str:
@@ -99,8 +55,8 @@ def _submit(served: ServedModel, prompts: list[list[int]], params: Any) -> Submi
         return served.engine_loop.submit(prompts, params)
     except QueueFullError as exc:
         raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
-    except EngineDeadError as exc:
-        raise APIError(503, str(exc), type="server_error", code="engine_dead") from None
+    except EngineDeadError:
+        raise APIError(503, ENGINE_DEAD, type="server_error", code="engine_dead") from None
     except ValueError as exc:  # the engine's admission checks (e.g. prompt + max_tokens too long)
         raise bad_request(str(exc)) from None
 
@@ -123,8 +79,8 @@ async def _serve(request: Request, submission: Submission, fmt: ResponseFormat, 
                                  headers={"Cache-Control": "no-cache"})
     except ClientGoneError:
         return Response(status_code=_CLIENT_CLOSED)
-    except RequestFailedError as exc:
-        raise APIError(500, str(exc), type="server_error", code="internal_error") from None
+    except RequestFailedError:  # the engine loop has logged the failure
+        raise APIError(500, ENGINE_FAILED, type="server_error", code="internal_error") from None
     except StopAsyncIteration:  # cannot happen: a submission always ends with a finished output
         raise APIError(500, "the engine returned no output", type="server_error") from None
     finally:
@@ -191,9 +147,10 @@ async def _stream(submission: Submission, first: tuple[int, Any], fmt: ResponseF
         if include_usage:
             yield _sse(fmt.usage_chunk(_usage_of(state.last)))
         yield _sse("[DONE]")
-    except RequestFailedError as exc:
+    except RequestFailedError:
         # The status line is long gone: report it the way OpenAI streams report errors.
-        yield _sse(APIError(500, str(exc), type="server_error", code="internal_error").body())
+        yield _sse(APIError(500, ENGINE_FAILED, type="server_error",
+                            code="internal_error").body())
     except ClientGoneError:
         pass
     finally:
@@ -202,59 +159,21 @@ async def _stream(submission: Submission, first: tuple[int, Any], fmt: ResponseF
 
 
 # ---- the endpoints ---------------------------------------------------------------------------
-def _logprobs_format(served: ServedModel, top: int | None) -> Logprobs | None:
-    if top is None:
-        return None
-    tokenizer = served.engine.tokenizer
-    return Logprobs(lambda tid: tokenizer.decode([tid], skip_special_tokens=False), top)
+async def _generate(request: Request, served: ServedModel,
+                    prepare: Callable[[ServedModel, bytes], Prepared]) -> Response:
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone before its body arrived: nobody to answer
+        return Response(status_code=_CLIENT_CLOSED)
+    prepared = await served.off_loop(prepare, served, raw)
+    submission = _submit(served, prepared.prompts, prepared.params)
+    return await _serve(request, submission, prepared.fmt, n=prepared.n,
+                        stream=prepared.stream, include_usage=prepared.include_usage)
 
 
 async def create_completion(request: Request, served: ServedModel) -> Response:
-    req = parse_request(await request.body(), CompletionRequest)
-    _check_model(served, req.model)
-    tokenizer = served.engine.tokenizer
-    prompts = []
-    items = req.prompts()
-    for i, p in enumerate(items):
-        param = "prompt" if len(items) == 1 else f"prompt[{i}]"
-        ids = tokenizer.encode(p) if isinstance(p, str) else p
-        prompts.append(_check_prompt_ids(served, ids, param))
-    max_tokens = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
-    _check_fits(served, prompts, max_tokens, "max_tokens")
-    params = to_sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
-    fmt = ResponseFormat(False, f"cmpl-{uuid.uuid4().hex}", served.name, int(time.time()),
-                         _logprobs_format(served, req.logprobs))
-    submission = _submit(served, prompts, params)
-    return await _serve(request, submission, fmt, n=req.n, stream=req.stream,
-                        include_usage=req.include_usage)
+    return await _generate(request, served, prepare_completion)
 
 
 async def create_chat_completion(request: Request, served: ServedModel) -> Response:
-    req = parse_request(await request.body(), ChatCompletionRequest)
-    _check_model(served, req.model)
-    if req.max_tokens is not None and req.max_completion_tokens is not None:
-        raise bad_request("give max_tokens or max_completion_tokens, not both",
-                          param="max_completion_tokens")
-    try:
-        ids = served.engine.tokenizer.apply_chat_template(req.template_messages(),
-                                                          add_generation_prompt=True)
-    except Exception as exc:  # jinja templates raise on what they do not accept (roles, order)
-        raise bad_request(f"messages: the chat template rejected them: {exc}",
-                          param="messages") from None
-    if isinstance(ids, str):
-        ids = served.engine.tokenizer.encode(ids)
-    ids = _check_prompt_ids(served, list(ids), "messages")
-    max_tokens = req.max_tokens or req.max_completion_tokens
-    if max_tokens is None:  # OpenAI's default: whatever the context (and the KV pool) leaves
-        stats = served.engine_loop.stats()
-        room = min(served.engine.max_model_len, stats.kv_blocks_total * stats.block_size)
-        max_tokens = max(1, room - len(ids))
-    _check_fits(served, [ids], max_tokens,
-                "max_tokens" if req.max_tokens is not None else "max_completion_tokens")
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = to_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
-    fmt = ResponseFormat(True, f"chatcmpl-{uuid.uuid4().hex}", served.name, int(time.time()),
-                         _logprobs_format(served, logprobs))
-    submission = _submit(served, [ids], params)
-    return await _serve(request, submission, fmt, n=req.n, stream=req.stream,
-                        include_usage=req.include_usage)
+    return await _generate(request, served, prepare_chat)

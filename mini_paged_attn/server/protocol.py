@@ -8,44 +8,23 @@ body ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..engine import SamplingParams
+from .errors import bad_request
+from .json_body import MAX_INT_DIGITS, HugeInt, parse_json, preview
 
 # OpenAI caps `logprobs` of completions at 5 and `top_logprobs` of chat at 20.
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
 # OpenAI's default for /v1/completions; chat defaults to "as long as the context allows".
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-
-
-class APIError(Exception):
-    """A request the server answers with an error status and OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
 class _Strict(BaseModel):
-    # strict: no "5" -> 5 coercion; forbid: an unknown field is an error, not ignored.
-    model_config = ConfigDict(strict=True, extra="forbid")
+    # strict: no "5" -> 5 coercion; forbid: an unknown field is an error, not ignored;
+    # no inf/nan: 1e999 parses to inf, which no sampling parameter means.
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -59,7 +38,7 @@ class _SamplingFields(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1)  # its upper bound is ServerLimits.max_n
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
@@ -197,12 +176,7 @@ RequestT = TypeVar("RequestT", bound=_SamplingFields)
 
 def parse_request(raw: bytes, model_cls: type[RequestT]) -> RequestT:
     """Parse and validate a request body; :class:`APIError` (400) on anything malformed."""
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise bad_request(f"The request body must be a JSON object, got {type(data).__name__}")
+    data = parse_json(raw)
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
@@ -213,14 +187,14 @@ def parse_request(raw: bytes, model_cls: type[RequestT]) -> RequestT:
                               param=param) from None
         if err["type"] == "missing":
             raise bad_request(f"Missing required parameter: {param}", param=param) from None
-        got = json.dumps(err.get("input"), default=str)
-        if len(got) > 80:
-            got = got[:77] + "..."
         msg = err["msg"].removeprefix("Value error, ")
+        if isinstance(err.get("input"), HugeInt):
+            msg = f"expected a number of at most {MAX_INT_DIGITS} digits"
         field_name = param.rsplit(".", 1)[-1].split("[", 1)[0]
         if in_union and field_name in _UNION_FIELDS:
             msg = f"expected {_UNION_FIELDS[field_name]}"
-        raise bad_request(f"{param}: {msg} (got {got})", param=param) from None
+        raise bad_request(f"{param}: {msg} (got {preview(err.get('input'))})",
+                          param=param) from None
 
 
 def to_sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | None) -> SamplingParams:

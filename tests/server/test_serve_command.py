@@ -95,3 +95,43 @@ def test_serve_with_the_engine_in_its_own_process_answers_like_generate():
     assert "engine in its own process" in out
     assert proc.returncode == 0, out   # SIGTERM: uvicorn stops, then the engine process
     assert all(_gone(pid, timeout=10) for pid in engine_pids)
+
+
+@pytest.mark.parametrize("argv_key, env_key", [(["--api-key", ""], None),
+                                               (["--api-key", "  "], None),
+                                               ([], ""), ([], " \t")])
+def test_a_blank_api_key_is_a_one_line_error_before_the_model_loads(monkeypatch, capsys,
+                                                                    argv_key, env_key):
+    from mini_paged_attn.cli import main
+
+    if env_key is None:
+        monkeypatch.delenv("MINI_PAGED_ATTN_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("MINI_PAGED_ATTN_API_KEY", env_key)
+    # A model that does not exist: had serve tried to load it, the error would be another.
+    assert main(["serve", "--model", "/nonexistent/model", *argv_key]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "blank" in err, err
+
+
+def test_build_app_refuses_a_blank_api_key():
+    from mini_paged_attn.server.app import build_app
+
+    for key in ("", " ", "\n"):
+        with pytest.raises(ValueError, match="api_key"):
+            build_app(object(), model_name="tiny", api_key=key)
+
+
+def test_limit_options_reach_the_server_limits():
+    from mini_paged_attn.cli import build_parser
+    from mini_paged_attn.commands.serve import server_limits
+    from mini_paged_attn.server.limits import ServerLimits
+
+    args = build_parser().parse_args(["serve", "--model", "tiny", "--max-request-bytes", "1000",
+                                      "--max-stop-strings", "3", "--max-n", "2"])
+    assert server_limits(args) == ServerLimits(max_request_bytes=1000, max_stop_strings=3,
+                                               max_n=2)
+    defaults = build_parser().parse_args(["serve", "--model", "tiny"])
+    assert server_limits(defaults) == ServerLimits()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "tiny", "--max-request-bytes", "0"])

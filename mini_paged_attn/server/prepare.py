@@ -1,0 +1,153 @@
+"""A request body -> what the engine gets: validation, the per-request caps, token ids.
+
+:func:`prepare_completion` and :func:`prepare_chat` do everything a request needs before it is
+queued, and raise :class:`APIError` (4xx) on anything wrong with it. They run on a worker thread
+(:meth:`ServedModel.off_loop`): tokenizing a big prompt or rendering a long chat takes seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from .engine_loop import EngineLoop
+from .formats import Logprobs, ResponseFormat
+from .limits import ServerLimits, check_request
+from .errors import APIError, bad_request
+from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
+                       parse_request, to_sampling_params)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the endpoints need besides the engine loop.
+
+    ``workers`` runs the CPU-heavy part of a request (JSON, validation, tokenizer and chat
+    template) off the event loop; ``max_queue`` is the engine loop's, for requests that could
+    never be admitted.
+    """
+
+    name: str
+    engine_loop: EngineLoop
+    workers: ThreadPoolExecutor
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    max_queue: int | None = None
+
+    @property
+    def engine(self) -> Any:
+        return self.engine_loop.engine
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a worker thread; the event loop serves other requests meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+
+
+def _check_model(served: ServedModel, name: str) -> None:
+    if name != served.name:
+        raise APIError(400, f"The model `{name}` does not exist; this server serves "
+                            f"`{served.name}`", param="model", code="model_not_found")
+
+
+def _check_prompt_ids(served: ServedModel, ids: list[int], param: str) -> list[int]:
+    if not ids:
+        raise bad_request(f"{param}: must contain at least one token", param=param)
+    vocab = served.engine.model_config.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})",
+                          param=param)
+    limit = served.engine.max_model_len
+    if len(ids) >= limit:
+        raise bad_request(f"{param}: the prompt has {len(ids)} tokens but the model's context "
+                          f"is {limit} tokens (max_model_len), with at least one to generate",
+                          param=param, code="context_length_exceeded")
+    return ids
+
+
+def _check_fits(served: ServedModel, prompts: list[list[int]], max_tokens: int, param: str) -> None:
+    limit = served.engine.max_model_len
+    longest = max(len(ids) for ids in prompts)
+    if longest + max_tokens > limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens, but "
+                          f"{longest + max_tokens} were requested ({longest} in the prompt, "
+                          f"{max_tokens} in the completion): reduce the prompt or max_tokens",
+                          param=param, code="context_length_exceeded")
+
+
+def _logprobs_format(served: ServedModel, top: int | None) -> Logprobs | None:
+    if top is None:
+        return None
+    tokenizer = served.engine.tokenizer
+    return Logprobs(lambda tid: tokenizer.decode([tid], skip_special_tokens=False), top)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated, tokenized request, ready for ``EngineLoop.submit``."""
+
+    prompts: list[list[int]]
+    params: Any  # SamplingParams
+    fmt: ResponseFormat
+    n: int
+    stream: bool
+    include_usage: bool
+
+
+def prepare_completion(served: ServedModel, raw: bytes) -> Prepared:
+    """Body -> token ids and SamplingParams (on a worker thread); APIError on bad input."""
+    req = parse_request(raw, CompletionRequest)
+    _check_model(served, req.model)
+    items = req.prompts()
+    check_request(served.limits, n=req.n, stop=req.stop, num_prompts=len(items),
+                  max_queue=served.max_queue)
+    tokenizer = served.engine.tokenizer
+    prompts = []
+    for i, p in enumerate(items):
+        param = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        ids = tokenizer.encode(p) if isinstance(p, str) else p
+        prompts.append(_check_prompt_ids(served, ids, param))
+    max_tokens = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+    _check_fits(served, prompts, max_tokens, "max_tokens")
+    params = to_sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+    fmt = ResponseFormat(False, f"cmpl-{uuid.uuid4().hex}", served.name, int(time.time()),
+                         _logprobs_format(served, req.logprobs))
+    return Prepared(prompts, params, fmt, req.n, req.stream, req.include_usage)
+
+
+def prepare_chat(served: ServedModel, raw: bytes) -> Prepared:
+    """Body -> the chat template's token ids and SamplingParams (on a worker thread)."""
+    req = parse_request(raw, ChatCompletionRequest)
+    _check_model(served, req.model)
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        raise bad_request("give max_tokens or max_completion_tokens, not both",
+                          param="max_completion_tokens")
+    check_request(served.limits, n=req.n, stop=req.stop, num_prompts=1,
+                  max_queue=served.max_queue)
+    try:
+        ids = served.engine.tokenizer.apply_chat_template(req.template_messages(),
+                                                          add_generation_prompt=True)
+    except Exception as exc:  # jinja templates raise on what they do not accept (roles, order)
+        raise bad_request(f"messages: the chat template rejected them: {exc}",
+                          param="messages") from None
+    if isinstance(ids, str):
+        ids = served.engine.tokenizer.encode(ids)
+    ids = _check_prompt_ids(served, list(ids), "messages")
+    max_tokens = req.max_tokens or req.max_completion_tokens
+    if max_tokens is None:  # OpenAI's default: whatever the context (and the KV pool) leaves
+        stats = served.engine_loop.stats()
+        room = min(served.engine.max_model_len, stats.kv_blocks_total * stats.block_size)
+        max_tokens = max(1, room - len(ids))
+    _check_fits(served, [ids], max_tokens,
+                "max_tokens" if req.max_tokens is not None else "max_completion_tokens")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = to_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    fmt = ResponseFormat(True, f"chatcmpl-{uuid.uuid4().hex}", served.name, int(time.time()),
+                         _logprobs_format(served, logprobs))
+    return Prepared([ids], params, fmt, req.n, req.stream, req.include_usage)
