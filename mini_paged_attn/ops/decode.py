@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -29,6 +30,7 @@ import triton.language as tl
 
 from .checks import PagedShapes
 from .explain import MAX_SPLITS, DecodePlan, DecodeTiles, num_sms_of, plan_decode
+from .launch import PreparedLaunch
 
 logger = logging.getLogger(__name__)
 
@@ -225,11 +227,42 @@ def _workspace_splits(workspace: torch.Tensor, shapes: PagedShapes,
     return workspace.numel() // max(per_split, 1)
 
 
+@dataclass(frozen=True)
+class DecodeRun:
+    """The prepared launches of one paged decode call shape (see :mod:`.launch`): the decode
+    kernel and, when the plan splits, the merge kernel, with where the split partials sit in
+    the float32 workspace."""
+
+    decode: PreparedLaunch
+    merge: PreparedLaunch | None
+    workspace_numel: int      # float32 elements of the split partials (0 when unsplit)
+    lse_offset: int           # element offset of the partial lse in the workspace
+
+    def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor | None, workspace: torch.Tensor | None) -> bool:
+        """Launch for tensors of the prepared shapes; False (nothing launched) if a pointer's
+        alignment differs from the prepared one."""
+        lse_arg = lse if lse is not None else out
+        if self.merge is None:
+            return self.decode((query, key_cache, value_cache, block_tables, context_lens, out,
+                                lse_arg))
+        if workspace is None:
+            workspace = torch.empty(self.workspace_numel, dtype=torch.float32,
+                                    device=query.device)
+        part_out = workspace.data_ptr()
+        part_lse = part_out + 4 * self.lse_offset
+        return (self.decode((query, key_cache, value_cache, block_tables, context_lens,
+                             part_out, part_lse))
+                and self.merge((part_out, part_lse, out, lse_arg)))
+
+
 def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor,
                         shapes: PagedShapes, *, out: torch.Tensor, lse: torch.Tensor | None,
                         num_splits: int | None = None, workspace: torch.Tensor | None = None,
-                        explain: bool = False, tiles: DecodeTiles | None = None) -> None:
+                        explain: bool = False, tiles: DecodeTiles | None = None
+                        ) -> DecodeRun | None:
     """Launch paged decode; arguments as :func:`~mini_paged_attn.ops.paged_decode`, validated.
 
     Writes ``out`` ``[num_seqs, num_q_heads, head_size]`` (query dtype) and, if given, ``lse``
@@ -237,8 +270,9 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     ``workspace_size(num_seqs, num_q_heads, head_size, num_splits)`` elements) no allocation
     either. ``tiles`` overrides the planned tiles (benchmarks, tests).
 
-    Kept lean on purpose: outside CUDA graphs a small decode step is bound by the host time
-    of its launches.
+    Returns:
+        The launches as a :class:`DecodeRun` that repeats them for other tensors of the same
+        shapes without planning again (None under the interpreter or for an empty batch).
     """
     _check_supported(shapes)
     device = query.device
@@ -257,7 +291,7 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     if explain:
         logger.info("%s", plan)
     if shapes.num_seqs == 0:
-        return
+        return None
     meta = _constexprs(plan)
     ks, vs = key_cache.stride(), value_cache.stride()
     cache_strides = (ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
@@ -268,40 +302,43 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     lse_seq, lse_head = lse.stride() if lse is not None else (0, 0)
     os_ = out.stride()
     if plan.num_splits == 1:
-        _paged_decode_kernel[grid](
+        decode = PreparedLaunch(_paged_decode_kernel, grid, (
             query, key_cache, value_cache, block_tables, context_lens, out, lse_arg,
             scale_log2, qs[0], qs[1], *cache_strides, block_tables.stride(0),
-            os_[0], os_[1], 0, os_[2], lse_seq, lse_head,
-            SPLIT_KV=False, WRITE_LSE=lse is not None, **meta)
-        return
+            os_[0], os_[1], 0, os_[2], lse_seq, lse_head),
+            dict(SPLIT_KV=False, WRITE_LSE=lse is not None, **meta))
+        return DecodeRun(decode, None, 0, 0) if decode.ready else None
 
     # Split-KV: partial outputs [num_seqs, num_q_heads, splits, head_size] then partial lse
     # [num_seqs, num_q_heads, splits], both float32, at the front of the workspace.
     n, h, d, splits = shapes.num_seqs, shapes.num_q_heads, shapes.head_size, plan.num_splits
+    numel = workspace_size(n, h, d, splits)
     if workspace is None:
-        workspace = torch.empty(workspace_size(n, h, d, splits), dtype=torch.float32,
-                                device=device)
+        workspace = torch.empty(numel, dtype=torch.float32, device=device)
     part_out = workspace
     part_lse = workspace[n * h * splits * d:]
     po_seq, po_head, po_split = h * splits * d, splits * d, d
     pl_seq, pl_head = h * splits, splits
-    _paged_decode_kernel[grid](
+    decode = PreparedLaunch(_paged_decode_kernel, grid, (
         query, key_cache, value_cache, block_tables, context_lens, part_out, part_lse,
         scale_log2, qs[0], qs[1], *cache_strides, block_tables.stride(0),
-        po_seq, po_head, po_split, 1, pl_seq, pl_head,
-        SPLIT_KV=True, WRITE_LSE=True, **meta)
+        po_seq, po_head, po_split, 1, pl_seq, pl_head),
+        dict(SPLIT_KV=True, WRITE_LSE=True, **meta))
     # One warp per (sequence, query head), launched plainly: at batch 1 (32 programs) the merge
     # is pure latency. Under CUDA graphs on an H100 (head_size 128), 1 warp was 0.6-0.7 us
     # faster than 4, and a plain launch 0.5 us faster than a programmatic dependent launch
     # (PDL) waiting in-kernel. Wider heads take 2 warps, to keep a chunk of 32 float32 partials
     # at <= 128 values a thread.
-    _merge_splits_kernel[(h, n)](
+    merge = PreparedLaunch(_merge_splits_kernel, (h, n), (
         part_out, part_lse, out, lse_arg, splits,
         po_seq, po_head, po_split, pl_seq, pl_head,
-        os_[0], os_[1], os_[2], lse_seq, lse_head,
-        HEAD_SIZE=d, HEAD_SIZE_PADDED=meta["HEAD_SIZE_PADDED"],
-        SPLIT_TILE=min(32, max(16, triton.next_power_of_2(splits))),
-        WRITE_LSE=lse is not None, num_warps=1 if meta["HEAD_SIZE_PADDED"] <= 128 else 2)
+        os_[0], os_[1], os_[2], lse_seq, lse_head),
+        dict(HEAD_SIZE=d, HEAD_SIZE_PADDED=meta["HEAD_SIZE_PADDED"],
+             SPLIT_TILE=min(32, max(16, triton.next_power_of_2(splits))),
+             WRITE_LSE=lse is not None, num_warps=1 if meta["HEAD_SIZE_PADDED"] <= 128 else 2))
+    if not (decode.ready and merge.ready):
+        return None
+    return DecodeRun(decode, merge, numel, n * h * splits * d)
 
 
 @functools.lru_cache(maxsize=256)
@@ -316,4 +353,4 @@ def _constexprs(plan: DecodePlan) -> dict:
     )
 
 
-__all__ = ["triton_paged_decode", "workspace_size"]
+__all__ = ["DecodeRun", "triton_paged_decode", "workspace_size"]

@@ -6,6 +6,12 @@ Backends:
   - ``"auto"`` (default): ``"triton"`` for CUDA tensors when Triton imports, else ``"torch"``.
 
 A backend never falls back silently: asking for ``"triton"`` where it cannot run is an error.
+
+Host cost: on CUDA, a call whose arguments have the shapes, strides, dtypes, device and options
+of an earlier call skips the checks and the plan and repeats that call's prepared launches
+(:mod:`.launch`) with its own tensors. A model's layers within one step, and a user's loop
+over same-shaped calls, pay the planning once. The cache is keyed on everything the checks and
+the plan read, so an argument that would fail a check never matches an entry.
 """
 
 from __future__ import annotations
@@ -17,12 +23,31 @@ import torch
 
 from ..core.args import check_bool, non_negative_int
 from . import reference
+from .launch import LaunchCache, tensor_key
 from .checks import (FLOAT_DTYPES, PagedShapes, check_cache_pair, check_paged_decode_args,
                      check_paged_prefill_args, check_paged_values, check_tensor)
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch", "triton")
+
+# Prepared launches of earlier CUDA calls, by call key (see the module doc).
+_DECODE_RUNS = LaunchCache()
+_PREFILL_RUNS = LaunchCache()
+_STORE_RUNS = LaunchCache()
+
+
+def _call_key(tensors: tuple, options: tuple) -> tuple | None:
+    """The cache key of a call on one CUDA device; None where there is no fast path (a
+    non-tensor argument, a CPU tensor, an unhashable option). Options are keyed with their
+    types, so ``1`` never matches an entry made for ``True``."""
+    try:
+        key = (tuple(None if t is None else tensor_key(t) for t in tensors)
+               + tuple((type(o), o) for o in options))
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key if key[0][1] >= 0 else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -109,6 +134,16 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         ValueError: bad shapes, dtypes, devices; for the torch backend also bad lengths or
             block ids. Nothing is written then.
     """
+    key = None
+    if backend != "torch" and not explain:
+        key = _call_key((query, key_cache, value_cache, block_tables, context_lens, out,
+                         workspace), (scale, return_lse, backend, num_splits))
+        run = _DECODE_RUNS.get(key) if key is not None else None
+        if run is not None:
+            out_, lse = _outputs(query, out, return_lse, query.shape[0], query.shape[1])
+            if run(query, key_cache, value_cache, block_tables, context_lens, out_, lse,
+                   workspace):
+                return (out_, lse) if return_lse else out_
     shapes = check_paged_decode_args(query, key_cache, value_cache, block_tables,
                                      context_lens, scale, out)
     check_bool("return_lse", return_lse)
@@ -124,9 +159,11 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     else:
         from .decode import triton_paged_decode
         out, lse = _outputs(query, out, return_lse, shapes.num_seqs, shapes.num_q_heads)
-        triton_paged_decode(query, key_cache, value_cache, block_tables, context_lens, shapes,
-                            out=out, lse=lse, num_splits=num_splits, workspace=workspace,
-                            explain=explain)
+        run = triton_paged_decode(query, key_cache, value_cache, block_tables, context_lens,
+                                  shapes, out=out, lse=lse, num_splits=num_splits,
+                                  workspace=workspace, explain=explain)
+        if run is not None and key is not None:
+            _DECODE_RUNS.put(key, run)
     return (out, lse) if return_lse else out
 
 
@@ -161,6 +198,16 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     Returns:
         ``out`` ``[total_q, num_q_heads, head_size]``, or ``(out, lse)`` when ``return_lse``.
     """
+    key = None
+    if backend != "torch":
+        key = _call_key((query, key_cache, value_cache, block_tables, cu_seqlens_q,
+                         context_lens, out), (causal, scale, return_lse, backend))
+        launch = _PREFILL_RUNS.get(key) if key is not None else None
+        if launch is not None:
+            out_, lse = _outputs(query, out, return_lse, query.shape[0], query.shape[1])
+            if launch((query, key_cache, value_cache, out_, lse if return_lse else out_,
+                       block_tables, cu_seqlens_q, context_lens)):
+                return (out_, lse) if return_lse else out_
     shapes = check_paged_prefill_args(query, key_cache, value_cache, block_tables,
                                       cu_seqlens_q, context_lens, scale, out)
     check_bool("causal", causal)
@@ -177,9 +224,11 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     else:
         from .prefill import triton_paged_prefill
         out, lse = _outputs(query, out, return_lse, total_q, shapes.num_q_heads)
-        triton_paged_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q,
-                             context_lens, shapes, causal=causal, out=out, lse=lse,
-                             max_seqlen_q=max_seqlen_q)
+        launch = triton_paged_prefill(query, key_cache, value_cache, block_tables,
+                                      cu_seqlens_q, context_lens, shapes, causal=causal,
+                                      out=out, lse=lse, max_seqlen_q=max_seqlen_q)
+        if launch is not None and key is not None:
+            _PREFILL_RUNS.put(key, launch)
     return (out, lse) if return_lse else out
 
 
@@ -196,6 +245,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
             ``slot // block_size``, offset ``slot % block_size``. Slot ``-1`` skips the token
             (padding); nothing else in the caches changes.
     """
+    key_ = None
+    if backend != "torch":
+        key_ = _call_key((key, value, key_cache, value_cache, slot_mapping), (backend,))
+        launch = _STORE_RUNS.get(key_) if key_ is not None else None
+        if launch is not None and launch((key, value, key_cache, value_cache, slot_mapping)):
+            return
     check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
     num_blocks, block_size, num_kv_heads, head_size = check_cache_pair(
         key_cache, value_cache, key.dtype, key.device)
@@ -221,7 +276,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         reference.store_kv(key, value, key_cache, value_cache, slot_mapping)
     else:
         from .kv_write import triton_store_kv
-        triton_store_kv(key, value, key_cache, value_cache, slot_mapping)
+        launch = triton_store_kv(key, value, key_cache, value_cache, slot_mapping)
+        if launch is not None and key_ is not None:
+            _STORE_RUNS.put(key_, launch)
 
 
 __all__ = ["paged_decode", "paged_prefill", "store_kv", "resolve_backend", "triton_available",

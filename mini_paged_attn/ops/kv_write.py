@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_last_dim_contiguous
+from .launch import PreparedLaunch
 
 
 @triton.jit
@@ -50,26 +51,32 @@ def _store_kv_kernel(
 
 
 def triton_store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                    value_cache: torch.Tensor, slot_mapping: torch.Tensor
+                    ) -> PreparedLaunch | None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into the caches
     ``[num_blocks, block_size, num_kv_heads, head_size]`` at ``slot_mapping`` (int32/int64
     ``[num_tokens]``; -1 skips). Arguments are validated by :func:`~.dispatch.store_kv`.
+
+    Returns:
+        The launch, repeatable for tensors of the same shapes in the order ``(key, value,
+        key_cache, value_cache, slot_mapping)`` (None under the interpreter or for no tokens).
     """
     for name, t in (("key", key), ("value", value)):
         check_last_dim_contiguous(name, t)
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
-        return
+        return None
     num_blocks, block_size = key_cache.shape[:2]
-    _store_kv_kernel[(num_tokens,)](
+    launch = PreparedLaunch(_store_kv_kernel, (num_tokens,), (
         key, value, key_cache, value_cache, slot_mapping, num_blocks * block_size,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)), dict(
         NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
         HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
         HEAD_SIZE_PADDED=triton.next_power_of_2(head_size), BLOCK_SIZE=block_size,
-        num_warps=4 if num_kv_heads * head_size >= 1024 else 1)
+        num_warps=4 if num_kv_heads * head_size >= 1024 else 1))
+    return launch if launch.ready else None
 
 
 __all__ = ["triton_store_kv"]

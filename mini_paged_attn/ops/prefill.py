@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .checks import PagedShapes
+from .launch import PreparedLaunch
 from .prefill_plan import PrefillConfig, default_config, tiling
 
 LOG2E = 1.4426950408889634
@@ -225,22 +226,22 @@ def _prefill_kernel(
 
 def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs: int,
             num_kv_heads: int, scale: float, causal: bool, paged: bool, block_size: int,
-            config: PrefillConfig | None) -> None:
+            config: PrefillConfig | None) -> PreparedLaunch | None:
     total_q, num_q_heads, head_size = q.shape
     if total_q == 0 or num_seqs == 0:
-        return
+        return None
     group = num_q_heads // num_kv_heads
     config = config or default_config(head_size, q.dtype, q.device, total_q / num_seqs)
     plan = tiling(config, group, head_size)
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
     grid = plan.grid(total_q, num_seqs, num_kv_heads)
-    _prefill_kernel[grid](
+    launch = PreparedLaunch(_prefill_kernel, grid, (
         q, k, v, out, lse_arg, block_tables, cu_seqlens_q, kv_lens,
         num_seqs, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), out.stride(2), *lse_strides,
         *(k.stride()[:3] if paged else (0, *k.stride()[:2])),
         *(v.stride()[:3] if paged else (0, *v.stride()[:2])),
-        block_tables.stride(0) if paged else 0,
+        block_tables.stride(0) if paged else 0), dict(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEADS_PER_TILE=plan.heads_per_tile,
         HEAD_CHUNKS=plan.head_chunks, TOKENS_PER_TILE=plan.tokens_per_tile,
         SMALL_ROWS=plan.small_rows, HEAD_SIZE=head_size,
@@ -248,8 +249,8 @@ def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs:
         BLOCK_N=config.block_n, BLOCK_SIZE=block_size if paged else 1, PAGED=paged,
         CAUSAL=causal, WRITE_LSE=lse is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+        num_warps=config.num_warps, num_stages=config.num_stages))
+    return launch if launch.ready else None
 
 
 def triton_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -257,7 +258,7 @@ def triton_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cac
                          context_lens: torch.Tensor, shapes: PagedShapes, *, causal: bool,
                          out: torch.Tensor, lse: torch.Tensor | None,
                          max_seqlen_q: int | None = None,
-                         config: PrefillConfig | None = None) -> None:
+                         config: PrefillConfig | None = None) -> PreparedLaunch | None:
     """Paged varlen prefill into ``out`` (and ``lse``); arguments already checked by dispatch.
 
     Args:
@@ -272,9 +273,14 @@ def triton_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         max_seqlen_q: accepted for the dispatcher's signature; the launch needs no bound on
             q_len (the grid comes from ``total_q`` and ``num_seqs``), so no host sync either.
         config: tile sizes (default: :func:`~.prefill_plan.default_config`).
+
+    Returns:
+        The launch, repeatable for other tensors of the same shapes with the tensors in the
+        kernel's order ``(query, key_cache, value_cache, out, lse or out, block_tables,
+        cu_seqlens_q, context_lens)`` (None under the interpreter or for an empty batch).
     """
     del max_seqlen_q  # the flattened tile schedule makes it unnecessary
-    _launch(query, key_cache, value_cache, out, lse, block_tables, cu_seqlens_q, context_lens,
+    return _launch(query, key_cache, value_cache, out, lse, block_tables, cu_seqlens_q, context_lens,
             num_seqs=shapes.num_seqs, num_kv_heads=shapes.num_kv_heads, scale=shapes.scale,
             causal=causal, paged=True, block_size=shapes.block_size, config=config)
 

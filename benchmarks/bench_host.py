@@ -1,0 +1,148 @@
+"""Host time per eager call of the paged ops, against torch SDPA called the same way (GPU).
+
+A user's Python loop (or an eager engine step, once per layer) calls an op back to back; when
+the GPU work is small the host's time per call is what the loop sees. For each shape:
+
+- ``host us``: host clock over N calls, stopped before the sync (the launch queue absorbs the
+  GPU work, so this is the op's Python + launch cost);
+- ``eager us``: the same N calls with the sync, divided by N (max of host and GPU time);
+- ``first call us``: host time of a call whose shape was not seen before (checks, plan and a
+  launch through the Triton JIT), with the op's launch cache emptied before each call;
+- the peers: cuDNN and flash SDPA on contiguous K/V (the backend chosen once, outside the loop).
+
+Run: ``python -m benchmarks.bench_host [--out DIR]``; 32 query / 8 KV heads, head_size 128,
+bf16, cache blocks of 16 tokens in shuffled order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from mini_paged_attn.ops import dispatch, paged_decode, paged_prefill, store_kv
+
+H_Q, H_KV, D, BS = 32, 8, 128, 16
+DECODE_SHAPES = ((1, 1024), (1, 4096), (8, 1024), (1, 16384), (64, 4096))
+
+
+def host_and_eager_us(fn, n: int = 500, warmup: int = 50) -> tuple[float, float]:
+    """(host us per call, eager us per call) over ``n`` back-to-back calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    issued = time.perf_counter()
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    return (issued - start) / n * 1e6, (done - start) / n * 1e6
+
+
+def first_call_us(fn, clear, n: int = 100) -> float:
+    """Host us of a call that plans (the op's launch cache emptied before each)."""
+    fn()
+    total = 0.0
+    for _ in range(n):
+        clear()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        total += time.perf_counter() - start
+    torch.cuda.synchronize()
+    return total / n * 1e6
+
+
+def _clear_cache(name: str):
+    """Empties the op's launch cache (a no-op for a version of the ops without one)."""
+    cache = getattr(dispatch, name, None)
+    return cache.clear if cache is not None else (lambda: None)
+
+
+def paged_inputs(num_seqs: int, ctx: int, gen: torch.Generator):
+    """Query ``[num_seqs, H_Q, D]``, cache views of a shuffled pool, table, lengths; and the
+    same K/V gathered contiguous ``[num_seqs, H_KV, ctx, D]`` for SDPA."""
+    blocks = num_seqs * (ctx // BS)
+    pool = torch.randn(blocks + 8, BS, 2, H_KV, D, device="cuda", generator=gen,
+                       dtype=torch.bfloat16)
+    table = torch.randperm(blocks + 8, device="cuda", generator=gen)[:blocks]
+    table = table.view(num_seqs, ctx // BS).to(torch.int32)
+    lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
+    query = torch.randn(num_seqs, H_Q, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    gathered = pool[table.long()].reshape(num_seqs, ctx, 2, H_KV, D)
+    k = gathered[:, :, 0].transpose(1, 2).contiguous()
+    v = gathered[:, :, 1].transpose(1, 2).contiguous()
+    return (query, pool[:, :, 0], pool[:, :, 1], table, lens), (query.unsqueeze(2), k, v)
+
+
+def sdpa_us(q, k, v, backend) -> float:
+    with sdpa_kernel(backend):
+        return host_and_eager_us(lambda: F.scaled_dot_product_attention(q, k, v,
+                                                                         enable_gqa=True))[1]
+
+
+def decode_rows(gen) -> list[dict]:
+    rows = []
+    for num_seqs, ctx in DECODE_SHAPES:
+        args, (q, k, v) = paged_inputs(num_seqs, ctx, gen)
+        host, eager = host_and_eager_us(lambda: paged_decode(*args))
+        first = first_call_us(lambda: paged_decode(*args), _clear_cache("_DECODE_RUNS"))
+        cudnn = sdpa_us(q, k, v, SDPBackend.CUDNN_ATTENTION)
+        flash = sdpa_us(q, k, v, SDPBackend.FLASH_ATTENTION)
+        rows.append(dict(op="paged_decode", shape=f"{num_seqs}x{ctx // 1024}k", host_us=host,
+                         eager_us=eager, first_call_us=first, cudnn_eager_us=cudnn,
+                         flash_eager_us=flash, vs_cudnn=eager / cudnn))
+    return rows
+
+
+def prefill_and_store_rows(gen) -> list[dict]:
+    """A mixed engine-like step (4 chunks of 64 tokens on 1k contexts), and store_kv of one
+    decode step's K/V (8 tokens)."""
+    args, _ = paged_inputs(4, 1024, gen)
+    _, kc, vc, table, lens = args
+    query = torch.randn(256, H_Q, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    cu = torch.arange(0, 257, 64, dtype=torch.int32, device="cuda")
+    host, eager = host_and_eager_us(lambda: paged_prefill(query, kc, vc, table, cu, lens))
+    first = first_call_us(lambda: paged_prefill(query, kc, vc, table, cu, lens),
+                          _clear_cache("_PREFILL_RUNS"))
+    rows = [dict(op="paged_prefill", shape="4x64 on 1k", host_us=host, eager_us=eager,
+                 first_call_us=first)]
+    k = torch.randn(8, H_KV, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    slots = torch.arange(8, device="cuda") * BS
+    host, eager = host_and_eager_us(lambda: store_kv(k, k, kc, vc, slots))
+    first = first_call_us(lambda: store_kv(k, k, kc, vc, slots), _clear_cache("_STORE_RUNS"))
+    rows.append(dict(op="store_kv", shape="8 tokens", host_us=host, eager_us=eager,
+                     first_call_us=first))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="write host.json here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = decode_rows(gen) + prefill_and_store_rows(gen)
+    cols = ("op", "shape", "host_us", "eager_us", "first_call_us", "cudnn_eager_us",
+            "flash_eager_us", "vs_cudnn")
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r.get(c), float) else
+                                str(r.get(c, "")) for c in cols) + " |")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "host.json").write_text(json.dumps(dict(
+            device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Launch a compiled Triton kernel again without the JIT's per-call dispatch.
+
+``kernel[grid](*args)`` binds the arguments, computes their specialization (dtypes, 16-byte
+alignment of pointers, divisibility of integers), looks the compiled kernel up and asks the
+driver, for every tensor, which device pointer it holds: 30-40 us of host time per launch,
+more than the GPU time of a small decode. A :class:`PreparedLaunch` records one such launch and
+repeats it with other tensors of the same shapes: the integer and constexpr arguments are kept,
+tensors are passed as raw device pointers, and the compiled kernel's launcher is called
+directly (a few microseconds).
+
+Safe reuse is the caller's contract: a prepared launch may run again only for arguments whose
+non-tensor values (shapes, strides, scale, flags) equal those it was prepared with, and tensors
+of the same dtypes on the same CUDA device; :mod:`.dispatch` keys its cache on exactly that.
+Pointer alignment, the one specialization that depends on the tensors themselves, is checked
+on every call (:meth:`PreparedLaunch.__call__` returns False, launching nothing, when it
+differs). Launch hooks (``triton.knobs.runtime.launch_enter_hook``, profilers) are not called
+for prepared launches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+ALIGNMENT = 16
+"""Triton specialises pointer arguments on ``data_ptr() % 16 == 0``."""
+
+
+class PreparedLaunch:
+    """One launch of a ``@triton.jit`` kernel, made through the JIT, repeatable directly.
+
+    Constructing it launches ``jit_fn[grid](*args, **kwargs)`` once (compiling if needed).
+    :attr:`ready` is False where there is no compiled kernel to reuse (the Triton interpreter
+    on CPU) or where the kernel's tensor arguments do not all come first; calling it then
+    always returns False.
+
+    Args:
+        jit_fn: the ``@triton.jit`` kernel.
+        grid: the launch grid, a tuple of 1 to 3 ints.
+        args, kwargs: the kernel's arguments as for ``jit_fn[grid]``: the tensors first and
+            positional, launch options such as ``num_warps`` among ``kwargs``.
+    """
+
+    def __init__(self, jit_fn, grid: tuple[int, ...], args: Sequence, kwargs: dict) -> None:
+        compiled = jit_fn[grid](*args, **kwargs)
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        num_tensors = 0
+        while num_tensors < len(args) and isinstance(args[num_tensors], torch.Tensor):
+            num_tensors += 1
+        self.ready = (compiled is not None and hasattr(compiled, "packed_metadata")
+                      and num_tensors > 0
+                      and not any(isinstance(a, torch.Tensor) for a in args[num_tensors:]))
+        if not self.ready:
+            return
+        self._aligned = [a.data_ptr() % ALIGNMENT == 0 for a in args[:num_tensors]]
+        self._device_index = args[0].get_device()
+        # The kernel's remaining arguments in signature order, constexprs included (the
+        # launcher's argument format lists them too, and skips them).
+        self._tail = tuple(args[num_tensors:]) + tuple(
+            kwargs[name] for name in jit_fn.arg_names[len(args):])
+        compiled._init_handles()
+        launcher = compiled.run
+        if (getattr(launcher, "global_scratch_size", 0) or getattr(
+                launcher, "profile_scratch_size", 0)) or not hasattr(launcher, "launch"):
+            # The kernel needs scratch memory per launch: the launcher's wrapper allocates it.
+            self._launch = launcher
+            self._head = (compiled.function, compiled.packed_metadata, None, None, None)
+        else:
+            self._launch = launcher.launch
+            self._head = (compiled.function, launcher.launch_cooperative_grid,
+                          launcher.launch_pdl, None, None, compiled.packed_metadata, None,
+                          None, None)
+        from triton.runtime import driver
+        self._stream_of = driver.active.get_current_stream
+
+    def __call__(self, tensors: Sequence[torch.Tensor | int]) -> bool:
+        """Launch with ``tensors`` in place of the prepared launch's tensor arguments, in their
+        order (an int is taken as a device pointer, e.g. an offset into a workspace).
+
+        Returns:
+            True if launched; False (nothing launched) if not ready or if a pointer's 16-byte
+            alignment differs from the prepared launch's (the JIT must specialise anew).
+        """
+        if not self.ready:
+            return False
+        ptrs = [t if type(t) is int else t.data_ptr() for t in tensors]
+        if [p % ALIGNMENT == 0 for p in ptrs] != self._aligned:
+            return False
+        g0, g1, g2 = self.grid
+        self._launch(g0, g1, g2, self._stream_of(self._device_index), *self._head, *ptrs,
+                     *self._tail)
+        return True
+
+
+def tensor_key(t: torch.Tensor) -> tuple:
+    """What a prepared launch depends on in one tensor argument, besides its pointer."""
+    return (t.dtype, t.get_device(), t.shape, t.stride())
+
+
+class LaunchCache:
+    """A bounded map from an op call's key to what it prepared (emptied when full).
+
+    Entries hold only kernels and sizes, never tensors of a call. Thread-safe for the use
+    here: a lost or doubled entry costs one slow call.
+
+    Args:
+        max_entries: entries kept before the map is emptied.
+    """
+
+    def __init__(self, max_entries: int = 256) -> None:
+        self.max_entries = max_entries
+        self._entries: dict[Hashable, object] = {}
+
+    def get(self, key: Hashable):
+        return self._entries.get(key)
+
+    def put(self, key: Hashable, value: object) -> None:
+        if len(self._entries) >= self.max_entries:
+            self._entries.clear()
+        self._entries[key] = value
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+__all__ = ["ALIGNMENT", "LaunchCache", "PreparedLaunch", "tensor_key"]
