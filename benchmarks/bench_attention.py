@@ -23,12 +23,10 @@ read + written) measured at the start of the run. Small shapes are also timed un
 replay (``do_bench_cudagraph``, rotating over input sets larger than L2), as the engine runs them.
 Writes ``decode.csv``, ``decode.png`` and ``decode.md`` (the table for BENCHMARKS.md) to --out.
 
-The prefill part lives in ``bench_prefill.py`` (``run_prefill(args, ceilings, env, out_dir)``).
-``--launch-overhead`` measures the host time per decode call instead (no sync; the GPU work is
-tiny, so the host is the limit). From the repository root:
+The prefill part lives in ``bench_prefill.py`` (``run_prefill(args, ceilings, env, out_dir)``);
+host time per eager call is ``bench_host.py``'s. From the repository root:
 
     python -m benchmarks.bench_attention --part decode --out /tmp/bench
-    python -m benchmarks.bench_attention --launch-overhead
     python -m benchmarks.bench_attention --replot benchmarks/results/decode_h100.csv --out DIR
 """
 
@@ -166,39 +164,6 @@ def ours_launch(x: DecodeInputs, tiles: DecodeTiles | None = None, splits: int |
     shapes = check_paged_decode_args(*x.args, None, x.out)
     return lambda: triton_paged_decode(*x.args, shapes, out=x.out, lse=None,
                                        workspace=x.workspace, tiles=tiles, num_splits=splits)
-
-
-def launch_overhead() -> list[dict]:
-    """Host microseconds per call (no sync; the GPU work is tiny, so the host is the limit),
-    then a cProfile of the split-KV path (printed)."""
-    case = DecodeCase(1, 1024)
-    x = make_inputs(case, seed=99)
-    shapes = check_paged_decode_args(*x.args, None, x.out)
-    k = gather_contiguous(x, x.key_cache, case).contiguous()
-    v = gather_contiguous(x, x.value_cache, case).contiguous()
-    fns = {"paged_decode split": ours(x, num_splits=4),
-           "paged_decode 1 split": ours(x, num_splits=1),
-           "triton_paged_decode 1 split": lambda: triton_paged_decode(
-               *x.args, shapes, out=x.out, lse=None, num_splits=1),
-           "sdpa (default backend)": lambda: sdpa_decode(x.query, k, v)}
-    rows = []
-    for repeat in range(2):
-        for name, fn in fns.items():
-            for _ in range(20):
-                fn()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(300):
-                fn()
-            host = (time.perf_counter() - t) / 300 * 1e6
-            torch.cuda.synchronize()
-            rows.append(dict(case=f"launch overhead #{repeat}", experiment=name, us=host))
-    import cProfile
-    import pstats
-    profile = cProfile.Profile()
-    profile.runcall(lambda: [fns["paged_decode split"]() for _ in range(300)])
-    pstats.Stats(profile).sort_stats("tottime").print_stats(14)
-    return rows
 
 
 def implementations(case: DecodeCase, x: DecodeInputs, k: torch.Tensor, v: torch.Tensor,
@@ -450,8 +415,6 @@ def main(argv=None) -> None:
                    help="only these decode shapes, e.g. 64x4096,1x65536, with their head_size / "
                         "block_size variants (seeds as in a full run)")
     p.add_argument("--flex", action="store_true", help="also time flex_attention (compiles)")
-    p.add_argument("--launch-overhead", action="store_true",
-                   help="measure host time per call (and profile it), then exit")
     p.add_argument("--replot", metavar="CSV",
                    help="rebuild decode.png / decode.md in --out from a decode.csv, then exit "
                         "(no GPU needed; the header comes from NAME.header.txt beside it)")
@@ -475,9 +438,6 @@ def main(argv=None) -> None:
     env = environment()
     print(f"{env}\nceilings: copy {ceilings.copy_gbps:.0f} GB/s (read+write), "
           f"bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s", flush=True)
-    if args.launch_overhead:
-        print_table(launch_overhead(), ["case", "experiment", "us"])
-        return
     if args.part in ("decode", "all"):
         run_decode(args, ceilings, env, out_dir)
     if args.part in ("prefill", "all"):

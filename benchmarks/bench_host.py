@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from benchmarks.common import start_gpu_run
 from mini_paged_attn.ops import dispatch, paged_decode, paged_prefill, store_kv
 
 H_Q, H_KV, D, BS = 32, 8, 128, 16
@@ -124,10 +125,10 @@ def prefill_and_store_rows(gen) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, help="write host.json here")
+    parser.add_argument("--out", type=Path, default=Path("bench_out"),
+                        help="directory for host.json")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA device")
+    start_gpu_run(args.out, "benchmarks.bench_host")
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = decode_rows(gen) + prefill_and_store_rows(gen)
     cols = ("op", "shape", "host_us", "eager_us", "first_call_us", "cudnn_eager_us",
@@ -138,10 +139,8 @@ def main() -> None:
     for r in rows:
         print("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r.get(c), float) else
                                 str(r.get(c, "")) for c in cols) + " |")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "host.json").write_text(json.dumps(dict(
-            device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), indent=1))
+    (args.out / "host.json").write_text(json.dumps(dict(
+        device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

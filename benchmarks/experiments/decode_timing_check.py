@@ -1,12 +1,12 @@
-"""How the timing method moves decode results, and the host time per decode call (GPU).
+"""How the timing method moves decode results (GPU).
 
-1. Flush check: the same calls (ours, cuDNN and flash SDPA on contiguous K/V) timed three ways:
+Flush check: the same calls (ours, cuDNN and flash SDPA on contiguous K/V) timed three ways:
    ``zero`` (``do_bench``'s 256 MB ``zero_()`` before each call: L2 left full of dirty lines,
    written back during the timed call), ``read`` (a read-only 256 MB pass: L2 clean), ``none``
    (no flush; two input sets larger than L2 alternate). If dirty-line write-back is what keeps
    mid-size shapes under the copy bandwidth, ``read`` and ``none`` agree and ``zero`` is a
    constant ~50 MB / bandwidth slower.
-2. ``--launch-overhead``: host microseconds per call, with a profile.
+Host time per call is measured by ``benchmarks.bench_host``.
 
     python -m benchmarks.experiments.decode_timing_check --out DIR
 
@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_attention import (DecodeCase, launch_overhead, make_inputs, ours,
-                                        sdpa_on_contiguous)
+from benchmarks.bench_attention import DecodeCase, make_inputs, ours, sdpa_on_contiguous
 from benchmarks.common import print_table, start_gpu_run, time_us, write_csv
 
 FLUSH_CASES = [(32, 4096), (128, 1024), (8, 16384), (64, 1024), (64, 4096), (256, 1024),
@@ -62,14 +61,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--no-flush", dest="flush", action="store_false",
                    help="skip the flush check")
-    p.add_argument("--launch-overhead", action="store_true",
-                   help="also host microseconds per call, with a profile")
     args = p.parse_args()
     ceilings = start_gpu_run(args.out, "benchmarks.experiments.decode_timing_check")
     print(f"{torch.cuda.get_device_name()}: copy {ceilings.copy_gbps:.0f} GB/s (read flush)",
           flush=True)
-    if args.launch_overhead:
-        print_table(launch_overhead(), ["case", "experiment", "us"])
     flush = flush_check(ceilings.copy_gbps) if args.flush else []
     if flush:
         write_csv(args.out / "flush_check.csv", flush)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import io
 import pstats
@@ -39,6 +40,7 @@ def profile(fn, n, title):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     args, _ = paged_inputs(1, 4096, gen)
     q = args[0]
