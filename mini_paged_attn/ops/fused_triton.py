@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..core.args import cdiv
+from .launch import launch
 
 
 def _num_warps(block: int) -> int:
@@ -65,13 +66,13 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rows == 0:
         return out, res_out
     block = triton.next_power_of_2(dim)
-    _rms_norm_kernel[(rows,)](
+    launch(_rms_norm_kernel, (rows,), (
         x, residual if residual is not None else x, weight, out,
         res_out if res_out is not None else out, heads,
         stride_token, stride_head,
         residual.stride(0) if residual is not None else 0,
-        res_out.stride(0) if res_out is not None else 0, eps,
-        DIM=dim, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block))
+        res_out.stride(0) if res_out is not None else 0, eps), dict(
+        DIM=dim, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block)))
     return out, res_out
 
 
@@ -141,12 +142,12 @@ def triton_apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
     heads_padded = triton.next_power_of_2(max(num_q_heads, num_kv_heads))
     half_padded = triton.next_power_of_2(half)
     q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
-    _rotary_kernel[(num_tokens,)](
+    launch(_rotary_kernel, (num_tokens,), (
         q, k, q_out, k_out, positions, cos_sin_cache, q_weight, k_weight, float(eps),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0)), dict(
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
         HEADS_PADDED=heads_padded, HALF_PADDED=half_padded, NORM=qk_norm is not None,
-        num_warps=_num_warps(heads_padded * half_padded))
+        num_warps=_num_warps(heads_padded * half_padded)))
     return q_out, k_out
 
 
@@ -171,7 +172,7 @@ def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if num_rows == 0 or inter == 0:
         return out
     block = min(1024, triton.next_power_of_2(inter))
-    _silu_and_mul_kernel[(num_rows, cdiv(inter, block))](
-        x, out, x.stride(0), out.stride(0), INTER=inter, BLOCK=block,
-        num_warps=_num_warps(block))
+    launch(_silu_and_mul_kernel, (num_rows, cdiv(inter, block)), (
+        x, out, x.stride(0), out.stride(0)), dict(INTER=inter, BLOCK=block,
+                                                  num_warps=_num_warps(block)))
     return out

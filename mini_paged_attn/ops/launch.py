@@ -10,11 +10,11 @@ directly (a few microseconds).
 
 Safe reuse is the caller's contract: a prepared launch may run again only for arguments whose
 non-tensor values (shapes, strides, scale, flags) equal those it was prepared with, and tensors
-of the same dtypes on the same CUDA device; :mod:`.dispatch` keys its cache on exactly that.
-Pointer alignment, the one specialization that depends on the tensors themselves, is checked
-on every call (:meth:`PreparedLaunch.__call__` returns False, launching nothing, when it
-differs). Launch hooks (``triton.knobs.runtime.launch_enter_hook``, profilers) are not called
-for prepared launches.
+of the same dtypes on the same CUDA device; :mod:`.dispatch` and :func:`launch` key their
+caches on exactly that, and on each pointer's 16-byte alignment, the one specialisation that
+depends on the tensors themselves (:meth:`PreparedLaunch.__call__` checks it again and
+launches nothing when it differs). Launch hooks (``triton.knobs.runtime.launch_enter_hook``,
+profilers) are not called for prepared launches.
 """
 
 from __future__ import annotations
@@ -94,8 +94,10 @@ class PreparedLaunch:
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
-    """What a prepared launch depends on in one tensor argument, besides its pointer."""
-    return (t.dtype, t.get_device(), t.shape, t.stride())
+    """What a prepared launch depends on in one tensor argument: dtype, device, shape, strides
+    and whether its pointer is 16-byte aligned (so aligned and unaligned calls keep separate
+    entries instead of replacing each other's)."""
+    return (t.dtype, t.get_device(), t.shape, t.stride(), t.data_ptr() % ALIGNMENT == 0)
 
 
 class LaunchCache:
@@ -127,4 +129,29 @@ class LaunchCache:
         self._entries.clear()
 
 
-__all__ = ["ALIGNMENT", "LaunchCache", "PreparedLaunch", "tensor_key"]
+_LAUNCHES = LaunchCache(max_entries=1024)
+
+
+def launch(jit_fn, grid: tuple[int, ...], args: Sequence, kwargs: dict) -> None:
+    """``jit_fn[grid](*args, **kwargs)``, repeated through a :class:`PreparedLaunch` when an
+    earlier launch at this call had the same grid, tensor dtypes and devices and non-tensor
+    arguments (tensors first in ``args``; a kernel's launch sites pass the same kinds of
+    values each time). The key is built from the arguments alone, so ops with few checks
+    (the fused layers) need no key of their own."""
+    num_tensors = 0
+    while num_tensors < len(args) and isinstance(args[num_tensors], torch.Tensor):
+        num_tensors += 1
+    tensors = args[:num_tensors]
+    if not tensors or tensors[0].get_device() < 0:     # the interpreter: nothing to reuse
+        jit_fn[grid](*args, **kwargs)
+        return
+    key = (jit_fn, grid,
+           tuple((t.dtype, t.get_device(), t.data_ptr() % ALIGNMENT == 0) for t in tensors),
+           tuple(args[num_tensors:]), tuple(kwargs.items()))
+    prepared = _LAUNCHES.get(key)
+    if prepared is not None and prepared(tensors):
+        return
+    _LAUNCHES.put(key, PreparedLaunch(jit_fn, grid, args, kwargs))
+
+
+__all__ = ["ALIGNMENT", "LaunchCache", "PreparedLaunch", "launch", "tensor_key"]

@@ -98,3 +98,17 @@ def test_store_kv_repeat_uses_the_prepared_launch(monkeypatch):
     flat_k, flat_v = kc.reshape(-1, 4, 64), vc.reshape(-1, 4, 64)
     torch.testing.assert_close(flat_k[slots], k, atol=0, rtol=0)
     torch.testing.assert_close(flat_v[slots], v, atol=0, rtol=0)
+
+
+def test_fused_ops_repeat_their_launches_with_new_tensors():
+    from mini_paged_attn.ops.fused import silu_and_mul, silu_and_mul_reference
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    for _ in range(3):      # the first launch prepares, the others repeat it
+        x = torch.randn(7, 2 * 96, generator=gen, device="cuda").to(torch.bfloat16)
+        torch.testing.assert_close(silu_and_mul(x), silu_and_mul_reference(x), atol=1e-2,
+                                   rtol=1e-2)
+    # The same shapes, but the input starts 2 bytes into its storage: the JIT specialises anew.
+    storage = torch.randn(7 * 2 * 96 + 1, generator=gen, device="cuda").to(torch.bfloat16)
+    x = storage[1:].view(7, 2 * 96)
+    assert x.data_ptr() % 16 != 0
+    torch.testing.assert_close(silu_and_mul(x), silu_and_mul_reference(x), atol=1e-2, rtol=1e-2)
