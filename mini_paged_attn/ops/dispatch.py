@@ -135,7 +135,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
             block ids. Nothing is written then.
     """
     key = None
-    if backend != "torch" and not explain:
+    if backend != "torch" and explain is False:
         key = _call_key((query, key_cache, value_cache, block_tables, context_lens, out,
                          workspace), (scale, return_lse, backend, num_splits))
         run = _DECODE_RUNS.get(key) if key is not None else None
@@ -199,7 +199,9 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         ``out`` ``[total_q, num_q_heads, head_size]``, or ``(out, lse)`` when ``return_lse``.
     """
     key = None
-    if backend != "torch":
+    # max_seqlen_q is unused; checked here as the full path checks it, but not keyed on.
+    if backend != "torch" and (max_seqlen_q is None or (type(max_seqlen_q) is int
+                                                         and max_seqlen_q >= 0)):
         key = _call_key((query, key_cache, value_cache, block_tables, cu_seqlens_q,
                          context_lens, out), (causal, scale, return_lse, backend))
         launch = _PREFILL_RUNS.get(key) if key is not None else None

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.decode_batches import assert_decode_matches_reference, make_decode_batch
-from helpers.prefill_batches import make_prefill_batch
+from helpers.paged_batch import make_decode_batch, make_prefill_batch
+from helpers.reference_checks import assert_decode_matches_reference
 from mini_paged_attn.ops import dispatch, reference
 from mini_paged_attn.ops.dispatch import paged_decode, paged_prefill, store_kv
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 def _decode_batch(lens, seed):
     return make_decode_batch(lens, num_q_heads=32, num_kv_heads=8, head_size=128, block_size=16,
-                             dtype=torch.bfloat16, seed=seed, seed_layout=True, device="cuda")
+                             dtype=torch.bfloat16, seed=seed, pool_layout=True, device="cuda")
 
 
 def _forbid_full_path(monkeypatch, name):
@@ -32,51 +32,52 @@ def _forbid_full_path(monkeypatch, name):
 @pytest.mark.parametrize("lens", [[4000], [1000] * 64])
 def test_decode_repeat_uses_the_prepared_launch(monkeypatch, lens):
     first = _decode_batch(lens, seed=1)
-    assert_decode_matches_reference(first, paged_decode(*first.args), None)
+    assert_decode_matches_reference(first, paged_decode(*first.decode_args), None)
     second = _decode_batch(lens, seed=2)      # same shapes, other values and pointers
     with monkeypatch.context() as patch:
         _forbid_full_path(patch, "check_paged_decode_args")
-        assert_decode_matches_reference(second, paged_decode(*second.args), None)
+        assert_decode_matches_reference(second, paged_decode(*second.decode_args), None)
     out = torch.full_like(second.query, float("nan"))
-    _, lse = paged_decode(*second.args, out=out, return_lse=True)    # a new key: full path
+    # return_lse and out: a new key, so the full path
+    _, lse = paged_decode(*second.decode_args, out=out, return_lse=True)
     assert_decode_matches_reference(second, out, lse)
     with monkeypatch.context() as patch:
         _forbid_full_path(patch, "check_paged_decode_args")
         out.fill_(float("nan"))
-        _, lse = paged_decode(*second.args, out=out, return_lse=True)
+        _, lse = paged_decode(*second.decode_args, out=out, return_lse=True)
         assert_decode_matches_reference(second, out, lse)
 
 
 def test_decode_misaligned_pointer_takes_the_full_path():
     batch = _decode_batch([300, 17], seed=3)
-    paged_decode(*batch.args)
+    paged_decode(*batch.decode_args)
     # The same shapes and strides, but the query starts 2 bytes into its storage.
     storage = torch.randn(batch.query.numel() + 1, device="cuda").to(torch.bfloat16)
     query = storage[1:].view_as(batch.query)
     assert query.data_ptr() % 16 != 0
     batch.query = query
-    assert_decode_matches_reference(batch, paged_decode(*batch.args), None)
+    assert_decode_matches_reference(batch, paged_decode(*batch.decode_args), None)
 
 
 def test_decode_bad_argument_after_a_cached_call_still_raises():
     batch = _decode_batch([100], seed=4)
-    paged_decode(*batch.args)
+    paged_decode(*batch.decode_args)
     with pytest.raises(ValueError, match="context_lens"):
-        paged_decode(*batch.args[:4], batch.context_lens.to(torch.int64))
+        paged_decode(*batch.decode_args[:4], batch.context_lens.to(torch.int64))
     with pytest.raises(ValueError, match="scale"):
-        paged_decode(*batch.args, scale=-1.0)
+        paged_decode(*batch.decode_args, scale=-1.0)
 
 
 def test_prefill_repeat_uses_the_prepared_launch(monkeypatch):
     def batch(seed):
         return make_prefill_batch([100, 1, 37], [0, 500, 16], num_q_heads=16, num_kv_heads=4,
                                   head_size=128, block_size=16, dtype=torch.bfloat16,
-                                  seed=seed, seed_layout=True, device="cuda")
-    paged_prefill(*batch(5).args)
+                                  seed=seed, pool_layout=True, device="cuda")
+    paged_prefill(*batch(5).prefill_args)
     second = batch(6)
     _forbid_full_path(monkeypatch, "check_paged_prefill_args")
-    out = paged_prefill(*second.args)
-    ref, _ = reference.paged_prefill_gather(*second.args, causal=True, scale=128 ** -0.5)
+    out = paged_prefill(*second.prefill_args)
+    ref, _ = reference.paged_prefill_gather(*second.prefill_args, causal=True, scale=128 ** -0.5)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
