@@ -1,0 +1,52 @@
+"""Where the time to first token of one 512-token prompt goes (GPU).
+
+Batch 1, Qwen2.5-0.5B shapes with random bf16 weights (as ``bench_engine`` (b)): TTFT of
+several fresh 512-token prompts in a row (no prefix-cache hits), so a first-use cost (lazy
+kernel loading, a Triton specialisation) shows as the difference between the first and the
+later ones; then a profile of one prefill step (host and GPU time, the top host ops).
+
+    python -m benchmarks.experiments.ttft_probe
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_engine import engine_llm, random_model_dir
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=5)
+    args = p.parse_args()
+    from mini_paged_attn.engine import SamplingParams
+    opts = argparse.Namespace(enforce_eager=False, max_num_seqs=8, max_num_batched_tokens=8192)
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = engine_llm(random_model_dir("qwen2.5-0.5b", Path(tmp)), opts, max_num_seqs=8)
+        llm.generate([[5] * 50], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        gen = torch.Generator().manual_seed(1)
+        one = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
+        for i in range(args.prompts):
+            prompt = torch.randint(0, 10000, (512,), generator=gen).tolist()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            (out,) = llm.generate([prompt], one, use_tqdm=False)
+            wall = time.perf_counter() - t
+            print(f"prompt {i}: TTFT {1e3 * out.metrics.time_to_first_token:.1f} ms, "
+                  f"generate wall {1e3 * wall:.1f} ms", flush=True)
+        from torch.profiler import ProfilerActivity, profile
+        prompt = torch.randint(0, 10000, (512,), generator=gen).tolist()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate([prompt], one, use_tqdm=False)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+
+
+if __name__ == "__main__":
+    main()
