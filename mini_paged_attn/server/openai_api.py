@@ -1,6 +1,6 @@
 """The two generation endpoints: POST /v1/completions and POST /v1/chat/completions.
 
-Both follow one path: parse and validate -> token ids -> ``EngineLoop.submit`` -> either collect
+Both follow one path: parse and validate -> token ids -> ``AsyncEngine.submit`` -> either collect
 the final outputs into one JSON response, or stream Server-Sent Events, one chunk per text delta
 and choice, then ``data: [DONE]``. A streamed response starts once the first token exists, so a
 failure before it is still a plain HTTP error. A task watches the connection the whole time: a
@@ -21,8 +21,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from .engine_loop import (ClientGoneError, EngineDeadError, EngineLoop, QueueFullError,
-                          RequestFailedError, Submission)
+from ..engine.engine_client import EngineDeadError
+from .async_engine import (AsyncEngine, ClientGoneError, QueueFullError, RequestFailedError,
+                           Submission)
 from .formats import Logprobs, ResponseFormat, usage
 from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, APIError, ChatCompletionRequest,
                        CompletionRequest, bad_request, parse_request, to_sampling_params)
@@ -35,14 +36,15 @@ _CLIENT_CLOSED = 499
 
 @dataclass(frozen=True)
 class ServedModel:
-    """What the endpoints need besides the engine loop."""
+    """What the endpoints need: the served name and the engine (``engine``: its client, for the
+    tokenizer, model_config and max_model_len)."""
 
     name: str
-    engine_loop: EngineLoop
+    async_engine: AsyncEngine
 
     @property
     def engine(self) -> Any:
-        return self.engine_loop.engine
+        return self.async_engine.client
 
 
 def _check_model(served: ServedModel, name: str) -> None:
@@ -96,7 +98,7 @@ async def _watch_disconnect(request: Request, submission: Submission) -> None:
 
 def _submit(served: ServedModel, prompts: list[list[int]], params: Any) -> Submission:
     try:
-        return served.engine_loop.submit(prompts, params)
+        return served.async_engine.submit(prompts, params)
     except QueueFullError as exc:
         raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
     except EngineDeadError as exc:
@@ -246,7 +248,7 @@ async def create_chat_completion(request: Request, served: ServedModel) -> Respo
     ids = _check_prompt_ids(served, list(ids), "messages")
     max_tokens = req.max_tokens or req.max_completion_tokens
     if max_tokens is None:  # OpenAI's default: whatever the context (and the KV pool) leaves
-        stats = served.engine_loop.stats()
+        stats = served.async_engine.stats()
         room = min(served.engine.max_model_len, stats.kv_blocks_total * stats.block_size)
         max_tokens = max(1, room - len(ids))
     _check_fits(served, [ids], max_tokens,
