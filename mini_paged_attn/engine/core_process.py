@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,9 +94,10 @@ class PipeOutbox:
         self._sent: dict[str, dict[int, _Sent]] = {}  # request id -> completion -> sent so far
         self._pending: tuple[list[RequestOutput], EngineStats, int] | None = None
 
-    def outputs(self, outputs: list[RequestOutput], stats: EngineStats, adds_seen: int) -> None:
+    def outputs(self, outputs: list[RequestOutput], stats: Callable[[], EngineStats],
+                adds_seen: int) -> None:
         self.flush()
-        self._pending = (outputs, stats, adds_seen)
+        self._pending = (outputs, stats(), adds_seen)
 
     def flush(self) -> None:
         if self._pending is None:

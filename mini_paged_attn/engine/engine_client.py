@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -84,10 +85,10 @@ class EngineClient(Protocol):
 
 
 class ClientBookkeeping:
-    """What both clients keep: the live request ids, the handler, the engine's death, and the
-    count of requests sent (for stats). Subclasses call :meth:`_admit` before sending."""
+    """What both clients keep: the handler, the engine's death, the count of requests sent (for
+    stats), and the checks before sending (:meth:`_admit`)."""
 
-    def _init_bookkeeping(self, tokenizer: Any, admission: Any) -> None:
+    def __init__(self, tokenizer: Any, admission: Any) -> None:
         self.tokenizer = tokenizer
         self._admission = admission
         self._lock = threading.Lock()
@@ -146,7 +147,7 @@ class InprocEngineClient(ClientBookkeeping):
     """
 
     def __init__(self, engine: Any, *, max_consecutive_failures: int = 3) -> None:
-        self._init_bookkeeping(engine.tokenizer, engine.admission)
+        super().__init__(engine.tokenizer, engine.admission)
         self.engine = engine
         self.model_config = engine.model_config
         self.max_model_len = engine.max_model_len
@@ -196,7 +197,8 @@ class _HandlerOutbox:
     def __init__(self, client: InprocEngineClient) -> None:
         self._client = client
 
-    def outputs(self, outputs: list[RequestOutput], stats: EngineStats, adds_seen: int) -> None:
+    def outputs(self, outputs: list[RequestOutput], stats: Callable[[], EngineStats],
+                adds_seen: int) -> None:
         client = self._client
         finished = [o.request_id for o in outputs if o.finished]
         if finished:

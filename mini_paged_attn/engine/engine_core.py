@@ -17,6 +17,7 @@ an error outside ``step()``, the core is dead: live requests are aborted, the ou
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from .core_messages import AbortRequest, AddRequest, Message, Shutdown
@@ -39,8 +40,10 @@ class CoreInbox(Protocol):
 class CoreOutbox(Protocol):
     """Where the core's results go (called on the core's thread only)."""
 
-    def outputs(self, outputs: list[RequestOutput], stats: EngineStats, adds_seen: int) -> None:
-        """One step's outputs; they may wait until :meth:`flush`."""
+    def outputs(self, outputs: list[RequestOutput], stats: Callable[[], EngineStats],
+                adds_seen: int) -> None:
+        """One step's outputs; they may wait until :meth:`flush`. ``stats``: the engine's
+        stats now, for an outbox that reports them (taking them costs a little per step)."""
 
     def flush(self) -> None:
         """Deliver what waits. Called inside each step once its device work is enqueued (host
@@ -128,7 +131,7 @@ class EngineCore:
                 continue
             failures = 0
             self._live.difference_update(o.request_id for o in outputs if o.finished)
-            outbox.outputs(outputs, engine.stats(), self.adds_seen)
+            outbox.outputs(outputs, engine.stats, self.adds_seen)
 
     def _apply(self, message: Message) -> None:
         if isinstance(message, AddRequest):

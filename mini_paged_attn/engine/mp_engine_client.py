@@ -109,7 +109,7 @@ class MPEngineClient(ClientBookkeeping):
         child_commands.close()
         child_results.close()
         ready = self._await_ready(start_timeout)
-        self._init_bookkeeping(ready.tokenizer, ready.admission)
+        super().__init__(ready.tokenizer, ready.admission)
         self.model_config = ready.model_config
         self.max_model_len = ready.max_model_len
         self._stats = ready.stats
