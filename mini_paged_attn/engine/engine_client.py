@@ -85,13 +85,15 @@ class EngineClient(Protocol):
 
 
 class ClientBookkeeping:
-    """What both clients keep: the handler, the engine's death, the count of requests sent (for
-    stats), and the checks before sending (:meth:`_admit`)."""
+    """What both clients keep: the live requests (id -> the client's state of it), the handler,
+    the engine's death, the count of requests sent (for stats), and the checks before sending
+    (:meth:`_admit`)."""
 
     def __init__(self, tokenizer: Any, admission: Any) -> None:
         self.tokenizer = tokenizer
         self._admission = admission
         self._lock = threading.Lock()
+        self._live: dict[str, Any] = {}
         self._handler: OutputHandler | None = None
         self._dead_reason: str | None = None
         self._sent_adds = 0
@@ -105,18 +107,46 @@ class ClientBookkeeping:
 
     def _admit(self, request_id: str, prompt: Any, params: SamplingParams | None
                ) -> tuple[SamplingParams, str | None, list[int]]:
-        """Validate a request against the engine's own limits; raises before anything is sent."""
+        """Validate a request against the engine's own limits and make it live here; raises
+        before anything changes. Returns ``(params, prompt text or None, prompt ids)``."""
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
         if not isinstance(request_id, str):
             raise ValueError(f"request_id: expected a str, got {request_id!r}")
-        return self._admission.check(prompt, params, self.tokenizer)
+        params, text, ids = self._admission.check(prompt, params, self.tokenizer)
+        with self._lock:
+            if request_id in self._live:
+                raise ValueError(f"request_id: expected a new id, got {request_id!r}")
+            self._live[request_id] = self._new_state(params, text, ids)
+            self._sent_adds += 1
+        return params, text, ids
+
+    def _new_state(self, params: SamplingParams, text: str | None, ids: list[int]) -> Any:
+        """What the client keeps of a live request (the in-process client: its params)."""
+        return params
+
+    def _forget(self, request_id: str) -> bool:
+        """Whether it was live here (it is not any more)."""
+        with self._lock:
+            return self._live.pop(request_id, None) is not None
+
+    def _forget_failed(self, request_ids: list[str] | tuple[str, ...]) -> list[str]:
+        """Forget requests the core failed; those that were live here."""
+        with self._lock:
+            return [r for r in request_ids if self._live.pop(r, None) is not None]
+
+    def _on_failed(self, message: str, request_ids: list[str] | tuple[str, ...]) -> None:
+        hit = self._forget_failed(request_ids)
+        handler = self._handler
+        if handler is not None and hit:
+            handler.on_failure(message, hit)
 
     def _die(self, message: str) -> None:
         """Record the engine's death (first reason wins) and tell the handler."""
         with self._lock:
             if self._dead_reason is None:
                 self._dead_reason = message
+            self._live.clear()
         handler = self._handler
         if handler is not None:
             handler.on_dead(message)
@@ -151,7 +181,6 @@ class InprocEngineClient(ClientBookkeeping):
         self.engine = engine
         self.model_config = engine.model_config
         self.max_model_len = engine.max_model_len
-        self._live: set[str] = set()
         self._inbox = _QueueInbox()
         self._core = EngineCore(engine, self._inbox, _HandlerOutbox(self),
                                 max_consecutive_failures=max_consecutive_failures)
@@ -162,18 +191,11 @@ class InprocEngineClient(ClientBookkeeping):
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, *, final_only: bool = False) -> None:
         params, text, ids = self._admit(request_id, prompt, params)
-        with self._lock:
-            if request_id in self._live:
-                raise ValueError(f"request_id: expected a new id, got {request_id!r}")
-            self._live.add(request_id)
-            self._sent_adds += 1
         self._inbox.queue.put(AddRequest(request_id, text, ids, params, True, final_only))
 
     def abort_request(self, request_id: str) -> bool:
-        with self._lock:
-            if request_id not in self._live:
-                return False
-            self._live.discard(request_id)
+        if not self._forget(request_id):
+            return False
         self._inbox.queue.put(AbortRequest(request_id))
         return True
 
@@ -203,7 +225,8 @@ class _HandlerOutbox:
         finished = [o.request_id for o in outputs if o.finished]
         if finished:
             with client._lock:
-                client._live.difference_update(finished)
+                for request_id in finished:
+                    client._live.pop(request_id, None)
         handler = client._handler
         if handler is not None and outputs:
             handler.on_outputs(outputs)
@@ -212,17 +235,9 @@ class _HandlerOutbox:
         pass
 
     def failed(self, message: str, request_ids: list[str]) -> None:
-        client = self._client
-        with client._lock:
-            hit = [r for r in request_ids if r in client._live]
-            client._live.difference_update(hit)
-        handler = client._handler
-        if handler is not None and hit:
-            handler.on_failure(message, hit)
+        self._client._on_failed(message, request_ids)
 
     def dead(self, message: str) -> None:
-        with self._client._lock:
-            self._client._live.clear()
         self._client._die(message)
 
 

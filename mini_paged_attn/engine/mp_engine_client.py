@@ -115,7 +115,6 @@ class MPEngineClient(ClientBookkeeping):
         self._stats = ready.stats
         self._seen_adds = 0
         self._send_lock = threading.Lock()
-        self._live: dict[str, _Rebuilt] = {}
         self._closing = False
         self._reader = threading.Thread(target=self._read_outputs, name="engine-client-outputs",
                                         daemon=True)
@@ -141,21 +140,18 @@ class MPEngineClient(ClientBookkeeping):
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, *, final_only: bool = False) -> None:
         params, text, ids = self._admit(request_id, prompt, params)
-        with self._lock:
-            if request_id in self._live:
-                raise ValueError(f"request_id: expected a new id, got {request_id!r}")
-            self._live[request_id] = _Rebuilt(text, ids, None if params.stop else {})
-            self._sent_adds += 1
         # Text is made here (_Rebuilt), off the engine's process, unless stop strings need it
         # there.
         self._send(AddRequest(request_id, None, ids, params, bool(params.stop), final_only))
 
     def abort_request(self, request_id: str) -> bool:
-        with self._lock:
-            known = self._live.pop(request_id, None) is not None
+        known = self._forget(request_id)
         if known:
             self._send(AbortRequest(request_id))
         return known
+
+    def _new_state(self, params: SamplingParams, text: str | None, ids: list[int]) -> _Rebuilt:
+        return _Rebuilt(text, ids, None if params.stop else {})
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -196,14 +192,14 @@ class MPEngineClient(ClientBookkeeping):
                 self.process.join(5)
                 reason = ("the engine was shut down" if self._closing else
                           f"the engine process is gone (exit code {self.process.exitcode})")
-                self._lost(reason)
+                self._die(reason)
                 return
             if isinstance(message, Outputs):
                 self._on_outputs(message)
             elif isinstance(message, StepFailed):
-                self._on_failed(message)
+                self._on_failed(message.message, message.request_ids)
             elif isinstance(message, EngineDead):
-                self._lost(message.message)
+                self._die(message.message)
                 return
             else:
                 logger.error("unexpected message from the engine process: %s", message.kind)
@@ -222,18 +218,6 @@ class MPEngineClient(ClientBookkeeping):
         handler = self._handler
         if handler is not None and outputs:
             handler.on_outputs(outputs)
-
-    def _on_failed(self, message: StepFailed) -> None:
-        with self._lock:
-            hit = [r for r in message.request_ids if self._live.pop(r, None) is not None]
-        handler = self._handler
-        if handler is not None and hit:
-            handler.on_failure(message.message, hit)
-
-    def _lost(self, reason: str) -> None:
-        with self._lock:
-            self._live.clear()
-        self._die(reason)
 
 
 __all__ = ["MPEngineClient"]

@@ -19,7 +19,7 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..engine.engine_client import EngineClient, EngineDeadError

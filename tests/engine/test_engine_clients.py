@@ -4,6 +4,7 @@ left after shutdown."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -87,40 +88,44 @@ def test_bad_requests_fail_before_anything_is_sent(which, request):
     assert client.stats().num_waiting == 0
 
 
-def test_a_failed_step_fails_its_requests_once_and_later_requests_run():
-    """The core aborts the requests of a failed step itself, so it does not retry the step."""
+@contextlib.contextmanager
+def _failing_client(factory: str):
+    """An MPEngineClient whose child builds its engine with ``factory`` (helpers.engine_clients)
+    and a Collector as its handler; shut down after."""
     client = MPEngineClient("tiny", LLM_KWARGS, start_timeout=120,
-                            engine_factory="helpers.engine_clients:poisoned_engine")
+                            engine_factory=f"helpers.engine_clients:{factory}")
+    collector = Collector()
+    client.set_output_handler(collector)
     try:
-        collector = Collector()
-        client.set_output_handler(collector)
-        client.add_request("poison-1", [5, 6, 7, 8], SamplingParams(max_tokens=4))
-        collector.wait_for(lambda: collector.failures, "the failure")
-        assert collector.failures[0][1] == ["poison-1"]
-        assert "poison request" in collector.failures[0][0]
-        want = run_requests(InprocEngineClient(LLM("tiny", **LLM_KWARGS).engine),
-                            [(p, GREEDY) for p in PROMPTS[:2]])
-        assert _texts(run_requests(client, [(p, GREEDY) for p in PROMPTS[:2]])) == \
-            _texts(want)
-        assert len(collector.failures) == 1 and client.dead_reason is None
-        wait_pool_free(client)
+        yield client, collector
     finally:
         client.shutdown()
 
 
-def test_a_dead_engine_process_says_why_and_refuses_requests():
-    client = MPEngineClient("tiny", LLM_KWARGS, start_timeout=120,
-                            engine_factory="helpers.engine_clients:crashing_engine")
-    try:
-        collector = Collector()
+def test_a_failed_step_fails_its_requests_once_and_later_requests_run():
+    """The core aborts the requests of a failed step itself, so it does not retry the step."""
+    with _failing_client("poisoned_engine") as (client, collector):
+        client.add_request("poison-1", [5, 6, 7, 8], SamplingParams(max_tokens=4))
+        collector.wait_for(lambda: collector.failures, "the failure")
+        assert collector.failures[0][1] == ["poison-1"]
+        assert "poison request" in collector.failures[0][0]
+        inproc = InprocEngineClient(LLM("tiny", **LLM_KWARGS).engine)
+        want = run_requests(inproc, [(p, GREEDY) for p in PROMPTS[:2]])
+        inproc.shutdown()
+        got = run_requests(client, [(p, GREEDY) for p in PROMPTS[:2]])
         client.set_output_handler(collector)
+        assert _texts(got) == _texts(want)
+        assert len(collector.failures) == 1 and client.dead_reason is None
+        wait_pool_free(client)
+
+
+def test_a_dead_engine_process_says_why_and_refuses_requests():
+    with _failing_client("crashing_engine") as (client, collector):
         client.add_request("crash-1", [5, 6, 7], SamplingParams(max_tokens=4))
         collector.wait_for(lambda: collector.dead is not None, "the death")
         assert "exit code 3" in collector.dead and client.dead_reason == collector.dead
         with pytest.raises(EngineDeadError, match="exit code 3"):
             client.add_request("after", [5], SamplingParams())
-    finally:
-        client.shutdown()
     assert client.process.exitcode == 3
 
 

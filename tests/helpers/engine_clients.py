@@ -47,8 +47,9 @@ class Collector:
         return {rid for _, ids in self.failures for rid in ids}
 
 
-def run_requests(client: Any, cases: list[tuple[Any, Any]], prefix: str = "r") -> list[Any]:
-    """Add ``(prompt, params)`` pairs through ``client``; their final outputs, in order."""
+def collect(client: Any, cases: list[tuple[Any, Any]], prefix: str = "r") -> Collector:
+    """Add ``(prompt, params)`` pairs through ``client`` (ids ``prefix-0``, ...) and wait until
+    all have finished; what the client delivered meanwhile."""
     collector = Collector()
     client.set_output_handler(collector)
     ids = [f"{prefix}-{i}" for i in range(len(cases))]
@@ -58,7 +59,13 @@ def run_requests(client: Any, cases: list[tuple[Any, Any]], prefix: str = "r") -
         collector.wait_for(lambda: all(r in collector.final for r in ids), "the outputs")
     finally:
         client.set_output_handler(None)
-    return [collector.final[r] for r in ids]
+    return collector
+
+
+def run_requests(client: Any, cases: list[tuple[Any, Any]], prefix: str = "r") -> list[Any]:
+    """The final outputs of :func:`collect`, in the order of ``cases``."""
+    final = collect(client, cases, prefix).final
+    return [final[f"{prefix}-{i}"] for i in range(len(cases))]
 
 
 def wait_pool_free(client: Any, timeout: float = TIMEOUT_S) -> Any:

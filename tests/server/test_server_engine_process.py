@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from helpers.engine_clients import Collector, run_requests, wait_pool_free
+from helpers.engine_clients import collect, run_requests, wait_pool_free
 from server_harness import API_KEY, GOOD, MODEL_NAME, TIMEOUT_S, assert_error, \
     cancel_mid_stream, served
 
@@ -120,11 +120,11 @@ def test_engine_process_on_the_gpu_matches_generate(model_dir):
     want = [llm.generate(p, params, use_tqdm=False)[0] for p, params in cases]
     del llm
     torch.cuda.empty_cache()
-    core = EngineCoreClient(str(model_dir), kwargs, start_timeout=300)
+    core = MPEngineClient(str(model_dir), kwargs, start_timeout=300)
     try:
         got = run_requests(core, cases)
     finally:
-        core.close()
+        core.shutdown()
     for w, g in zip(want, got):
         assert [(c.text, list(c.token_ids), c.finish_reason) for c in g.outputs] == \
                [(c.text, list(c.token_ids), c.finish_reason) for c in w.outputs]
@@ -150,15 +150,7 @@ def test_streamed_texts_equal_the_in_process_engines_step_by_step(core, model_di
 def _streamed_texts(client, cases) -> dict[str, dict[tuple[int, ...], list[str]]]:
     """Request id -> the completions' texts of each output, by their token counts (the steps
     that add the requests may differ between clients; a text depends on the tokens only)."""
-    collector = Collector()
-    client.set_output_handler(collector)
-    ids = [f"s-{i}" for i in range(len(cases))]
-    try:
-        for rid, (prompt, params) in zip(ids, cases):
-            client.add_request(rid, prompt, params)
-        collector.wait_for(lambda: all(r in collector.final for r in ids), "the outputs")
-    finally:
-        client.set_output_handler(None)
+    collector = collect(client, cases, "s")
     return {rid: {tuple(len(c.token_ids) for c in out.outputs): [c.text for c in out.outputs]
                   for out in outs} for rid, outs in collector.outputs.items()}
 
