@@ -130,13 +130,11 @@ class ClientBookkeeping:
         with self._lock:
             return self._live.pop(request_id, None) is not None
 
-    def _forget_failed(self, request_ids: list[str] | tuple[str, ...]) -> list[str]:
-        """Forget requests the core failed; those that were live here."""
-        with self._lock:
-            return [r for r in request_ids if self._live.pop(r, None) is not None]
-
     def _on_failed(self, message: str, request_ids: list[str] | tuple[str, ...]) -> None:
-        hit = self._forget_failed(request_ids)
+        """The core failed these requests: forget them, and tell the handler of those that were
+        still live here (not aborted meanwhile)."""
+        with self._lock:
+            hit = [r for r in request_ids if self._live.pop(r, None) is not None]
         handler = self._handler
         if handler is not None and hit:
             handler.on_failure(message, hit)
