@@ -23,6 +23,9 @@ from .sampling_params import SamplingParams
 
 
 class MessageKind(enum.Enum):
+    """What a message is; its value is what goes over the pipe (:data:`PAYLOADS` maps each kind
+    to its payload class)."""
+
     ADD = "add"
     ABORT = "abort"
     SHUTDOWN = "shutdown"
