@@ -5,14 +5,16 @@ ignore_eos, greedy, so every request produces exactly its max_tokens) goes throu
 N closed-loop clients (each sends its next request when the previous one ends), streaming with
 ``stream_options.include_usage``. Reported: requests/s, output tokens/s, time to first token and
 inter-token latency (gaps between streamed chunks; a chunk is one step's tokens) p50/p99, and the
-engine's offline throughput for the same requests with the same N in flight (``LLMEngine``
-directly, no HTTP, requests added as ``LLM.generate`` adds them), so ``server/offline`` is the
-cost of the server alone.
+engine's offline throughput for the same requests with the same N in flight (no HTTP, requests
+added as ``LLM.generate`` adds them), so ``server/offline`` is the cost of the server alone.
 
-The server runs in this process (uvicorn in a thread, one engine loop thread) on the same engine
-as the offline runs (with ``--engine-process`` that engine runs in a child process, offline runs
-included); the clients run in child processes (up to 8), so their JSON parsing takes
-neither the server's interpreter lock nor the time of one process for all streams.
+The server runs in this process (uvicorn in a thread, the engine's core on a thread of its own)
+on the same engine as the offline runs, which step the ``LLMEngine`` directly. With
+``--engine-process`` the engine and its core run in a child process (``MPEngineClient``), and the
+offline runs go through that client with ``final_only`` requests (one message per finished
+request: what ``LLM.generate`` would cost there, without HTTP). The clients run in child
+processes (up to 8), so their JSON parsing takes neither the server's interpreter lock nor the
+time of one process for all streams.
 
     # CPU, the tiny random model (seconds)
     python -m benchmarks.bench_server --make-model tiny
@@ -84,6 +86,9 @@ def _pct(values: list[float], q: float) -> float:
 
 
 # ---- where the engine's time goes ------------------------------------------------------------
+STEP_TIMES_ENV = "MINI_PAGED_ATTN_BENCH_STEP_TIMES"  # the engine process's record file
+
+
 class StepTimes:
     """Wraps ``engine.step`` to record each step's start, end and batch (``--step-times``):
     whether the engine thread is slowed (longer steps), idle or kept waiting (gaps between
@@ -100,25 +105,54 @@ class StepTimes:
             return outputs
         engine.step = timed_step
 
-    @classmethod
-    def install(cls, engine) -> None:
-        """Wrap ``engine.step`` where the engine lives (``EngineCoreClient.call`` target)."""
-        engine._bench_step_times = cls(engine)
-
-    @staticmethod
-    def take_from(engine) -> str:
-        return engine._bench_step_times.take()
-
     def take(self) -> str:
         recs, self.records = self.records, []
-        if len(recs) < 2:
-            return "no steps"
-        busy = [end - start for start, end, _ in recs]
-        gaps = [b[0] - a[1] for a, b in zip(recs, recs[1:])]
-        return (f"{len(recs)} steps, step {1e3 * statistics.fmean(busy):.2f} ms (p50 "
-                f"{1e3 * statistics.median(busy):.2f}), gap {1e3 * statistics.fmean(gaps):.2f} ms "
-                f"(p50 {1e3 * statistics.median(gaps):.2f}, p99 {1e3 * _pct(gaps, 99):.2f}), "
-                f"outputs/step {statistics.fmean(n for *_, n in recs):.1f}")
+        return _summary(recs)
+
+
+def timed_engine(model: str, **llm_kwargs):
+    """The engine process's engine (``MPEngineClient(engine_factory=...)``), its steps recorded
+    in the file named by ``$MINI_PAGED_ATTN_BENCH_STEP_TIMES`` (read by :class:`StepFile`)."""
+    from mini_paged_attn.engine import LLM
+
+    engine = LLM(model, **llm_kwargs).engine
+    out = open(os.environ[STEP_TIMES_ENV], "a", buffering=1)
+    step = engine.step
+
+    def timed_step(*args, **kwargs):
+        start = time.perf_counter()
+        outputs = step(*args, **kwargs)
+        out.write(f"{start} {time.perf_counter()} {len(outputs)}\n")
+        return outputs
+    engine.step = timed_step
+    return engine
+
+
+class StepFile:
+    """The step records :func:`timed_engine` writes in the engine's process."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.offset = 0
+
+    def take(self) -> str:
+        with open(self.path) as f:
+            f.seek(self.offset)
+            lines = f.readlines()
+            self.offset = f.tell()
+        return _summary([(float(a), float(b), int(n))
+                         for a, b, n in (line.split() for line in lines)])
+
+
+def _summary(recs: list[tuple[float, float, int]]) -> str:
+    if len(recs) < 2:
+        return "no steps"
+    busy = [end - start for start, end, _ in recs]
+    gaps = [b[0] - a[1] for a, b in zip(recs, recs[1:])]
+    return (f"{len(recs)} steps, step {1e3 * statistics.fmean(busy):.2f} ms (p50 "
+            f"{1e3 * statistics.median(busy):.2f}), gap {1e3 * statistics.fmean(gaps):.2f} ms "
+            f"(p50 {1e3 * statistics.median(gaps):.2f}, p99 {1e3 * _pct(gaps, 99):.2f}), "
+            f"outputs/step {statistics.fmean(n for *_, n in recs):.1f}")
 
 
 # ---- offline: the engine without HTTP --------------------------------------------------------
@@ -129,6 +163,69 @@ def device_of(engine) -> tuple[str, str]:
     on = engine.runner.device
     return on.type, (torch.cuda.get_device_name(on) if on.type == "cuda"
                      else f"CPU ({os.cpu_count()} cores)")
+
+
+def device_of_process(device: str | None) -> tuple[str, str]:
+    """:func:`device_of` for an engine in another process, without a CUDA context here (it
+    would take GPU memory from the engine's pool)."""
+    import subprocess
+
+    import torch
+
+    kind = torch.device(device).type if device else \
+        ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind != "cuda":
+        return kind, f"CPU ({os.cpu_count()} cores)"
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        names = []
+    return kind, names[0].strip() if names and names[0].strip() else "CUDA device"
+
+
+def offline_through_client(client, reqs: list[Req], concurrency: int,
+                           server_handler=None) -> tuple[float, int]:
+    """:func:`offline_closed_loop` through an ``EngineClient`` (its core steps the engine):
+    ``final_only`` requests, the next one added when one finishes. The client's outputs go
+    to ``server_handler`` (the server's, None before it starts) again after."""
+    import queue
+
+    from mini_paged_attn.engine import SamplingParams
+
+    finished: queue.SimpleQueue = queue.SimpleQueue()
+
+    class Handler:
+        def on_outputs(self, outputs):
+            for out in outputs:
+                if out.finished:
+                    finished.put(sum(len(c.token_ids) for c in out.outputs))
+
+        def on_failure(self, message, request_ids):
+            finished.put(RuntimeError(message))
+
+        def on_dead(self, message):
+            finished.put(RuntimeError(message))
+
+    client.set_output_handler(Handler())
+    pending = list(enumerate(reqs))
+    in_flight, tokens = 0, 0
+    start = time.perf_counter()
+    try:
+        while pending or in_flight:
+            while pending and in_flight < concurrency:
+                i, r = pending.pop(0)
+                client.add_request(f"offline-{i}", r.prompt, SamplingParams(
+                    temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True), final_only=True)
+                in_flight += 1
+            got = finished.get()
+            if isinstance(got, RuntimeError):
+                raise got
+            in_flight -= 1
+            tokens += got
+        return time.perf_counter() - start, tokens
+    finally:
+        client.set_output_handler(server_handler)
 
 
 def offline_closed_loop(engine, reqs: list[Req], concurrency: int) -> tuple[float, int]:
@@ -334,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure offline and server this many times each, alternating; "
                         "report the best of each and the median of paired ratios")
     p.add_argument("--engine-process", action="store_true",
-                   help="run the engine in its own process (server/engine_core_client.py)")
+                   help="run the engine in its own process (engine/mp_engine_client.py)")
     p.add_argument("--step-times", action="store_true",
                    help="print step / gap / batch statistics of each offline and server run")
     p.add_argument("--json", help="also write the results here")
@@ -358,13 +455,20 @@ def main(argv: list[str] | None = None) -> int:
     llm_kwargs = dict(dtype=args.dtype, device=args.device, num_kv_blocks=args.num_kv_blocks,
                       max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
                       seed=args.seed)
-    if args.engine_process:  # offline runs happen in the engine's process too
-        from mini_paged_attn.server.engine_core_client import EngineCoreClient
-        engine = EngineCoreClient(str(model_dir), llm_kwargs)
+    steps = None
+    server_handler = None  # the server's, once it runs: the offline runs hand the client back
+    if args.engine_process:  # offline runs go through the engine process's client
+        from mini_paged_attn.engine import MPEngineClient
+        factory = None
+        if args.step_times:
+            step_file = tempfile.NamedTemporaryFile(prefix="step-times-", delete=False)
+            os.environ[STEP_TIMES_ENV] = step_file.name   # the child inherits it
+            factory, steps = "bench_server:timed_engine", StepFile(step_file.name)
+        engine = MPEngineClient(str(model_dir), llm_kwargs, engine_factory=factory)
 
-        def run_offline(reqs, n):  # in the engine's process
-            return engine.call(offline_closed_loop, reqs, n)
-        device_type, device = engine.call(device_of)
+        def run_offline(reqs, n):
+            return offline_through_client(engine, reqs, n, server_handler)
+        device_type, device = device_of_process(args.device)
     else:
         engine = LLM(str(model_dir), **llm_kwargs).engine
         device_type, device = device_of(engine)
@@ -385,17 +489,10 @@ def main(argv: list[str] | None = None) -> int:
     run_offline(workload(args.seed - 1, len(sets[big]), tuple(args.prompt_len),
                                          tuple(args.output_len), vocab), big)
 
-    steps = None
-    if args.step_times and args.engine_process:
-        engine.call(StepTimes.install)
-
-        class _Remote:  # the summaries come from the engine's process
-            def take(self):
-                return engine.call(StepTimes.take_from)
-        steps = _Remote()
-    elif args.step_times:
+    if args.step_times and not args.engine_process:
         steps = StepTimes(engine)
     server, thread, url = start_server(engine, "bench", args.loop, args.http)
+    server_handler = server.config.app.state.async_engine
     try:
         run_clients(url, "bench", sets[args.clients[0]][:2], 2)  # warm the HTTP path
         if steps:
@@ -441,7 +538,9 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
         thread.join(30)
         if args.engine_process:
-            engine.close()
+            engine.shutdown()
+            if isinstance(steps, StepFile):
+                os.unlink(steps.path)
 
     print(f"\nmodel {args.model or args.make_model} ({engine.model_config.dtype}), device "
           f"{device}, prompt {args.prompt_len[0]}..{args.prompt_len[1]}, output "

@@ -151,16 +151,18 @@ def run(args: argparse.Namespace) -> int:
                       enable_prefix_caching=not args.no_prefix_caching,
                       enforce_eager=args.enforce_eager, seed=args.seed)
     if wants_engine_process(args.engine_process, args.device):
-        from mini_paged_attn.server.engine_core_client import EngineCoreClient
-        engine = EngineCoreClient(args.model, llm_kwargs)
+        from mini_paged_attn.engine.mp_engine_client import MPEngineClient
+        engine = MPEngineClient(args.model, llm_kwargs)
         where = "its own process"
     else:
         from mini_paged_attn.engine import LLM
-        engine = LLM(args.model, **llm_kwargs).engine
+        from mini_paged_attn.engine.engine_client import InprocEngineClient
+        llm_engine = LLM(args.model, **llm_kwargs).engine
         where = "a thread of the server"
-        if engine.runner.device.type == "cpu":
+        if llm_engine.runner.device.type == "cpu":
             log.info("torch uses %d CPU threads (one core left for HTTP)",
                      leave_a_core_for_http())
+        engine = InprocEngineClient(llm_engine)
     try:
         name = args.served_model_name or Path(args.model).resolve().name
         app = build_app(engine, model_name=name, api_key=args.api_key,
@@ -182,8 +184,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             signal.signal(signal.SIGTERM, previous)
     finally:
-        if hasattr(engine, "close"):  # the engine's process
-            engine.close()
+        engine.shutdown()  # the engine's thread or process
     return 0
 
 

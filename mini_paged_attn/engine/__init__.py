@@ -2,14 +2,19 @@
 
 ``LLM`` (offline, vLLM-shaped) wraps ``LLMEngine`` (one step at a time, thread-safe submission),
 which drives ``core.Scheduler`` and the ``ModelRunner`` (KV cache, metadata, CUDA graphs,
-sampling on the device).
+sampling on the device). ``EngineClient`` (``InprocEngineClient``: the engine's core on a
+thread; ``MPEngineClient``: in a child process) is what frontends such as the server use: they
+add and abort requests and receive outputs; the core steps the engine.
 """
 
 from .config import EngineConfig
+from .engine_client import EngineClient, EngineDeadError, InprocEngineClient
 from .llm import LLM
 from .llm_engine import LLMEngine
+from .mp_engine_client import MPEngineClient
 from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["CompletionOutput", "EngineConfig", "EngineStats", "LLM", "LLMEngine", "RequestMetrics",
+__all__ = ["CompletionOutput", "EngineClient", "EngineConfig", "EngineDeadError", "EngineStats",
+           "InprocEngineClient", "LLM", "LLMEngine", "MPEngineClient", "RequestMetrics",
            "RequestOutput", "SamplingParams"]

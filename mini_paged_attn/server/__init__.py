@@ -4,9 +4,9 @@
 endpoints), ``prepare.py`` (a body -> token ids, on worker threads), ``json_body.py`` (what a
 body must be), ``protocol.py`` (request schemas -> SamplingParams), ``errors.py`` (OpenAI's
 error body), ``limits.py`` (per-request caps, the body-size middleware), ``cross_site.py``
-(Content-Type and Host checks), ``formats.py`` (response objects), ``engine_loop.py`` (the one
-engine thread and its asyncio bridge), ``metrics.py`` (/metrics). ``mini-paged-attn serve`` runs
-it with uvicorn.
+(Content-Type and Host checks), ``formats.py`` (response objects), ``async_engine.py``
+(per-request output queues over an ``engine.EngineClient``; the engine steps in its core, never
+here), ``metrics.py`` (/metrics). ``mini-paged-attn serve`` runs it with uvicorn.
 """
 
 from .app import build_app

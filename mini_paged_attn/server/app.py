@@ -1,6 +1,7 @@
-"""The ASGI application: routes, API-key check, error bodies, and the engine loop's lifetime.
+"""The ASGI application: routes, API-key check, error bodies, and the engine's lifetime.
 
 >>> app = build_app(llm.engine, model_name="my-model")      # doctest: +SKIP
+>>> app = build_app(MPEngineClient("DIR"), model_name="my-model")  # doctest: +SKIP
 >>> uvicorn.run(app, host="127.0.0.1", port=8000)            # doctest: +SKIP
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (behind the
@@ -22,7 +23,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -31,8 +31,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from ..engine.engine_client import EngineClient, InprocEngineClient
+from ..engine.llm_engine import LLMEngine
+from .async_engine import AsyncEngine
 from .cross_site import CrossSiteGuard
-from .engine_loop import EngineLoop
 from .errors import ENGINE_DEAD, APIError
 from .limits import RequestSizeLimit, ServerLimits
 from .metrics import CONTENT_TYPE, render_metrics
@@ -94,14 +96,14 @@ async def _models(request: Request, served: ServedModel) -> Response:
 
 
 async def _health(request: Request, served: ServedModel) -> Response:
-    loop = served.engine_loop
-    if not loop.alive:
+    engine = served.async_engine
+    if not engine.alive:
         raise APIError(503, ENGINE_DEAD, type="server_error", code="engine_dead")
     return JSONResponse({"status": "ok"})
 
 
 async def _metrics(request: Request, served: ServedModel) -> Response:
-    return PlainTextResponse(render_metrics(served.engine_loop), media_type=CONTENT_TYPE)
+    return PlainTextResponse(render_metrics(served.async_engine), media_type=CONTENT_TYPE)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -111,22 +113,26 @@ async def _http_error(request: Request, exc: Exception) -> Response:
                     code=kind).response()
 
 
-def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
-              max_queue: int | None = None, max_consecutive_failures: int = 3,
+def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str | None = None,
+              max_queue: int | None = None, max_consecutive_failures: int | None = None,
               limits: ServerLimits | None = None,
               allowed_hosts: Collection[str] | None = None) -> Starlette:
-    """The server for ``engine`` (an ``LLMEngine``), served under ``model_name``.
+    """The server for ``engine``, served under ``model_name``.
 
-    The engine loop thread starts with the application (ASGI lifespan) and stops with it; it is
-    ``app.state.engine_loop``.
+    The app takes the engine's outputs from its startup (ASGI lifespan) to its shutdown;
+    ``app.state.async_engine`` is what routes them. The server never steps the engine: its
+    core does (``engine/engine_core.py``).
 
     Args:
-        engine: the LLMEngine every request goes to (one continuous batch for all clients).
+        engine: an ``EngineClient`` (``InprocEngineClient`` or ``MPEngineClient``; the caller
+            shuts it down), or an ``LLMEngine``, which the app wraps in an
+            ``InprocEngineClient`` of its own, shut down with the app.
         model_name: the id clients pass as ``model``; anything else is a 400.
         api_key: if set, /v1/* requires ``Authorization: Bearer <api_key>`` (401 otherwise).
         max_queue: at most this many requests wait for their first token; more get 429 (a
             request with more prompts than that gets 400: it could never be admitted).
-        max_consecutive_failures: failed engine steps in a row after which the loop is dead.
+        max_consecutive_failures: with an ``LLMEngine``, failed engine steps in a row after
+            which the engine is dead (default 3); an ``EngineClient`` has its own (None here).
         limits: the per-request caps (body size, stop strings, prompts, n); None: the defaults.
         allowed_hosts: if set, a request whose Host header names another host gets 400 (a
             DNS-rebinding web page); ``cross_site.LOOPBACK_HOSTS`` for a server on 127.0.0.1.
@@ -136,18 +142,36 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
     if api_key is not None and not api_key.strip():
         raise ValueError(f"api_key: expected None or a non-blank string, got {api_key!r}")
     limits = ServerLimits() if limits is None else limits
-    engine_loop = EngineLoop(engine, max_queue=max_queue,
-                             max_consecutive_failures=max_consecutive_failures)
+    if isinstance(engine, LLMEngine):
+        client: EngineClient = InprocEngineClient(
+            engine, max_consecutive_failures=3 if max_consecutive_failures is None
+            else max_consecutive_failures)
+        owns_client = True
+    elif isinstance(engine, EngineClient):
+        if max_consecutive_failures is not None:
+            raise ValueError("max_consecutive_failures: expected None with an EngineClient "
+                             "(give it to the client), got "
+                             f"{max_consecutive_failures}")
+        client, owns_client = engine, False
+    else:
+        raise ValueError(f"engine: expected an LLMEngine or an EngineClient, got "
+                         f"{type(engine).__name__}")
+    try:
+        async_engine = AsyncEngine(client, max_queue=max_queue, owns_client=owns_client)
+    except ValueError:
+        if owns_client:
+            client.shutdown()
+        raise
     workers = ThreadPoolExecutor(_REQUEST_WORKERS, thread_name_prefix="mini-paged-attn-request")
-    served = ServedModel(model_name, engine_loop, workers, limits=limits, max_queue=max_queue)
+    served = ServedModel(model_name, async_engine, workers, limits=limits, max_queue=max_queue)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        engine_loop.start()
+        async_engine.start()
         try:
             yield
         finally:
-            engine_loop.shutdown()
+            async_engine.shutdown()
             workers.shutdown(wait=False, cancel_futures=True)
 
     routes = [
@@ -163,5 +187,5 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
                     middleware=[Middleware(CrossSiteGuard, allowed_hosts=allowed_hosts),
                                 Middleware(RequestSizeLimit, max_bytes=limits.max_request_bytes)],
                     exception_handlers={HTTPException: _http_error, Exception: _unhandled})
-    app.state.engine_loop = engine_loop
+    app.state.async_engine = async_engine
     return app

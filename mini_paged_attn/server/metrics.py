@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .engine_loop import EngineLoop
+from .async_engine import AsyncEngine
 
 PREFIX = "mini_paged_attn_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -43,17 +43,17 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-def render_metrics(engine_loop: EngineLoop) -> str:
+def render_metrics(engine: AsyncEngine) -> str:
     """The exposition text: the engine's stats now, then the server's counters."""
-    stats: Any = engine_loop.stats()
+    stats: Any = engine.stats()
     lines: list[str] = []
     for name, kind, help_text, attr in _ENGINE_METRICS:
         value = getattr(stats, attr, None)
         if value is not None:
             _line(lines, name, kind, help_text, value)
-    _line(lines, "engine_up", "gauge", "1 while the engine loop runs, 0 once it has died.",
-          int(engine_loop.alive))
-    c = engine_loop.counters
+    _line(lines, "engine_up", "gauge", "1 while the engine runs, 0 once it has died.",
+          int(engine.alive))
+    c = engine.counters
     name = "server_requests_total"
     lines.append(f"# HELP {PREFIX}{name} Engine requests by how they ended.")
     lines.append(f"# TYPE {PREFIX}{name} counter")

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .engine_loop import EngineLoop
+from .async_engine import AsyncEngine
 from .formats import Logprobs, ResponseFormat
 from .limits import ServerLimits, check_request
 from .errors import APIError, bad_request
@@ -27,22 +27,23 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ServedModel:
-    """What the endpoints need besides the engine loop.
+    """What the endpoints need: the served name, the engine (``engine``: its client, for the
+    tokenizer, model_config and max_model_len), and the request workers.
 
     ``workers`` runs the CPU-heavy part of a request (JSON, validation, tokenizer and chat
-    template) off the event loop; ``max_queue`` is the engine loop's, for requests that could
-    never be admitted.
+    template) off the event loop; ``max_queue`` is the engine's queue limit, for requests that
+    could never be admitted.
     """
 
     name: str
-    engine_loop: EngineLoop
+    async_engine: AsyncEngine
     workers: ThreadPoolExecutor
     limits: ServerLimits = field(default_factory=ServerLimits)
     max_queue: int | None = None
 
     @property
     def engine(self) -> Any:
-        return self.engine_loop.engine
+        return self.async_engine.client
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a worker thread; the event loop serves other requests meanwhile."""
@@ -90,7 +91,7 @@ def _logprobs_format(served: ServedModel, top: int | None) -> Logprobs | None:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A validated, tokenized request, ready for ``EngineLoop.submit``."""
+    """A validated, tokenized request, ready for ``AsyncEngine.submit``."""
 
     prompts: list[list[int]]
     params: Any  # SamplingParams
@@ -141,7 +142,7 @@ def prepare_chat(served: ServedModel, raw: bytes) -> Prepared:
     ids = _check_prompt_ids(served, list(ids), "messages")
     max_tokens = req.max_tokens or req.max_completion_tokens
     if max_tokens is None:  # OpenAI's default: whatever the context (and the KV pool) leaves
-        stats = served.engine_loop.stats()
+        stats = served.async_engine.stats()
         room = min(served.engine.max_model_len, stats.kv_blocks_total * stats.block_size)
         max_tokens = max(1, room - len(ids))
     _check_fits(served, [ids], max_tokens,

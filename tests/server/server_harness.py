@@ -1,7 +1,8 @@
 """A real server on 127.0.0.1 (uvicorn in a thread, a free port) for the server tests.
 
-``served(engine, **build_app_kwargs)`` starts one and stops it at the end of the ``with``. Only
-one engine loop may drive an engine at a time: servers that share one run one after another.
+``served(engine, **build_app_kwargs)`` starts one (``engine``: an LLMEngine or an EngineClient)
+and stops it at the end of the ``with``. Only one engine core may step an engine at a time:
+servers that share one run one after another.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ class Server:
     app: Any
 
     @property
-    def engine_loop(self):
-        return self.app.state.engine_loop
+    def async_engine(self):
+        return self.app.state.async_engine
 
     def client(self, api_key: str | None = API_KEY) -> httpx.Client:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -59,7 +60,7 @@ class Server:
 
 @contextlib.contextmanager
 def served(engine: Any, **app_kwargs: Any) -> Iterator[Server]:
-    """Start the server for ``engine`` on a free port; stop it (and its engine loop) after."""
+    """Start the server for ``engine`` on a free port; stop it after."""
     import uvicorn
 
     from mini_paged_attn.server.app import build_app

@@ -1,37 +1,32 @@
-"""The server with its engine in a child process (``EngineCoreClient``): same answers as the
+"""The server with its engine in a child process (``MPEngineClient``): same answers as the
 in-process engine, blocks freed after cancelled streams, bad input refused before anything is
-sent, and the child stopped on close."""
+sent, a dead engine process reported by /health, and the child stopped on shutdown."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
+import httpx
 import pytest
 
-from server_harness import API_KEY, MODEL_NAME, cancel_mid_stream, served
+from helpers.engine_clients import collect, run_requests, wait_pool_free
+from server_harness import API_KEY, GOOD, MODEL_NAME, TIMEOUT_S, assert_error, \
+    cancel_mid_stream, served
 
-from mini_paged_attn.engine import SamplingParams
+from mini_paged_attn.engine import MPEngineClient, SamplingParams
 
 PROMPTS = ["The paged cache", "Blocks are shared", "Copy on write", "A tiny random model"]
 LLM_KWARGS = dict(device="cpu", block_size=16, num_kv_blocks=64, max_num_seqs=48,
                   max_model_len=256, seed=0)
 
 
-def _pool(engine):
-    """Runs in the child: the pool's whole state."""
-    s = engine.stats()
-    return s.kv_blocks_free, s.kv_blocks_total, s.num_running, s.num_waiting
-
-
 @pytest.fixture(scope="module")
 def core(model_dir):
-    from mini_paged_attn.server.engine_core_client import EngineCoreClient
-
-    client = EngineCoreClient(str(model_dir), LLM_KWARGS, start_timeout=120)
+    client = MPEngineClient(str(model_dir), LLM_KWARGS, start_timeout=120)
     yield client
-    client.close()
-    assert client._proc.exitcode is not None  # the child is gone
+    client.shutdown()
+    assert client.process.exitcode is not None  # the child is gone
 
 
 def test_engine_process_matches_in_process_generate(core, llm):
@@ -67,30 +62,16 @@ def test_engine_process_cancelled_streams_free_every_block(core):
     with served(core, api_key=API_KEY) as server:
         asyncio.run(run(server.url))
         server.wait_all_free()
-    free, total, running, waiting = core.call(_pool)
-    assert (free, running, waiting) == (total, 0, 0)
+    wait_pool_free(core)
 
 
 def test_engine_process_refuses_bad_requests_before_sending(core):
     with pytest.raises(ValueError, match="max_model_len"):
-        core.add_request([5] * 250, SamplingParams(max_tokens=10), request_id="too-long")
+        core.add_request("too-long", [5] * 250, SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="prompt"):
-        core.add_request([], SamplingParams(), request_id="empty")
-    assert not core.has_unfinished_requests()
+        core.add_request("empty", [], SamplingParams())
+    assert not core.abort_request("too-long")    # nothing was sent
     assert core.stats().num_waiting == 0
-
-
-def _final_outputs(core, requests):
-    """Add ``(prompt, params)`` pairs to the engine process, step until all finish; the last
-    output of each (what the server streams from)."""
-    ids = [core.add_request(p, params, request_id=f"direct-{i}")
-           for i, (p, params) in enumerate(requests)]
-    final = {}
-    while core.has_unfinished_requests():
-        for out in core.step():
-            if out.finished:
-                final[out.request_id] = out
-    return [final[i] for i in ids]
 
 
 def test_text_made_in_the_server_process_equals_the_engines(core, llm):
@@ -114,7 +95,7 @@ def test_text_made_in_the_server_process_equals_the_engines(core, llm):
                                     ignore_eos=True)),
     ]
     want = [llm.generate(p, params, use_tqdm=False)[0] for p, params in cases]
-    got = _final_outputs(core, cases)
+    got = run_requests(core, cases)
     assert want[1].outputs[0].finish_reason == "stop"
     assert stop_string not in want[2].outputs[0].text
     for w, g in zip(want, got):
@@ -129,7 +110,6 @@ def test_engine_process_on_the_gpu_matches_generate(model_dir):
     import torch
 
     from mini_paged_attn.engine import LLM
-    from mini_paged_attn.server.engine_core_client import EngineCoreClient
 
     kwargs = dict(device="cuda", dtype="float32", block_size=16, num_kv_blocks=64,
                   max_num_seqs=8, max_model_len=256, seed=0)
@@ -140,70 +120,62 @@ def test_engine_process_on_the_gpu_matches_generate(model_dir):
     want = [llm.generate(p, params, use_tqdm=False)[0] for p, params in cases]
     del llm
     torch.cuda.empty_cache()
-    core = EngineCoreClient(str(model_dir), kwargs, start_timeout=300)
+    core = MPEngineClient(str(model_dir), kwargs, start_timeout=300)
     try:
-        got = _final_outputs(core, cases)
+        got = run_requests(core, cases)
     finally:
-        core.close()
+        core.shutdown()
     for w, g in zip(want, got):
         assert [(c.text, list(c.token_ids), c.finish_reason) for c in g.outputs] == \
                [(c.text, list(c.token_ids), c.finish_reason) for c in w.outputs]
 
 
-def _poison(engine):
-    """Runs in the child: every step holding a request whose id starts with "poison" raises."""
-    execute = engine.runner.execute
-
-    def execute_or_fail(out, overlap=None):
-        if any(seq.request.request_id.startswith("poison") for seq in out.seqs):
-            raise RuntimeError("poison request")
-        return execute(out, overlap)
-    engine.runner.execute = execute_or_fail
-
-
-def test_a_failed_step_fails_its_requests_once_and_later_requests_run(model_dir, llm):
-    """The child aborts the requests of a failed step itself, so it does not retry the step
-    (each retry used to queue one more failure, which then failed later, healthy requests)."""
-    from mini_paged_attn.server.engine_core_client import EngineCoreClient
-
-    client = EngineCoreClient(str(model_dir), LLM_KWARGS, start_timeout=120)
-    try:
-        client.call(_poison)
-        client.add_request([5, 6, 7, 8], SamplingParams(max_tokens=4), request_id="poison-1")
-        with pytest.raises(RuntimeError, match="poison request"):
-            while client.has_unfinished_requests():
-                client.step()
-        assert not client.has_unfinished_requests()   # aborted there, forgotten here
-        greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        want = llm.generate(PROMPTS[:2], greedy, use_tqdm=False)
-        got = _final_outputs(client, [(p, greedy) for p in PROMPTS[:2]])
-        assert [g.outputs[0].text for g in got] == [w.outputs[0].text for w in want]
-        free, total, running, waiting = client.call(_pool)
-        assert (free, running, waiting) == (total, 0, 0)
-    finally:
-        client.close()
-
-
 def test_streamed_texts_equal_the_in_process_engines_step_by_step(core, model_dir):
     """Every intermediate text the server would stream (made in the server's process from token
     ids) equals what an in-process engine streams for the same requests."""
-    from mini_paged_attn.engine import LLM
+    from mini_paged_attn.engine import LLM, InprocEngineClient
 
     cases = [("héllo wörld ✓ 你好", SamplingParams(temperature=1.0, max_tokens=20, seed=3)),
              ([7, 8, 9, 10], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
              (PROMPTS[1], SamplingParams(temperature=0.8, max_tokens=14, n=2, seed=11))]
-    want = _streamed_texts(LLM(str(model_dir), **LLM_KWARGS).engine, cases)
+    inproc = InprocEngineClient(LLM(str(model_dir), **LLM_KWARGS).engine)
+    try:
+        want = _streamed_texts(inproc, cases)
+    finally:
+        inproc.shutdown()
     assert _streamed_texts(core, cases) == want
     assert any(len(texts) > 5 for texts in want.values())
 
 
-def _streamed_texts(engine, cases) -> dict[str, list[list[str]]]:
-    """Request id -> the completions' texts of each output, in order (an LLMEngine or an
-    EngineCoreClient)."""
-    texts: dict[str, list[list[str]]] = {}
-    for i, (prompt, params) in enumerate(cases):
-        engine.add_request(prompt, params, request_id=f"s-{i}")
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            texts.setdefault(out.request_id, []).append([c.text for c in out.outputs])
-    return texts
+def _streamed_texts(client, cases) -> dict[str, dict[tuple[int, ...], list[str]]]:
+    """Request id -> the completions' texts of each output, by their token counts (the steps
+    that add the requests may differ between clients; a text depends on the tokens only)."""
+    collector = collect(client, cases, "s")
+    return {rid: {tuple(len(c.token_ids) for c in out.outputs): [c.text for c in out.outputs]
+                  for out in outs} for rid, outs in collector.outputs.items()}
+
+
+def test_a_dead_engine_process_fails_requests_and_health(model_dir):
+    """The engine's process dies: requests in flight fail with the reason, /health and new
+    requests answer 503."""
+    client = MPEngineClient(str(model_dir), LLM_KWARGS, start_timeout=120)
+    try:
+        with served(client, api_key=API_KEY) as s, s.client() as c:
+            assert c.get("/health").status_code == 200
+            body = {**GOOD, "max_tokens": 200, "ignore_eos": True, "stream": True}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+                client.process.kill()
+                rest = [line for line in lines if line.startswith("data: ")]
+            # The stream ends with OpenAI's error body; the reason stays in the server's log.
+            streamed = json.loads(rest[-1][len("data: "):])["error"]
+            assert streamed["code"] == "internal_error" and "log" in streamed["message"]
+            health = httpx.get(f"{s.url}/health", timeout=TIMEOUT_S)
+            err = assert_error(health, 503)
+            assert err["code"] == "engine_dead"
+            assert assert_error(c.post("/v1/completions", json=GOOD), 503)["code"] == \
+                "engine_dead"
+            assert s.metrics()["mini_paged_attn_engine_up"] == 0
+    finally:
+        client.shutdown()

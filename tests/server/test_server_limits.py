@@ -13,6 +13,7 @@ import threading
 import httpx
 import pytest
 
+from mini_paged_attn.engine import InprocEngineClient
 from mini_paged_attn.server.limits import ServerLimits
 from server_harness import GOOD, TIMEOUT_S, assert_error, served
 
@@ -22,13 +23,13 @@ SMALL = ServerLimits(max_request_bytes=4096, max_prompts=4, max_n=3, max_choices
 
 
 class _Recorder:
-    """The real engine, with its tokenizer calls and add_request calls recorded.
+    """The real engine's client, with its tokenizer calls and add_request calls recorded.
 
     ``hold``: when cleared, ``encode`` waits for it (a tokenizer busy with a huge prompt).
     """
 
-    def __init__(self, engine):
-        self._engine = engine
+    def __init__(self, client):
+        self._client = client
         self.added: list[str] = []
         self.tokenizer_threads: list[str] = []
         self.hold = threading.Event()
@@ -37,11 +38,11 @@ class _Recorder:
         self.tokenizer = _RecordingTokenizer(self)
 
     def __getattr__(self, name):
-        return getattr(self._engine, name)
+        return getattr(self._client, name)
 
-    def add_request(self, prompt, params, *, request_id):
+    def add_request(self, request_id, prompt, params=None, *, final_only=False):
         self.added.append(request_id)
-        return self._engine.add_request(prompt, params, request_id=request_id)
+        return self._client.add_request(request_id, prompt, params, final_only=final_only)
 
 
 class _RecordingTokenizer:
@@ -49,22 +50,24 @@ class _RecordingTokenizer:
         self._owner = owner
 
     def __getattr__(self, name):
-        return getattr(self._owner._engine.tokenizer, name)
+        return getattr(self._owner._client.tokenizer, name)
 
     def encode(self, text, **kwargs):
         self._owner.tokenizer_threads.append(threading.current_thread().name)
         self._owner.encoding.set()
         assert self._owner.hold.wait(TIMEOUT_S), "the test never released the tokenizer"
-        return self._owner._engine.tokenizer.encode(text, **kwargs)
+        return self._owner._client.tokenizer.encode(text, **kwargs)
 
     def apply_chat_template(self, messages, **kwargs):
         self._owner.tokenizer_threads.append(threading.current_thread().name)
-        return self._owner._engine.tokenizer.apply_chat_template(messages, **kwargs)
+        return self._owner._client.tokenizer.apply_chat_template(messages, **kwargs)
 
 
 @pytest.fixture
 def recorder(llm):
-    return _Recorder(llm.engine)
+    client = InprocEngineClient(llm.engine)
+    yield _Recorder(client)
+    client.shutdown()
 
 
 # ---- the body size -------------------------------------------------------------------------
@@ -232,14 +235,14 @@ def test_a_500_does_not_echo_the_exception(recorder, caplog):
     assert logged and "secret detail" in str(logged[0].exc_info[1])
 
 
-def test_an_exception_outside_any_route_still_gets_the_500_body(caplog):
+def test_an_exception_outside_any_route_still_gets_the_500_body(recorder, caplog):
     """The app-wide handler: what raises before a route runs (here a header value that is not
     bytes trips the Content-Type check) is still a JSON 500 that does not echo the exception."""
     import asyncio
 
     from mini_paged_attn.server.app import build_app
 
-    app = build_app(object(), model_name="tiny")
+    app = build_app(recorder, model_name="tiny")
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
              "method": "POST", "scheme": "http", "path": "/v1/completions",
              "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",

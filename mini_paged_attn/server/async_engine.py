@@ -1,15 +1,15 @@
-"""One engine thread for the whole server, and the bridge from it to asyncio request handlers.
+"""The asyncio face of an engine client: per-request output queues for the request handlers.
 
-The engine thread runs ``LLMEngine.step()`` while any request is unfinished and sleeps otherwise;
-requests from every client join the engine's one continuous batch (this file schedules nothing).
-Handlers call ``LLMEngine.add_request`` / ``abort_request`` directly (both are thread-safe) and
-receive their outputs on an ``asyncio.Queue``, filled from the engine thread through
-``loop.call_soon_threadsafe``.
+The engine steps in its core (``engine/engine_core.py``), on a thread or in a child process,
+never here: requests from every client join its one continuous batch. Handlers call
+:meth:`AsyncEngine.submit`, which adds one engine request per prompt through the
+``EngineClient``, and await their outputs on an ``asyncio.Queue``, filled from the client's
+output thread through ``loop.call_soon_threadsafe`` (one wake-up per step and event loop).
 
-Failures: the engine cannot say which request made a ``step()`` raise, so every request in flight
-at that moment fails (HTTP 500) and is aborted, and the loop goes on with the next requests. After
-``max_consecutive_failures`` failed steps in a row, or an error outside ``step()``, the loop is
-dead: every request fails, ``/health`` answers 503 and new requests are refused.
+Failures: the engine cannot say which request made a step raise, so every request in flight at
+that moment fails (HTTP 500), and the engine goes on with the next requests. Once the engine is
+dead (too many failed steps in a row, an error outside a step, its process gone) every request
+fails, ``/health`` answers 503 and new requests are refused.
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from ..engine.engine_client import EngineClient, EngineDeadError
+from ..engine.outputs import EngineStats, RequestOutput
+
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; no request can be served."""
 
 
 class QueueFullError(RuntimeError):
@@ -51,7 +50,7 @@ _CANCELLED = object()
 
 @dataclass
 class _Route:
-    """Where the outputs of one engine request go (touched under EngineLoop._lock)."""
+    """Where the outputs of one engine request go (touched under AsyncEngine._lock)."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
@@ -76,9 +75,9 @@ class Submission:
     in a ``finally``.
     """
 
-    def __init__(self, engine_loop: EngineLoop, request_ids: list[str], queue: asyncio.Queue):
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], queue: asyncio.Queue):
         self.request_ids = request_ids
-        self._engine_loop = engine_loop
+        self._engine = engine
         self._queue = queue
         self._index = {rid: i for i, rid in enumerate(request_ids)}
         self._unfinished = set(request_ids)
@@ -106,19 +105,19 @@ class Submission:
     def _take(self, item: Any) -> tuple[int, Any]:
         if item is _CANCELLED:
             raise ClientGoneError("the client disconnected")
-        if isinstance(item, _Failure):  # the engine thread already aborted them all
-            self._unfinished.clear()
+        if isinstance(item, _Failure):  # the failed ones are aborted; the others go too
+            self.abort()
             raise RequestFailedError(item.message)
         if item.finished:
             if item.request_id in self._unfinished:
-                self._engine_loop._count_finished()
+                self._engine._count_finished()
             self._unfinished.discard(item.request_id)
         return self._index[item.request_id], item
 
     def abort(self) -> None:
         """Abort the requests that have not finished (their blocks go back to the pool)."""
         if self._unfinished:
-            self._engine_loop._abort(sorted(self._unfinished))
+            self._engine._abort(sorted(self._unfinished))
             self._unfinished.clear()
 
     def cancel(self) -> None:
@@ -127,82 +126,75 @@ class Submission:
         self._queue.put_nowait(_CANCELLED)
 
 
-@dataclass
-class EngineLoop:
-    """Runs ``engine.step()`` on one thread and routes outputs to asyncio queues.
+class AsyncEngine:
+    """Submits requests to an :class:`~mini_paged_attn.engine.engine_client.EngineClient` and
+    routes its outputs to asyncio queues (it is the client's output handler while started).
 
     Args:
-        engine: an ``LLMEngine`` (anything with its add_request / abort_request / step /
-            has_unfinished_requests / stats).
+        client: the engine client every request goes to.
         max_queue: at most this many requests may wait in the engine's queue (``num_waiting`` of
             its stats: admitted, not yet scheduled); beyond it :meth:`submit` raises
             :class:`QueueFullError`. None: no limit.
-        max_consecutive_failures: failed steps in a row after which the loop is declared dead.
+        owns_client: :meth:`shutdown` shuts the client down too.
     """
 
-    engine: Any
-    max_queue: int | None = None
-    max_consecutive_failures: int = 3
-    counters: ServerCounters = field(default_factory=ServerCounters)
-
-    def __post_init__(self) -> None:
-        if self.max_queue is not None and self.max_queue < 1:
-            raise ValueError(f"max_queue: expected None or >= 1, got {self.max_queue}")
-        if self.max_consecutive_failures < 1:
-            raise ValueError("max_consecutive_failures: expected >= 1, "
-                             f"got {self.max_consecutive_failures}")
+    def __init__(self, client: EngineClient, *, max_queue: int | None = None,
+                 owns_client: bool = False) -> None:
+        if max_queue is not None and max_queue < 1:
+            raise ValueError(f"max_queue: expected None or >= 1, got {max_queue}")
+        self.client = client
+        self.max_queue = max_queue
+        self.owns_client = owns_client
+        self.counters = ServerCounters()
         self._lock = threading.Lock()
         self._routes: dict[str, _Route] = {}
-        self._wake = threading.Event()
-        self._step_wanted = False  # an abort to apply even if nothing is unfinished
+        self._started = False
         self._stopping = False
         self._dead_reason: str | None = None
-        self._thread: threading.Thread | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("the engine loop was already started")
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        if self._started:
+            raise RuntimeError("the engine was already started")
+        self._started = True
+        self.client.set_output_handler(self)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the thread after its current step; requests still in flight fail."""
+    def shutdown(self) -> None:
+        """Stop taking outputs; requests still in flight fail and are aborted."""
         self._stopping = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self.client.set_output_handler(None)
         self._fail_all("the server is shutting down", abort=True)
+        if self.owns_client:
+            self.client.shutdown()
 
     @property
     def alive(self) -> bool:
-        return (self._thread is not None and self._thread.is_alive()
-                and self._dead_reason is None and not self._stopping)
+        return (self._started and not self._stopping and self.dead_reason is None)
 
     @property
     def dead_reason(self) -> str | None:
-        return self._dead_reason
+        return self._dead_reason or self.client.dead_reason
 
-    def stats(self) -> Any:
-        """The engine's ``EngineStats`` (its stats() is cheap and safe from any thread)."""
-        return self.engine.stats()
+    def stats(self) -> EngineStats:
+        """The engine's ``EngineStats`` (cheap and safe from any thread)."""
+        return self.client.stats()
 
     # ---- called from asyncio handlers -------------------------------------------------------
     def submit(self, prompts: list[str | list[int]], params: Any) -> Submission:
         """Add one engine request per prompt; must be called on the handler's event loop.
 
         Raises:
-            EngineDeadError: the loop has died.
+            EngineDeadError: the engine is dead.
             QueueFullError: admitting them would exceed ``max_queue``.
             ValueError: the engine rejected a request (e.g. longer than max_model_len); none of
                 them was added then.
         """
         if not self.alive:
-            raise EngineDeadError(self._dead_reason or "the engine loop is not running")
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
         if self.max_queue is not None:
             # No race with other submissions: they all run on this one event loop thread, and
-            # the engine counts a request as waiting from add_request on.
-            waiting = self.engine.stats().num_waiting
+            # the client counts a request as waiting from add_request on.
+            waiting = self.client.stats().num_waiting
             if waiting + len(prompts) > self.max_queue:
                 with self._lock:
                     self.counters.requests_rejected += 1
@@ -218,27 +210,23 @@ class EngineLoop:
         added: list[str] = []
         try:
             for rid, prompt in zip(request_ids, prompts):
-                self.engine.add_request(prompt, params, request_id=rid)
+                self.client.add_request(rid, prompt, params)
                 added.append(rid)
         except BaseException:
             self._unroute(request_ids)
             for rid in added:
-                self.engine.abort_request(rid)
-            self._wake.set()
+                self.client.abort_request(rid)
             raise
-        self._wake.set()
         return Submission(self, request_ids, queue)
 
     def _abort(self, request_ids: list[str]) -> None:
-        removed = self._unroute(request_ids)  # those the engine thread has not finished or failed
+        removed = self._unroute(request_ids)  # those not finished or failed yet
         if not removed:
             return
         for rid in removed:
-            self.engine.abort_request(rid)
+            self.client.abort_request(rid)
         with self._lock:
             self.counters.requests_aborted += len(removed)
-        self._step_wanted = True
-        self._wake.set()
 
     def _count_finished(self) -> None:
         with self._lock:
@@ -252,37 +240,8 @@ class EngineLoop:
                     removed.append(rid)
         return removed
 
-    # ---- the engine thread ------------------------------------------------------------------
-    def _run(self) -> None:
-        failures = 0
-        try:
-            while not self._stopping:
-                self._wake.clear()  # before looking for work, so no wake-up is lost
-                if not (self._step_wanted or self.engine.has_unfinished_requests()):
-                    self._wake.wait()
-                    continue
-                self._step_wanted = False
-                try:
-                    outputs = self.engine.step()
-                except Exception as exc:
-                    failures += 1
-                    logger.exception("engine step failed (%d in a row)", failures)
-                    if failures >= self.max_consecutive_failures:
-                        raise
-                    self._fail_all(f"the engine failed while serving this request: "
-                                   f"{type(exc).__name__}: {exc}", abort=True)
-                    continue
-                failures = 0
-                self._dispatch(outputs)
-        except BaseException as exc:  # the loop is dead: say so everywhere
-            self._dead_reason = f"the engine loop died: {type(exc).__name__}: {exc}"
-            logger.critical("%s", self._dead_reason, exc_info=True)
-            try:  # the aborts are queued; whoever steps the engine next frees their blocks
-                self._fail_all(self._dead_reason, abort=True)
-            except Exception:
-                logger.exception("aborting the requests of a dead engine loop failed")
-
-    def _dispatch(self, outputs: list[Any]) -> None:
+    # ---- the client's output thread (OutputHandler) -----------------------------------------
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
         deliveries = []
         with self._lock:
             for out in outputs:
@@ -294,15 +253,28 @@ class EngineLoop:
                 deliveries.append((route, out))
         _deliver(deliveries)
 
+    def on_failure(self, message: str, request_ids: list[str]) -> None:
+        # The core aborted them already (every request of the failed step).
+        with self._lock:
+            routes = [route for rid in request_ids
+                      if (route := self._routes.pop(rid, None)) is not None]
+            self.counters.requests_failed += len(routes)
+        _deliver([(route, _Failure(message)) for route in routes])
+
+    def on_dead(self, message: str) -> None:
+        if self._dead_reason is None:
+            self._dead_reason = message
+        logger.critical("the engine is dead: %s", message)
+        self._fail_all(message, abort=False)
+
     def _fail_all(self, message: str, *, abort: bool) -> None:
         with self._lock:
             routes, self._routes = self._routes, {}
             self.counters.requests_failed += len(routes)
         _deliver([(route, _Failure(message)) for route in routes.values()])  # clients first
         if abort:
-            self._step_wanted = True
             for rid in routes:
-                self.engine.abort_request(rid)
+                self.client.abort_request(rid)
 
 
 def _deliver(deliveries: list[tuple[_Route, Any]]) -> None:

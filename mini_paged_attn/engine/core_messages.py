@@ -1,0 +1,163 @@
+"""The messages between an engine core and its client: one kind per payload.
+
+Client to core: :class:`AddRequest`, :class:`AbortRequest`, :class:`Shutdown`. Core to client:
+:class:`Ready` (once, when the engine is built), :class:`Outputs` (one per step),
+:class:`StepFailed` (a step raised; its requests were aborted), :class:`EngineDead` (the core
+stopped for good, or could not start).
+
+In one process the payload objects travel as they are; between processes :func:`encode` /
+:func:`decode` turn them into bytes as ``(kind, fields)`` pickles. Pickle rather than a schema
+codec: ``Ready`` carries the tokenizer and ``AddRequest`` the ``SamplingParams`` as they are, and
+the per-step deltas are small tuples that pickle about as fast as anything else would.
+"""
+
+from __future__ import annotations
+
+import enum
+import pickle
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, NamedTuple, Union
+
+from .outputs import EngineStats, RequestMetrics
+from .sampling_params import SamplingParams
+
+
+class MessageKind(enum.Enum):
+    """What a message is; its value is what goes over the pipe (:data:`PAYLOADS` maps each kind
+    to its payload class)."""
+
+    ADD = "add"
+    ABORT = "abort"
+    SHUTDOWN = "shutdown"
+    READY = "ready"
+    OUTPUTS = "outputs"
+    STEP_FAILED = "step_failed"
+    ENGINE_DEAD = "engine_dead"
+
+
+# ---- client -> core --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AddRequest:
+    """A validated request. ``prompt``: its text when the core should keep it in the outputs
+    (None: the client keeps it, or there is none). ``detokenize``: the core makes the text (else
+    the client does, from the token ids). ``final_only``: the core reports the request only
+    once it finishes."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenize: bool
+    final_only: bool = False
+    kind: ClassVar[MessageKind] = MessageKind.ADD
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+    kind: ClassVar[MessageKind] = MessageKind.ABORT
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Stop after the current step; requests still live are aborted."""
+
+    kind: ClassVar[MessageKind] = MessageKind.SHUTDOWN
+
+
+# ---- core -> client --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ready:
+    """What a client needs of the engine to validate and detokenize without it."""
+
+    tokenizer: Any
+    model_config: Any
+    max_model_len: int
+    admission: Any
+    stats: EngineStats
+    kind: ClassVar[MessageKind] = MessageKind.READY
+
+
+class CompletionDelta(NamedTuple):
+    """What changed in one completion since the last delta of its request.
+
+    The text edit is ``text[:keep] + suffix`` (a stop string may cut text already sent); both
+    are empty when the core does not make the text.
+    """
+
+    index: int
+    keep: int
+    suffix: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    cumulative_logprob: float | None
+    new_logprobs: list[dict[int, float]] | None
+
+
+class OutputDelta(NamedTuple):
+    """One ``RequestOutput`` as what changed since the last delta of its request."""
+
+    request_id: str
+    completions: list[CompletionDelta]
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """One step: its outputs, the engine's stats after it, and how many ``AddRequest`` messages
+    the core had received by then (the client counts the others as waiting)."""
+
+    deltas: list[OutputDelta]
+    stats: EngineStats
+    adds_seen: int
+    kind: ClassVar[MessageKind] = MessageKind.OUTPUTS
+
+
+@dataclass(frozen=True)
+class StepFailed:
+    """A step raised (or the engine refused a request); ``request_ids`` were aborted."""
+
+    message: str
+    request_ids: tuple[str, ...]
+    kind: ClassVar[MessageKind] = MessageKind.STEP_FAILED
+
+
+@dataclass(frozen=True)
+class EngineDead:
+    """The core has stopped, or never started; nothing more comes."""
+
+    message: str
+    kind: ClassVar[MessageKind] = MessageKind.ENGINE_DEAD
+
+
+Message = Union[AddRequest, AbortRequest, Shutdown, Ready, Outputs, StepFailed, EngineDead]
+PAYLOADS: dict[MessageKind, type] = {cls.kind: cls for cls in (
+    AddRequest, AbortRequest, Shutdown, Ready, Outputs, StepFailed, EngineDead)}
+_FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in PAYLOADS.values()}
+
+
+def encode(message: Message) -> bytes:
+    """``message`` as bytes for a pipe."""
+    names = _FIELDS[type(message)]
+    return pickle.dumps((message.kind.value, tuple(getattr(message, n) for n in names)),
+                        protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> Message:
+    """The message :func:`encode` made.
+
+    Raises:
+        ValueError: ``data`` is not an encoded message.
+    """
+    try:
+        kind, values = pickle.loads(data)
+        return PAYLOADS[MessageKind(kind)](*values)
+    except (ValueError, TypeError, KeyError, pickle.UnpicklingError) as exc:
+        raise ValueError(f"data: not an engine core message ({type(exc).__name__}: {exc})"
+                         ) from None
+
+
+__all__ = ["AbortRequest", "AddRequest", "CompletionDelta", "EngineDead", "Message",
+           "MessageKind", "OutputDelta", "Outputs", "PAYLOADS", "Ready", "Shutdown",
+           "StepFailed", "decode", "encode"]

@@ -1,0 +1,148 @@
+"""The engine core's child process: :func:`run_core_process` and its pipe ends.
+
+In one process the engine thread and the HTTP event loop take turns on the interpreter lock: on a
+GPU, where a step is mostly Python waiting on short kernels, the event loop's per-chunk work
+made steps 8-46% longer (BENCHMARKS.md). Here the engine steps in a child process, unhindered,
+and sends each step's outputs as deltas (new token ids; text only where stop strings need it)
+while its next step runs on the GPU. The parent's side is
+:class:`~mini_paged_attn.engine.mp_engine_client.MPEngineClient`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .core_messages import (CompletionDelta, EngineDead, Message, OutputDelta, Outputs, Ready,
+                            StepFailed, decode, encode)
+from .engine_core import EngineCore
+from .outputs import EngineStats, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CoreLaunch:
+    """How the child builds its engine.
+
+    ``engine_factory``: ``"module:function"``, called as ``function(model, **llm_kwargs)`` to
+    make the ``LLMEngine`` (importable in the child); None: ``LLM(model, **llm_kwargs).engine``.
+    Tests use it to build engines that fail on purpose.
+    """
+
+    model: str
+    llm_kwargs: dict = field(default_factory=dict)
+    engine_factory: str | None = None
+    max_consecutive_failures: int = 3
+
+    def build_engine(self) -> Any:
+        if self.engine_factory is None:
+            from .llm import LLM
+            return LLM(self.model, **self.llm_kwargs).engine
+        module, _, name = self.engine_factory.partition(":")
+        return getattr(importlib.import_module(module), name)(self.model, **self.llm_kwargs)
+
+
+@dataclass
+class _Sent:
+    """What the child has sent of one completion so far."""
+
+    text: str = ""
+    tokens: int = 0
+
+
+def _delta(out: RequestOutput, sent: dict[str, dict[int, _Sent]]) -> OutputDelta:
+    """``out`` as what changed since the last delta of its request."""
+    per_completion = sent.pop(out.request_id, {}) if out.finished else \
+        sent.setdefault(out.request_id, {})
+    completions = []
+    for comp in out.outputs:
+        s = per_completion.setdefault(comp.index, _Sent())
+        keep = len(s.text) if comp.text.startswith(s.text) else 0  # stop strings may cut it
+        new_logprobs = None if comp.logprobs is None else list(comp.logprobs[s.tokens:])
+        completions.append(CompletionDelta(comp.index, keep, comp.text[keep:],
+                                           list(comp.token_ids[s.tokens:]), comp.finish_reason,
+                                           comp.cumulative_logprob, new_logprobs))
+        s.text, s.tokens = comp.text, len(comp.token_ids)
+    return OutputDelta(out.request_id, completions, out.finished, out.metrics)
+
+
+class PipeInbox:
+    """The core's end of the client's command pipe."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def get(self, timeout: float | None) -> Message | None:
+        if timeout is not None and not self._conn.poll(timeout):
+            return None
+        return decode(self._conn.recv_bytes())  # EOFError once the client is gone
+
+
+class PipeOutbox:
+    """The core's end of the result pipe. A step's outputs wait to be sent until the next step
+    has enqueued its device work (``flush`` is the step's ``overlap``): turning them into
+    deltas, pickling and writing them then runs while the GPU computes, not between steps
+    (inline, that left a 0.3-1 ms gap between steps on an H100 host; on a thread of its own,
+    the interpreter lock put the same work inside the next step's host phase)."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._sent: dict[str, dict[int, _Sent]] = {}  # request id -> completion -> sent so far
+        self._pending: tuple[list[RequestOutput], EngineStats, int] | None = None
+
+    def outputs(self, outputs: list[RequestOutput], stats: Callable[[], EngineStats],
+                adds_seen: int) -> None:
+        self.flush()
+        self._pending = (outputs, stats(), adds_seen)
+
+    def flush(self) -> None:
+        if self._pending is None:
+            return
+        outputs, stats, adds_seen = self._pending
+        self._pending = None
+        self.send(Outputs([_delta(o, self._sent) for o in outputs], stats, adds_seen))
+
+    def failed(self, message: str, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._sent.pop(request_id, None)
+        self.send(StepFailed(message, tuple(request_ids)))
+
+    def dead(self, message: str) -> None:
+        self.send(EngineDead(message))
+
+    def send(self, message: Message) -> None:
+        if self._pending is not None and not isinstance(message, Outputs):
+            self.flush()  # in order
+        self._conn.send_bytes(encode(message))
+
+
+def run_core_process(launch: CoreLaunch, commands: Any, results: Any) -> None:
+    """The child: build the engine, say :class:`Ready`, then serve until shut down.
+
+    Args:
+        launch: how to build the engine.
+        commands: the receiving end of the client's command pipe.
+        results: the sending end of the result pipe.
+    """
+    outbox = PipeOutbox(results)
+    try:
+        engine = launch.build_engine()
+        outbox.send(Ready(engine.tokenizer, engine.model_config, engine.max_model_len,
+                          engine.admission, engine.stats()))
+        core = EngineCore(engine, PipeInbox(commands), outbox,
+                          max_consecutive_failures=launch.max_consecutive_failures)
+    except BaseException as exc:
+        logger.exception("the engine could not start")
+        outbox.send(EngineDead(f"the engine could not start: {type(exc).__name__}: {exc}"))
+        return
+    try:
+        core.run()
+    except OSError:  # the client is gone: nobody to tell
+        pass
+
+
+__all__ = ["CoreLaunch", "PipeInbox", "PipeOutbox", "run_core_process"]

@@ -1,0 +1,169 @@
+"""The engine core: the busy loop that owns an ``LLMEngine`` and steps it whenever it has work.
+
+Between steps it applies what its client sent (:mod:`.core_messages`: add, abort, shutdown); it
+waits for a message only when no request is unfinished, so requests from every client join the
+engine's one continuous batch. It runs on a thread of its own next to
+:class:`~mini_paged_attn.engine.engine_client.InprocEngineClient`, or in the child process of
+:class:`~mini_paged_attn.engine.mp_engine_client.MPEngineClient`; the two differ only in their
+:class:`CoreInbox` and :class:`CoreOutbox`.
+
+Failures: the engine cannot say which request made a ``step()`` raise, so every request live at
+that moment is aborted at once (a retried step would fail again) and reported as failed; the
+loop goes on with later requests. After ``max_consecutive_failures`` failed steps in a row, or
+an error outside ``step()``, the core is dead: live requests are aborted, the outbox hears
+:class:`~mini_paged_attn.engine.core_messages.EngineDead` and the loop ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from .core_messages import AbortRequest, AddRequest, Message, Shutdown
+from .outputs import EngineStats, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class CoreInbox(Protocol):
+    """Where the core's messages come from."""
+
+    def get(self, timeout: float | None) -> Message | None:
+        """The next message; None if none came within ``timeout`` seconds (None: wait).
+
+        Raises:
+            EOFError: the client is gone; nothing more will come.
+        """
+
+
+class CoreOutbox(Protocol):
+    """Where the core's results go (called on the core's thread only)."""
+
+    def outputs(self, outputs: list[RequestOutput], stats: Callable[[], EngineStats],
+                adds_seen: int) -> None:
+        """One step's outputs; they may wait until :meth:`flush`. ``stats``: the engine's
+        stats now, for an outbox that reports them (taking them costs a little per step)."""
+
+    def flush(self) -> None:
+        """Deliver what waits. Called inside each step once its device work is enqueued (host
+        work then costs no step time) and whenever the core goes idle."""
+
+    def failed(self, message: str, request_ids: list[str]) -> None:
+        """A step raised, or the engine refused a request; ``request_ids`` were aborted."""
+
+    def dead(self, message: str) -> None:
+        """The core has stopped for good."""
+
+
+class EngineCore:
+    """Steps ``engine`` while it has work, applying ``inbox`` messages between steps.
+
+    Args:
+        engine: an ``LLMEngine`` (or an object with its add_request / abort_request / step /
+            has_unfinished_requests / stats).
+        inbox: where messages come from.
+        outbox: where outputs, failures and the core's death go.
+        max_consecutive_failures: failed steps in a row after which the core is dead.
+    """
+
+    def __init__(self, engine: Any, inbox: CoreInbox, outbox: CoreOutbox, *,
+                 max_consecutive_failures: int = 3) -> None:
+        if max_consecutive_failures < 1:
+            raise ValueError("max_consecutive_failures: expected >= 1, "
+                             f"got {max_consecutive_failures}")
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.max_consecutive_failures = max_consecutive_failures
+        # AddRequest messages applied so far (read from the client's threads: an int, so a
+        # torn read cannot happen).
+        self.adds_seen = 0
+        self._live: set[str] = set()   # requests added here and not yet finished or aborted
+
+    def run(self) -> None:
+        """Serve until :class:`Shutdown`, the client's end, or death (the outbox hears it)."""
+        try:
+            stopped = self._loop()
+        except BaseException as exc:
+            message = f"the engine core died: {type(exc).__name__}: {exc}"
+            logger.critical("%s", message, exc_info=not isinstance(exc, _TooManyFailures))
+            self._abort_live()
+            self.outbox.dead(message)
+            return
+        self._abort_live()  # their blocks go back at whoever steps the engine next
+        if stopped:
+            self.outbox.flush()
+            self.outbox.dead("the engine core was shut down")
+
+    # ---- the loop -------------------------------------------------------------------------
+    def _loop(self) -> bool:
+        """True after Shutdown; False when the client is gone."""
+        engine, outbox = self.engine, self.outbox
+        failures = 0
+        while True:
+            idle = not engine.has_unfinished_requests()
+            if idle:  # no step will carry the last outputs out: deliver them now
+                outbox.flush()
+            try:
+                message = self.inbox.get(None if idle else 0.0)
+                while message is not None:
+                    if isinstance(message, Shutdown):
+                        return True
+                    self._apply(message)
+                    message = self.inbox.get(0.0)
+            except EOFError:
+                return False
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step(overlap=outbox.flush)
+            except Exception as exc:
+                failures += 1
+                logger.exception("engine step failed (%d in a row)", failures)
+                failed = self._abort_live()
+                text = (f"the engine failed while serving this request: "
+                        f"{type(exc).__name__}: {exc}")
+                if failures >= self.max_consecutive_failures:
+                    raise _TooManyFailures(f"{failures} failed steps in a row, the last: "
+                                           f"{type(exc).__name__}: {exc}") from exc
+                outbox.failed(text, failed)
+                continue
+            failures = 0
+            self._live.difference_update(o.request_id for o in outputs if o.finished)
+            outbox.outputs(outputs, engine.stats, self.adds_seen)
+
+    def _apply(self, message: Message) -> None:
+        if isinstance(message, AddRequest):
+            self.adds_seen += 1
+            prompt = message.prompt if message.prompt is not None else message.prompt_token_ids
+            try:
+                self.engine.add_request(prompt, message.params, request_id=message.request_id,
+                                        final_only=message.final_only,
+                                        detokenize=message.detokenize)
+            except ValueError as exc:  # the client checked the same limits: a bug
+                self.outbox.failed(f"the engine rejected {message.request_id}: {exc}",
+                                   [message.request_id])
+                return
+            self._live.add(message.request_id)
+        elif isinstance(message, AbortRequest):
+            # Its last output (finished, reason "abort") comes out of the next step.
+            self.engine.abort_request(message.request_id)
+            self._live.discard(message.request_id)
+        else:
+            raise TypeError(f"the engine core cannot take a {type(message).__name__} message")
+
+    def _abort_live(self) -> list[str]:
+        """Abort every live request (queued in the engine); returns their ids."""
+        live = sorted(self._live)
+        self._live.clear()
+        for request_id in live:
+            self.engine.abort_request(request_id)
+        return live
+
+
+class _TooManyFailures(RuntimeError):
+    """The step failure that made the core give up."""
+
+
+__all__ = ["CoreInbox", "CoreOutbox", "EngineCore"]

@@ -1,0 +1,223 @@
+"""The client of an engine core in a child process (:mod:`.core_process`).
+
+:class:`MPEngineClient` starts the child, validates each request with the child's own limits
+(:class:`~mini_paged_attn.engine.admission.Admission`) before sending it, so a bad request still
+fails at once with a ``ValueError`` and nothing is queued, and rebuilds cumulative
+``RequestOutput`` objects from the child's per-step deltas on its output thread, making the text
+here from the token ids where the child sent none (detokenizing was ~60% of the engine's host
+work per step at 64 requests: here it runs off the engine's interpreter lock).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .core_messages import (AbortRequest, AddRequest, EngineDead, Message, OutputDelta, Outputs,
+                            Ready, Shutdown, StepFailed, decode, encode)
+from .core_process import CoreLaunch, run_core_process
+from .engine_client import ClientBookkeeping
+from .outputs import CompletionOutput, EngineStats, GrowingListView, RequestOutput
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Rebuilt:
+    """The client's copy of one live request's outputs, grown by deltas.
+
+    ``detokenizers`` (completion index -> IncrementalDetokenizer): the text is made here, from
+    the token ids, as the engine would have made it; None when the engine sends the text (the
+    request has stop strings, which the engine finds in it) and ``texts`` keeps it.
+    """
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    detokenizers: dict[int, Any] | None
+    texts: dict[int, str] = field(default_factory=dict)
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list] = field(default_factory=dict)
+
+    def text_of(self, index: int, keep: int, suffix: str, new_ids: list[int],
+                reason: str | None, tokenizer: Any) -> str:
+        """The completion's text after a delta (``keep`` / ``suffix``: the engine's text edit;
+        used when the engine makes the text)."""
+        if self.detokenizers is None:
+            text = self.texts[index] = self.texts.get(index, "")[:keep] + suffix
+            return text
+        det = self.detokenizers.get(index)
+        if det is None:
+            det = self.detokenizers[index] = tokenizer.detokenizer(self.prompt_token_ids)
+        # With no stop strings, "stop" means a stop token ended the sample: the engine leaves
+        # that token out of the text.
+        det.add(new_ids[:-1] if reason == "stop" and new_ids else new_ids)
+        if reason is not None:
+            det.flush()
+        return det.text
+
+    def rebuild(self, delta: OutputDelta, tokenizer: Any) -> RequestOutput:
+        outs = []
+        for index, keep, suffix, new_ids, reason, cum_logprob, new_logprobs in delta.completions:
+            text = self.text_of(index, keep, suffix, new_ids, reason, tokenizer)
+            tokens = self.tokens.setdefault(index, [])
+            tokens += new_ids
+            logprobs = None
+            if new_logprobs is not None:
+                all_logprobs = self.logprobs.setdefault(index, [])
+                all_logprobs += new_logprobs
+                logprobs = GrowingListView(all_logprobs, 0, len(all_logprobs))
+            # O(1) snapshots: the lists only grow, and each view keeps its own length.
+            outs.append(CompletionOutput(index, text, GrowingListView(tokens, 0, len(tokens)),
+                                         reason, cum_logprob, logprobs))
+        return RequestOutput(delta.request_id, self.prompt, self.prompt_token_ids, outs,
+                             delta.finished, delta.metrics)
+
+
+class MPEngineClient(ClientBookkeeping):
+    """An ``LLMEngine`` stepped by an engine core in a child process.
+
+    Args:
+        model: what ``LLM(model, ...)`` takes (a local model directory or ``"tiny"``).
+        llm_kwargs: the other ``LLM`` arguments (dtype, device, block_size, ...).
+        start_timeout: seconds to wait for the engine to load (RuntimeError after).
+        engine_factory: ``"module:function"`` that builds the engine in the child instead of
+            ``LLM`` (see :class:`~mini_paged_attn.engine.core_process.CoreLaunch`).
+        max_consecutive_failures: failed steps in a row after which the engine is dead.
+
+    Raises:
+        RuntimeError: the child did not start, or its engine could not be built.
+    """
+
+    def __init__(self, model: str, llm_kwargs: dict | None = None, *,
+                 start_timeout: float = 900.0, engine_factory: str | None = None,
+                 max_consecutive_failures: int = 3) -> None:
+        if max_consecutive_failures < 1:
+            raise ValueError("max_consecutive_failures: expected >= 1, "
+                             f"got {max_consecutive_failures}")
+        launch = CoreLaunch(str(model), dict(llm_kwargs or {}), engine_factory,
+                            max_consecutive_failures)
+        ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+        child_commands, self._commands = ctx.Pipe(duplex=False)  # (receiving, sending) ends
+        self._results, child_results = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=run_core_process, name="engine-core", daemon=True,
+                                   args=(launch, child_commands, child_results))
+        self.process.start()
+        child_commands.close()
+        child_results.close()
+        ready = self._await_ready(start_timeout)
+        super().__init__(ready.tokenizer, ready.admission)
+        self.model_config = ready.model_config
+        self.max_model_len = ready.max_model_len
+        self._stats = ready.stats
+        self._seen_adds = 0
+        self._send_lock = threading.Lock()
+        self._closing = False
+        self._reader = threading.Thread(target=self._read_outputs, name="engine-client-outputs",
+                                        daemon=True)
+        self._reader.start()
+
+    def _await_ready(self, timeout: float) -> Ready:
+        try:
+            if not self._results.poll(timeout):
+                raise RuntimeError(f"the engine process did not start within {timeout} s")
+            message = decode(self._results.recv_bytes())
+        except (EOFError, OSError) as exc:
+            message = EngineDead(f"the engine process exited while starting "
+                                 f"({type(exc).__name__})")
+        except RuntimeError:
+            self._stop_process(0)
+            raise
+        if not isinstance(message, Ready):
+            self._stop_process(5)
+            raise RuntimeError(getattr(message, "message", f"unexpected {message!r}"))
+        return message
+
+    # ---- the EngineClient interface -------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None, *, final_only: bool = False) -> None:
+        params, text, ids = self._admit(request_id, prompt, params)
+        # Text is made here (_Rebuilt), off the engine's process, unless stop strings need it
+        # there.
+        self._send(AddRequest(request_id, None, ids, params, bool(params.stop), final_only))
+
+    def abort_request(self, request_id: str) -> bool:
+        known = self._forget(request_id)
+        if known:
+            self._send(AbortRequest(request_id))
+        return known
+
+    def _new_state(self, params: SamplingParams, text: str | None, ids: list[int]) -> _Rebuilt:
+        return _Rebuilt(text, ids, None if params.stop else {})
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return replace(self._stats, num_waiting=self._stats.num_waiting
+                           + self._sent_adds - self._seen_adds)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the child (requests in it are dropped) and the output thread."""
+        self._closing = True
+        if self.process.is_alive():
+            try:
+                self._send(Shutdown())
+            except (OSError, ValueError):
+                pass
+        self._stop_process(timeout)
+        self._reader.join(timeout)
+        self._commands.close()
+        self._results.close()
+
+    # ---- internals ------------------------------------------------------------------------
+    def _send(self, message: Message) -> None:
+        data = encode(message)
+        with self._send_lock:
+            self._commands.send_bytes(data)
+
+    def _stop_process(self, timeout: float) -> None:
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+    def _read_outputs(self) -> None:
+        """The output thread: read the child's messages and hand them on until it is gone."""
+        while True:
+            try:
+                message = decode(self._results.recv_bytes())
+            except (EOFError, OSError):
+                self.process.join(5)
+                reason = ("the engine was shut down" if self._closing else
+                          f"the engine process is gone (exit code {self.process.exitcode})")
+                self._die(reason)
+                return
+            if isinstance(message, Outputs):
+                self._on_outputs(message)
+            elif isinstance(message, StepFailed):
+                self._on_failed(message.message, message.request_ids)
+            elif isinstance(message, EngineDead):
+                self._die(message.message)
+                return
+            else:
+                logger.error("unexpected message from the engine process: %s", message.kind)
+
+    def _on_outputs(self, message: Outputs) -> None:
+        with self._lock:
+            self._stats, self._seen_adds = message.stats, message.adds_seen
+            outputs = []
+            for delta in message.deltas:
+                state = self._live.get(delta.request_id)
+                if state is None:  # aborted here after the child had stepped it
+                    continue
+                outputs.append(state.rebuild(delta, self.tokenizer))
+                if delta.finished:
+                    del self._live[delta.request_id]
+        handler = self._handler
+        if handler is not None and outputs:
+            handler.on_outputs(outputs)
+
+
+__all__ = ["MPEngineClient"]

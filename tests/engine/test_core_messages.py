@@ -1,0 +1,52 @@
+"""The engine core's messages: every kind round-trips through bytes, and garbage is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from mini_paged_attn.engine import SamplingParams
+from mini_paged_attn.engine.core_messages import (
+    PAYLOADS, AbortRequest, AddRequest, CompletionDelta, EngineDead, MessageKind, OutputDelta,
+    Outputs, Ready, Shutdown, StepFailed, decode, encode)
+from mini_paged_attn.engine.outputs import EngineStats, RequestMetrics
+
+STATS = EngineStats(kv_blocks_total=8, kv_blocks_free=5, num_running=2, num_waiting=1)
+MESSAGES = [
+    AddRequest("a", None, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4,
+                                                    stop=["x"]), True),
+    AddRequest("b", "hi", [4], SamplingParams(n=2, seed=1), False, final_only=True),
+    AbortRequest("a"),
+    Shutdown(),
+    Ready("tokenizer", {"vocab_size": 10}, 64, "admission", STATS),
+    Outputs([OutputDelta("a", [CompletionDelta(0, 2, "lo", [7, 8], None, -1.5, [{7: -0.5}]),
+                               CompletionDelta(1, 0, "", [9], "stop", None, None)],
+                         False, RequestMetrics(arrival_time=1.0, num_prompt_tokens=3))],
+            STATS, adds_seen=2),
+    StepFailed("RuntimeError: boom", ("a", "b")),
+    EngineDead("the engine core died"),
+]
+
+
+def test_every_kind_has_one_payload_and_is_covered():
+    assert set(PAYLOADS) == set(MessageKind)
+    assert {m.kind for m in MESSAGES} == set(MessageKind)
+    assert all(PAYLOADS[m.kind] is type(m) for m in MESSAGES)
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: m.kind.value)
+def test_round_trip(message):
+    back = decode(encode(message))
+    assert type(back) is type(message) and back == message
+
+
+def test_payloads_are_frozen():
+    with pytest.raises(AttributeError):
+        AbortRequest("a").request_id = "b"
+
+
+@pytest.mark.parametrize("data", [b"not a pickle", encode(Shutdown())[:-3],
+                                  __import__("pickle").dumps(("nope", ())),
+                                  __import__("pickle").dumps(("abort", ("a", "extra")))])
+def test_decode_refuses_what_encode_did_not_make(data):
+    with pytest.raises(ValueError, match="data"):
+        decode(data)
