@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.args import arg_error, cdiv, is_int, is_number, next_pow2
+from .kv_quant import FP8_DTYPE
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -81,10 +82,12 @@ def check_cache_pair(key_cache: object, value_cache: object, dtype: torch.dtype,
     """Check the paged K/V caches; return (num_blocks, block_size, num_kv_heads, head_size).
 
     Caches are ``[num_blocks, block_size, num_kv_heads, head_size]`` with any strides on the
-    first three dims and a contiguous last dim, in the query's dtype and on its device.
+    first three dims and a contiguous last dim, on the query's device, both in the query's
+    dtype or both in ``torch.float8_e4m3fn`` (an fp8 cache, see :mod:`.kv_quant`).
     """
+    check_tensor("key_cache", key_cache, ndim=4, dtypes=(dtype, FP8_DTYPE), device=device)
+    check_tensor("value_cache", value_cache, ndim=4, dtypes=(key_cache.dtype,), device=device)
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
-        check_tensor(name, c, ndim=4, dtypes=(dtype,), device=device)
         check_last_dim_contiguous(name, c)
     if key_cache.shape != value_cache.shape:
         raise arg_error("value_cache", f"the shape of key_cache {tuple(key_cache.shape)}",

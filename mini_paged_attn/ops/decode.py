@@ -9,6 +9,12 @@ one block, one per token otherwise). The softmax is online, in float32, with ``e
 is folded into the scale). Cache addresses are computed in 64 bits (block id cast first), so
 pools over 2^31 elements work.
 
+An fp8 cache (:mod:`.kv_quant`) is read as fp8 (half the bytes) and converted to the query's
+dtype right after the load (exact: every e4m3 value is an fp16 / bf16 value), so the dots run
+as for a cache in the query's dtype. The program's KV head has one ``k_scale`` and one
+``v_scale``: the first is folded into the softmax scale, the second multiplies the normalised
+output, instead of scaling every loaded element.
+
 Split-KV: sequence ``i`` cuts *its own* ``ceil(len_i / BLOCK_N)`` tiles into ``num_splits``
 equal runs; each split writes its normalised partial output and log-sum-exp to a float32
 workspace, and ``_merge_splits_kernel`` combines them (the online-softmax merge). Splits past a
@@ -30,6 +36,7 @@ import triton.language as tl
 
 from .checks import PagedShapes
 from .explain import MAX_SPLITS, DecodePlan, DecodeTiles, num_sms_of, plan_decode
+from .kv_quant import scale_pointers, scale_stride
 from .launch import PreparedLaunch
 
 logger = logging.getLogger(__name__)
@@ -41,8 +48,9 @@ MAX_GRID_Z = 65535
 
 @triton.jit
 def _paged_decode_kernel(
-    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, lse_ptr, scale_log2,
+    query_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
+    block_tables_ptr, context_lens_ptr, out_ptr, lse_ptr, scale_log2,
+    stride_k_scale, stride_v_scale,
     stride_q_seq, stride_q_head,
     stride_k_block, stride_k_token, stride_k_head,
     stride_v_block, stride_v_token, stride_v_head,
@@ -52,6 +60,7 @@ def _paged_decode_kernel(
     GROUP_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
 ):
     """Grid ``(num_kv_heads, num_splits, num_seqs)``: the KV heads of one sequence run side by
     side, so the token rows of a block (all heads' K and V) are read at about the same time.
@@ -59,6 +68,8 @@ def _paged_decode_kernel(
     SPLIT_KV: write float32 partials ``out[seq, head, split, :]`` (normalised) and
     ``lse[seq, head, split]`` (split stride 1) to the workspace; else the final output in the
     query's dtype (and the lse when WRITE_LSE). The lse is natural-log, of the scaled scores.
+    K_SCALED / V_SCALED: read the KV head's scale at ``k_scale_ptr + kv_head * stride_k_scale``
+    (stride 0: one scale for all heads); else the pointers are never read (scale 1).
     """
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -81,6 +92,10 @@ def _paged_decode_kernel(
               + heads[:, None] * stride_q_head + dims[None, :])
     q = tl.load(q_ptrs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
     # q: [BLOCK_H, HEAD_SIZE_PADDED]
+
+    qk_scale = scale_log2
+    if K_SCALED:
+        qk_scale = scale_log2 * tl.load(k_scale_ptr + kv_head * stride_k_scale)
 
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_head = key_cache_ptr + kv_head.to(tl.int64) * stride_k_head
@@ -111,9 +126,11 @@ def _paged_decode_kernel(
         kv_valid = token_valid[:, None] & dim_valid[None, :]  # [BLOCK_N, HEAD_SIZE_PADDED]
         k = tl.load(k_head + k_rows[:, None] + dims[None, :], mask=kv_valid, other=0.0)
         v = tl.load(v_head + v_rows[:, None] + dims[None, :], mask=kv_valid, other=0.0)
-        # k, v: [BLOCK_N, HEAD_SIZE_PADDED]
+        # k, v: [BLOCK_N, HEAD_SIZE_PADDED] in the query's dtype (no-op unless the cache is fp8)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(token_valid[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N] fp32
         # Every visited tile holds a valid token, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))             # [BLOCK_H]
@@ -126,6 +143,8 @@ def _paged_decode_kernel(
     has_keys = l_i > 0.0                                       # [BLOCK_H]; False: no tokens
     l_safe = tl.where(has_keys, l_i, 1.0)
     o = acc / l_safe[:, None]                                  # [BLOCK_H, HEAD_SIZE_PADDED]
+    if V_SCALED:
+        o = o * tl.load(v_scale_ptr + kv_head * stride_v_scale)
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
 
     o_ptrs = (out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head
@@ -239,21 +258,23 @@ class DecodeRun:
     lse_offset: int           # element offset of the partial lse in the workspace
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor | None, workspace: torch.Tensor | None) -> bool:
         """Launch for tensors of the prepared shapes; False (nothing launched) if a pointer's
         alignment differs from the prepared one."""
         lse_arg = lse if lse is not None else out
+        k_arg, v_arg = scale_pointers(key_cache, k_scale, v_scale)
         if self.merge is None:
-            return self.decode((query, key_cache, value_cache, block_tables, context_lens, out,
-                                lse_arg))
+            return self.decode((query, key_cache, value_cache, k_arg, v_arg, block_tables,
+                                context_lens, out, lse_arg))
         if workspace is None:
             workspace = torch.empty(self.workspace_numel, dtype=torch.float32,
                                     device=query.device)
         part_out = workspace.data_ptr()
         part_lse = part_out + 4 * self.lse_offset
-        return (self.decode((query, key_cache, value_cache, block_tables, context_lens,
-                             part_out, part_lse))
+        return (self.decode((query, key_cache, value_cache, k_arg, v_arg, block_tables,
+                             context_lens, part_out, part_lse))
                 and self.merge((part_out, part_lse, out, lse_arg)))
 
 
@@ -261,14 +282,16 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
                         block_tables: torch.Tensor, context_lens: torch.Tensor,
                         shapes: PagedShapes, *, out: torch.Tensor, lse: torch.Tensor | None,
                         num_splits: int | None = None, workspace: torch.Tensor | None = None,
-                        explain: bool = False, tiles: DecodeTiles | None = None
-                        ) -> DecodeRun | None:
+                        explain: bool = False, tiles: DecodeTiles | None = None,
+                        k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> DecodeRun | None:
     """Launch paged decode; arguments as :func:`~mini_paged_attn.ops.paged_decode`, validated.
 
     Writes ``out`` ``[num_seqs, num_q_heads, head_size]`` (query dtype) and, if given, ``lse``
     float32 ``[num_seqs, num_q_heads]``. No host sync; with ``workspace`` (float32, at least
     ``workspace_size(num_seqs, num_q_heads, head_size, num_splits)`` elements) no allocation
-    either. ``tiles`` overrides the planned tiles (benchmarks, tests).
+    either. ``tiles`` overrides the planned tiles (benchmarks, tests). ``k_scale`` /
+    ``v_scale``: None or float32 ``[]`` / ``[num_kv_heads]``, the fp8 cache's scales (checked).
 
     Returns:
         The launches as a :class:`DecodeRun` that repeats them for other tensors of the same
@@ -292,7 +315,9 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         logger.info("%s", plan)
     if shapes.num_seqs == 0:
         return None
-    meta = _constexprs(plan)
+    meta = dict(_constexprs(plan), K_SCALED=k_scale is not None, V_SCALED=v_scale is not None)
+    scales = scale_pointers(key_cache, k_scale, v_scale)
+    scale_strides = (scale_stride(k_scale), scale_stride(v_scale))
     ks, vs = key_cache.stride(), value_cache.stride()
     cache_strides = (ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
     qs = query.stride()
@@ -303,8 +328,8 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     os_ = out.stride()
     if plan.num_splits == 1:
         decode = PreparedLaunch(_paged_decode_kernel, grid, (
-            query, key_cache, value_cache, block_tables, context_lens, out, lse_arg,
-            scale_log2, qs[0], qs[1], *cache_strides, block_tables.stride(0),
+            query, key_cache, value_cache, *scales, block_tables, context_lens, out, lse_arg,
+            scale_log2, *scale_strides, qs[0], qs[1], *cache_strides, block_tables.stride(0),
             os_[0], os_[1], 0, os_[2], lse_seq, lse_head),
             dict(SPLIT_KV=False, WRITE_LSE=lse is not None, **meta))
         return DecodeRun(decode, None, 0, 0) if decode.ready else None
@@ -320,8 +345,8 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     po_seq, po_head, po_split = h * splits * d, splits * d, d
     pl_seq, pl_head = h * splits, splits
     decode = PreparedLaunch(_paged_decode_kernel, grid, (
-        query, key_cache, value_cache, block_tables, context_lens, part_out, part_lse,
-        scale_log2, qs[0], qs[1], *cache_strides, block_tables.stride(0),
+        query, key_cache, value_cache, *scales, block_tables, context_lens, part_out, part_lse,
+        scale_log2, *scale_strides, qs[0], qs[1], *cache_strides, block_tables.stride(0),
         po_seq, po_head, po_split, 1, pl_seq, pl_head),
         dict(SPLIT_KV=True, WRITE_LSE=True, **meta))
     # One warp per (sequence, query head), launched plainly: at batch 1 (32 programs) the merge

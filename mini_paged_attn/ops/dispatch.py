@@ -23,6 +23,7 @@ import torch
 
 from ..core.args import check_bool, non_negative_int
 from . import reference
+from .kv_quant import check_kv_scales, scale_pointers
 from .launch import LaunchCache, tensor_key
 from .checks import (FLOAT_DTYPES, PagedShapes, check_cache_pair, check_paged_decode_args,
                      check_paged_prefill_args, check_paged_values, check_tensor)
@@ -98,13 +99,15 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                  scale: float | None = None, out: torch.Tensor | None = None,
                  return_lse: bool = False, backend: str = "auto",
                  num_splits: int | None = None, workspace: torch.Tensor | None = None,
-                 explain: bool = False):
+                 explain: bool = False, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None):
     """Attention of one new query token per sequence over its paged K/V.
 
     Args:
         query: ``[num_seqs, num_q_heads, head_size]``, fp16 / bf16 / fp32, last dim contiguous.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]`` in the
-            query's dtype; any strides on the first three dims (the views of
+            query's dtype or ``torch.float8_e4m3fn`` (an fp8 cache, read as ``stored * scale``);
+            any strides on the first three dims (the views of
             ``PagedAttentionManager.kv_cache`` work without a copy).
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; entry ``j`` of row ``i`` is the
             physical block holding tokens ``j*block_size .. (j+1)*block_size-1`` of sequence i.
@@ -122,9 +125,14 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         workspace: triton only; a float32 scratch buffer for split-KV partial results, so the
             launch allocates nothing (CUDA-graph capture). See ``decode.workspace_size``.
         explain: log which kernel runs and why (see ``explain_decode``).
+        k_scale, v_scale: an fp8 cache's dequantization scales: None (= 1.0, no scaling) or a
+            float32 tensor of shape ``[]`` (per tensor) or ``[num_kv_heads]`` (per KV head) on
+            the query's device, positive and finite (see :mod:`.kv_quant`). A cache in the
+            query's dtype takes None.
 
     Query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)`` (MHA, GQA, MQA).
-    Scores and the softmax accumulate in float32.
+    Scores and the softmax accumulate in float32 (an fp8 cache too: the output is in the
+    query's dtype).
 
     Returns:
         ``out`` (``[num_seqs, num_q_heads, head_size]``, the query's dtype), or
@@ -137,15 +145,16 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     key = None
     if backend != "torch" and explain is False:
         key = _call_key((query, key_cache, value_cache, block_tables, context_lens, out,
-                         workspace), (scale, return_lse, backend, num_splits))
+                         workspace, k_scale, v_scale), (scale, return_lse, backend, num_splits))
         run = _DECODE_RUNS.get(key) if key is not None else None
         if run is not None:
             out_, lse = _outputs(query, out, return_lse, query.shape[0], query.shape[1])
-            if run(query, key_cache, value_cache, block_tables, context_lens, out_, lse,
-                   workspace):
+            if run(query, key_cache, value_cache, k_scale, v_scale, block_tables, context_lens,
+                   out_, lse, workspace):
                 return (out_, lse) if return_lse else out_
     shapes = check_paged_decode_args(query, key_cache, value_cache, block_tables,
                                      context_lens, scale, out)
+    check_kv_scales(k_scale, v_scale, key_cache.dtype, shapes.num_kv_heads, query.device)
     check_bool("return_lse", return_lse)
     check_bool("explain", explain)
     chosen = resolve_backend(backend, query.device)
@@ -155,13 +164,15 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                              f"got num_splits={num_splits}, workspace given={workspace is not None}")
         check_paged_values(shapes, block_tables, context_lens)
         out, lse = _reference_outputs(query, out, return_lse, reference.paged_decode_gather(
-            query, key_cache, value_cache, block_tables, context_lens, scale=shapes.scale))
+            query, key_cache, value_cache, block_tables, context_lens, scale=shapes.scale,
+            k_scale=k_scale, v_scale=v_scale))
     else:
         from .decode import triton_paged_decode
         out, lse = _outputs(query, out, return_lse, shapes.num_seqs, shapes.num_q_heads)
         run = triton_paged_decode(query, key_cache, value_cache, block_tables, context_lens,
                                   shapes, out=out, lse=lse, num_splits=num_splits,
-                                  workspace=workspace, explain=explain)
+                                  workspace=workspace, explain=explain, k_scale=k_scale,
+                                  v_scale=v_scale)
         if run is not None and key is not None:
             _DECODE_RUNS.put(key, run)
     return (out, lse) if return_lse else out
@@ -172,7 +183,8 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                   context_lens: torch.Tensor, *, causal: bool = True,
                   scale: float | None = None, out: torch.Tensor | None = None,
                   return_lse: bool = False, backend: str = "auto",
-                  max_seqlen_q: int | None = None):
+                  max_seqlen_q: int | None = None, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None):
     """Attention of a varlen batch of query tokens over their sequences' paged K/V.
 
     The ``q_len_i = cu_seqlens_q[i+1] - cu_seqlens_q[i]`` query tokens of sequence ``i`` are the
@@ -184,7 +196,7 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     Args:
         query: ``[total_q, num_q_heads, head_size]``, fp16 / bf16 / fp32.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]`` as in
-            :func:`paged_decode`.
+            :func:`paged_decode` (the query's dtype or fp8).
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
         cu_seqlens_q: int32 ``[num_seqs + 1]``, cumulative query lengths, from 0 to total_q.
         context_lens: int32 ``[num_seqs]``, tokens in the cache per sequence (queries included).
@@ -194,6 +206,7 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         max_seqlen_q: None or a non-negative int, accepted for callers that know it
             (FlashAttention-style); unused: the triton launch schedules its tiles without a
             bound on ``q_len`` and needs no host sync either way.
+        k_scale, v_scale: an fp8 cache's scales, as in :func:`paged_decode` (None = 1.0).
 
     Returns:
         ``out`` ``[total_q, num_q_heads, head_size]``, or ``(out, lse)`` when ``return_lse``.
@@ -203,15 +216,18 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     if backend != "torch" and (max_seqlen_q is None or (type(max_seqlen_q) is int
                                                          and max_seqlen_q >= 0)):
         key = _call_key((query, key_cache, value_cache, block_tables, cu_seqlens_q,
-                         context_lens, out), (causal, scale, return_lse, backend))
+                         context_lens, out, k_scale, v_scale),
+                        (causal, scale, return_lse, backend))
         launch = _PREFILL_RUNS.get(key) if key is not None else None
         if launch is not None:
             out_, lse = _outputs(query, out, return_lse, query.shape[0], query.shape[1])
-            if launch((query, key_cache, value_cache, out_, lse if return_lse else out_,
-                       block_tables, cu_seqlens_q, context_lens)):
+            if launch((query, key_cache, value_cache,
+                       *scale_pointers(key_cache, k_scale, v_scale), out_,
+                       lse if return_lse else out_, block_tables, cu_seqlens_q, context_lens)):
                 return (out_, lse) if return_lse else out_
     shapes = check_paged_prefill_args(query, key_cache, value_cache, block_tables,
                                       cu_seqlens_q, context_lens, scale, out)
+    check_kv_scales(k_scale, v_scale, key_cache.dtype, shapes.num_kv_heads, query.device)
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)
     if max_seqlen_q is not None:
@@ -222,13 +238,14 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         check_paged_values(shapes, block_tables, context_lens, cu_seqlens_q, total_q)
         out, lse = _reference_outputs(query, out, return_lse, reference.paged_prefill_gather(
             query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens,
-            causal=causal, scale=shapes.scale))
+            causal=causal, scale=shapes.scale, k_scale=k_scale, v_scale=v_scale))
     else:
         from .prefill import triton_paged_prefill
         out, lse = _outputs(query, out, return_lse, total_q, shapes.num_q_heads)
         launch = triton_paged_prefill(query, key_cache, value_cache, block_tables,
                                       cu_seqlens_q, context_lens, shapes, causal=causal,
-                                      out=out, lse=lse, max_seqlen_q=max_seqlen_q)
+                                      out=out, lse=lse, max_seqlen_q=max_seqlen_q,
+                                      k_scale=k_scale, v_scale=v_scale)
         if launch is not None and key is not None:
             _PREFILL_RUNS.put(key, launch)
     return (out, lse) if return_lse else out
@@ -236,27 +253,43 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
              value_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-             backend: str = "auto") -> None:
+             backend: str = "auto", k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """Write new tokens' K/V into the paged caches, in place.
 
     Args:
-        key, value: ``[num_tokens, num_kv_heads, head_size]`` in the caches' dtype.
+        key, value: ``[num_tokens, num_kv_heads, head_size]``, fp16 / bf16 / fp32, in the
+            caches' dtype, or any of these for an fp8 cache.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, any
-            strides on the first three dims.
+            strides on the first three dims; ``torch.float8_e4m3fn`` (an fp8 cache) or the
+            key's dtype.
         slot_mapping: int32 or int64 ``[num_tokens]``; token ``t`` goes to block
             ``slot // block_size``, offset ``slot % block_size``. Slot ``-1`` skips the token
             (padding); nothing else in the caches changes.
+        backend: "auto" | "torch" | "triton".
+        k_scale, v_scale: for an fp8 cache, None (= 1.0) or float32 ``[]`` / ``[num_kv_heads]``
+            on the key's device: the cache gets ``key / k_scale`` (and ``value / v_scale``)
+            clamped to +-448 and rounded to nearest e4m3. A cache in the key's dtype takes None
+            and gets the key as is.
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices or scales (for the torch backend also slots
+            out of range), before anything is written.
     """
     key_ = None
     if backend != "torch":
-        key_ = _call_key((key, value, key_cache, value_cache, slot_mapping), (backend,))
+        key_ = _call_key((key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale),
+                         (backend,))
         launch = _STORE_RUNS.get(key_) if key_ is not None else None
-        if launch is not None and launch((key, value, key_cache, value_cache, slot_mapping)):
+        if launch is not None and launch((key, value, key_cache, value_cache,
+                                          *scale_pointers(key_cache, k_scale, v_scale),
+                                          slot_mapping)):
             return
     check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
     num_blocks, block_size, num_kv_heads, head_size = check_cache_pair(
         key_cache, value_cache, key.dtype, key.device)
     check_tensor("value", value, ndim=3, dtypes=(key.dtype,), device=key.device)
+    check_kv_scales(k_scale, v_scale, key_cache.dtype, num_kv_heads, key.device)
     expected = (key.shape[0], num_kv_heads, head_size)
     for name, t in (("key", key), ("value", value)):
         if tuple(t.shape) != expected:
@@ -275,10 +308,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
             i = int(torch.nonzero(bad)[0])
             raise ValueError(f"slot_mapping: expected slots in [-1, {num_blocks * block_size}) "
                              f"(-1 skips), got slot_mapping[{i}]={int(slots[i])}")
-        reference.store_kv(key, value, key_cache, value_cache, slot_mapping)
+        reference.store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     else:
         from .kv_write import triton_store_kv
-        launch = triton_store_kv(key, value, key_cache, value_cache, slot_mapping)
+        launch = triton_store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale,
+                                 v_scale)
         if launch is not None and key_ is not None:
             _STORE_RUNS.put(key_, launch)
 

@@ -4,6 +4,9 @@ One program per token copies its ``[num_kv_heads, head_size]`` key and value row
 ``cache[slot // block_size, slot % block_size]``. Slot ``-1`` (padding) is skipped. The launch
 reads no values on the host (CUDA-graph friendly), so it cannot raise on a slot past the pool:
 such a slot is skipped too rather than written out of bounds (the torch backend raises).
+
+An fp8 cache (:mod:`.kv_quant`) gets ``key / k_scale`` (IEEE division, float32) clamped to
++-448 and rounded to nearest e4m3, as the torch reference does; values likewise with ``v_scale``.
 """
 
 from __future__ import annotations
@@ -13,19 +16,38 @@ import triton
 import triton.language as tl
 
 from .checks import check_last_dim_contiguous
+from .kv_quant import FP8_MAX as _FP8_MAX, is_fp8, scale_pointers, scale_stride
 from .launch import PreparedLaunch
+
+FP8_MAX = tl.constexpr(_FP8_MAX)
+
+
+@triton.jit
+def _quantize(x, scale_ptr, stride_scale, heads, NUM_KV_HEADS: tl.constexpr,
+              SCALED: tl.constexpr):
+    """x ``[HEADS_PADDED, HEAD_SIZE_PADDED]`` -> e4m3 of ``x / scale[head]`` saturated at
+    +-448 (the conversion alone would give NaN past 448)."""
+    x = x.to(tl.float32)
+    if SCALED:
+        scale = tl.load(scale_ptr + heads * stride_scale, mask=heads < NUM_KV_HEADS, other=1.0)
+        x = tl.math.div_rn(x, scale[:, None])          # [HEADS_PADDED] -> per row
+    x = tl.clamp(x, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return x.to(tl.float8e4nv)
 
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, num_slots,
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
+    slot_mapping_ptr, num_slots, stride_k_scale, stride_v_scale,
     stride_k_token, stride_k_head, stride_v_token, stride_v_head,
     stride_kc_block, stride_kc_token, stride_kc_head,
     stride_vc_block, stride_vc_token, stride_vc_head,
     NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
     HEADS_PADDED: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    QUANTIZE: tl.constexpr, K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
 ):
-    """Grid ``(num_tokens,)``."""
+    """Grid ``(num_tokens,)``. QUANTIZE: the caches are fp8 (K_SCALED / V_SCALED: divide by
+    the KV head's scale at ``*_scale_ptr + head * stride_*_scale`` first)."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     in_pool = (slot >= 0) & (slot < num_slots)      # -1 is padding; beyond the pool: skip
@@ -39,27 +61,35 @@ def _store_kv_kernel(
 
     src = token.to(tl.int64) * stride_k_token + heads[:, None] * stride_k_head + dims[None, :]
     k = tl.load(key_ptr + src, mask=valid)          # [HEADS_PADDED, HEAD_SIZE_PADDED]
+    if QUANTIZE:
+        k = _quantize(k, k_scale_ptr, stride_k_scale, heads, NUM_KV_HEADS, K_SCALED)
     dst = (block * stride_kc_block + offset * stride_kc_token
            + heads[:, None] * stride_kc_head + dims[None, :])
     tl.store(key_cache_ptr + dst, k, mask=valid)
 
     src = token.to(tl.int64) * stride_v_token + heads[:, None] * stride_v_head + dims[None, :]
     v = tl.load(value_ptr + src, mask=valid)        # [HEADS_PADDED, HEAD_SIZE_PADDED]
+    if QUANTIZE:
+        v = _quantize(v, v_scale_ptr, stride_v_scale, heads, NUM_KV_HEADS, V_SCALED)
     dst = (block * stride_vc_block + offset * stride_vc_token
            + heads[:, None] * stride_vc_head + dims[None, :])
     tl.store(value_cache_ptr + dst, v, mask=valid)
 
 
 def triton_store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                    value_cache: torch.Tensor, slot_mapping: torch.Tensor
+                    value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
                     ) -> PreparedLaunch | None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into the caches
-    ``[num_blocks, block_size, num_kv_heads, head_size]`` at ``slot_mapping`` (int32/int64
-    ``[num_tokens]``; -1 skips). Arguments are validated by :func:`~.dispatch.store_kv`.
+    ``[num_blocks, block_size, num_kv_heads, head_size]`` (key's dtype, or fp8: quantized with
+    ``k_scale`` / ``v_scale``, None or float32 ``[]`` / ``[num_kv_heads]``) at ``slot_mapping``
+    (int32/int64 ``[num_tokens]``; -1 skips). Arguments are validated by
+    :func:`~.dispatch.store_kv`.
 
     Returns:
         The launch, repeatable for tensors of the same shapes in the order ``(key, value,
-        key_cache, value_cache, slot_mapping)`` (None under the interpreter or for no tokens).
+        key_cache, value_cache, k_scale or key_cache, v_scale or key_cache, slot_mapping)``
+        (None under the interpreter or for no tokens).
     """
     for name, t in (("key", key), ("value", value)):
         check_last_dim_contiguous(name, t)
@@ -68,13 +98,16 @@ def triton_store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Ten
         return None
     num_blocks, block_size = key_cache.shape[:2]
     launch = PreparedLaunch(_store_kv_kernel, (num_tokens,), (
-        key, value, key_cache, value_cache, slot_mapping, num_blocks * block_size,
+        key, value, key_cache, value_cache, *scale_pointers(key_cache, k_scale, v_scale),
+        slot_mapping, num_blocks * block_size, scale_stride(k_scale), scale_stride(v_scale),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)), dict(
         NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
         HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
         HEAD_SIZE_PADDED=triton.next_power_of_2(head_size), BLOCK_SIZE=block_size,
+        QUANTIZE=is_fp8(key_cache.dtype), K_SCALED=k_scale is not None,
+        V_SCALED=v_scale is not None,
         num_warps=4 if num_kv_heads * head_size >= 1024 else 1))
     return launch if launch.ready else None
 

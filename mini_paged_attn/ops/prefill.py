@@ -12,6 +12,10 @@ diagonal are never visited, and tiles entirely below it run without any mask.
 
 The same kernel reads contiguous varlen K/V (``flash_attn_varlen_func`` without a block table)
 when ``PAGED`` is false: key ``t`` of sequence ``i`` is row ``cu_seqlens_k[i] + t``.
+
+An fp8 cache (:mod:`.kv_quant`) is converted to the query's dtype right after each load (exact);
+a program's KV head ``k_scale`` is folded into the softmax scale and its ``v_scale`` multiplies
+the normalised output.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .checks import PagedShapes
+from .kv_quant import scale_pointers, scale_stride
 from .launch import PreparedLaunch
 from .prefill_plan import PrefillConfig, default_config, tiling
 
@@ -71,6 +76,9 @@ def _attend_kv_tile(acc, l_i, m_i, q, start_n, last_visible, kv_len, qk_scale,
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
+    # In the query's dtype for the dots (a no-op unless the cache is fp8).
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
 
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
     if MASKED:
@@ -93,15 +101,17 @@ def _attend_kv_tile(acc, l_i, m_i, q, start_n, last_visible, kv_len, qk_scale,
 
 @triton.jit
 def _attend_q_tile(q_ptr, out_ptr, lse_ptr, k_base, v_base, table_row, kv_row0, kv_len,
-                   q_start, q_len, first_tok, kv_head, head_chunk, qk_scale,
+                   q_start, q_len, first_tok, kv_head, head_chunk, qk_scale, v_scale,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
                    stride_kb, stride_kt, stride_vb, stride_vt,
                    ROWS: tl.constexpr, TOKENS: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
                    GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr,
                    HEAD_SIZE_PADDED: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr,
-                   WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Query tokens first_tok .. first_tok + TOKENS - 1 of one sequence, ROWS rows."""
+                   WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   V_SCALED: tl.constexpr):
+    """Query tokens first_tok .. first_tok + TOKENS - 1 of one sequence, ROWS rows; the output
+    is multiplied by ``v_scale`` when V_SCALED."""
     rows = tl.arange(0, ROWS)                        # [ROWS] row = token-major (token, head)
     tok = first_tok + rows // HEADS_PER_TILE
     head_in_group = head_chunk * HEADS_PER_TILE + rows % HEADS_PER_TILE
@@ -144,6 +154,8 @@ def _attend_q_tile(q_ptr, out_ptr, lse_ptr, k_base, v_base, table_row, kv_row0, 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)               # [ROWS]
     out = acc / l_safe[:, None]                     # [ROWS, HEAD_SIZE_PADDED]
+    if V_SCALED:
+        out = out * v_scale
     o_ptrs = (out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh
               + offs_d[None, :] * stride_od)
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
@@ -156,9 +168,9 @@ def _attend_q_tile(q_ptr, out_ptr, lse_ptr, k_base, v_base, table_row, kv_row0, 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
     block_tables_ptr, cu_seqlens_q_ptr, kv_lens_ptr,
-    num_seqs, qk_scale,
+    num_seqs, qk_scale, stride_k_scale, stride_v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
@@ -166,8 +178,10 @@ def _prefill_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
 ):
+    # K_SCALED / V_SCALED: the KV head's scale is at ``*_scale_ptr + kv_head * stride_*_scale``
+    # (stride 0: one for all heads); else the pointers are never read (scale 1).
     # program = (tile slot, kv head, head chunk), slot-major: programs start in slot order, the
     # tiles of one sequence together (they share its K/V in L2). See prefill_plan for the slot
     # layout. (Taking slots from both ends in turn, to pair heavy tiles with light ones and mix
@@ -204,29 +218,37 @@ def _prefill_kernel(
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+    if K_SCALED:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head * stride_k_scale)
+    v_scale = 1.0
+    if V_SCALED:
+        v_scale = tl.load(v_scale_ptr + kv_head * stride_v_scale)
     if SMALL_ROWS > 0 and q_len * HEADS_PER_TILE <= SMALL_ROWS:
         # Decode rows and other short sequences: a tile of SMALL_ROWS rows instead of BLOCK_M,
         # so a memory-bound walk over a long context wastes no tensor-core work on empty rows.
         _attend_q_tile(
             q_ptr, out_ptr, lse_ptr, k_base, v_base, table_row, kv_row0, kv_len, q_start, q_len,
-            0, kv_head, head_chunk, qk_scale,
+            0, kv_head, head_chunk, qk_scale, v_scale,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
             stride_kb, stride_kt, stride_vb, stride_vt,
             SMALL_ROWS, SMALL_ROWS // HEADS_PER_TILE, HEADS_PER_TILE, GROUP, HEAD_SIZE,
-            HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, CAUSAL, WRITE_LSE, DOT_PRECISION)
+            HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, CAUSAL, WRITE_LSE, DOT_PRECISION,
+            V_SCALED)
     else:
         _attend_q_tile(
             q_ptr, out_ptr, lse_ptr, k_base, v_base, table_row, kv_row0, kv_len, q_start, q_len,
-            tile * TOKENS_PER_TILE, kv_head, head_chunk, qk_scale,
+            tile * TOKENS_PER_TILE, kv_head, head_chunk, qk_scale, v_scale,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
             stride_kb, stride_kt, stride_vb, stride_vt,
             BLOCK_M, TOKENS_PER_TILE, HEADS_PER_TILE, GROUP, HEAD_SIZE,
-            HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, CAUSAL, WRITE_LSE, DOT_PRECISION)
+            HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, CAUSAL, WRITE_LSE, DOT_PRECISION,
+            V_SCALED)
 
 
 def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs: int,
             num_kv_heads: int, scale: float, causal: bool, paged: bool, block_size: int,
-            config: PrefillConfig | None) -> PreparedLaunch | None:
+            config: PrefillConfig | None, k_scale: torch.Tensor | None = None,
+            v_scale: torch.Tensor | None = None) -> PreparedLaunch | None:
     total_q, num_q_heads, head_size = q.shape
     if total_q == 0 or num_seqs == 0:
         return None
@@ -236,8 +258,9 @@ def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs:
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
     grid = plan.grid(total_q, num_seqs, num_kv_heads)
     launch = PreparedLaunch(_prefill_kernel, grid, (
-        q, k, v, out, lse_arg, block_tables, cu_seqlens_q, kv_lens,
-        num_seqs, scale * LOG2E,
+        q, k, v, *scale_pointers(k, k_scale, v_scale),
+        out, lse_arg, block_tables, cu_seqlens_q, kv_lens,
+        num_seqs, scale * LOG2E, scale_stride(k_scale), scale_stride(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), out.stride(2), *lse_strides,
         *(k.stride()[:3] if paged else (0, *k.stride()[:2])),
         *(v.stride()[:3] if paged else (0, *v.stride()[:2])),
@@ -249,6 +272,7 @@ def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs:
         BLOCK_N=config.block_n, BLOCK_SIZE=block_size if paged else 1, PAGED=paged,
         CAUSAL=causal, WRITE_LSE=lse is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        K_SCALED=k_scale is not None, V_SCALED=v_scale is not None,
         num_warps=config.num_warps, num_stages=config.num_stages))
     return launch if launch.ready else None
 
@@ -258,7 +282,9 @@ def triton_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cac
                          context_lens: torch.Tensor, shapes: PagedShapes, *, causal: bool,
                          out: torch.Tensor, lse: torch.Tensor | None,
                          max_seqlen_q: int | None = None,
-                         config: PrefillConfig | None = None) -> PreparedLaunch | None:
+                         config: PrefillConfig | None = None,
+                         k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> PreparedLaunch | None:
     """Paged varlen prefill into ``out`` (and ``lse``); arguments already checked by dispatch.
 
     Args:
@@ -273,16 +299,19 @@ def triton_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         max_seqlen_q: accepted for the dispatcher's signature; the launch needs no bound on
             q_len (the grid comes from ``total_q`` and ``num_seqs``), so no host sync either.
         config: tile sizes (default: :func:`~.prefill_plan.default_config`).
+        k_scale, v_scale: None or float32 ``[]`` / ``[num_kv_heads]``, an fp8 cache's scales.
 
     Returns:
         The launch, repeatable for other tensors of the same shapes with the tensors in the
-        kernel's order ``(query, key_cache, value_cache, out, lse or out, block_tables,
-        cu_seqlens_q, context_lens)`` (None under the interpreter or for an empty batch).
+        kernel's order ``(query, key_cache, value_cache, k_scale or key_cache, v_scale or
+        key_cache, out, lse or out, block_tables, cu_seqlens_q, context_lens)`` (None under the
+        interpreter or for an empty batch).
     """
     del max_seqlen_q  # the flattened tile schedule makes it unnecessary
     return _launch(query, key_cache, value_cache, out, lse, block_tables, cu_seqlens_q, context_lens,
             num_seqs=shapes.num_seqs, num_kv_heads=shapes.num_kv_heads, scale=shapes.scale,
-            causal=causal, paged=True, block_size=shapes.block_size, config=config)
+            causal=causal, paged=True, block_size=shapes.block_size, config=config,
+            k_scale=k_scale, v_scale=v_scale)
 
 
 def triton_varlen_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -20,7 +20,9 @@ Semantics shared by all ops (names as in :mod:`.dispatch`):
   the scaled scores;
 - a row that sees no key (context length 0) gives out 0 and lse ``-inf``;
 - table entries past a sequence's length are never read, and cache slots past its length never
-  reach the result (unused memory may hold NaN).
+  reach the result (unused memory may hold NaN);
+- ``k_scale`` / ``v_scale`` (None, or float32 ``[]`` / ``[num_kv_heads]``): attention reads
+  ``stored * scale`` from the cache (an fp8 cache, see :mod:`.kv_quant`); None reads it as is.
 
 All functions are forward-only (``torch.no_grad``) and return float32 tensors; dispatch casts.
 """
@@ -31,6 +33,7 @@ import torch
 
 from ..cache.slots import write_slots
 from ..core.args import cdiv
+from .kv_quant import dequantize, is_fp8, quantize
 
 _NEG_INF = float("-inf")
 
@@ -55,8 +58,9 @@ def _visible_counts(q_lens: torch.Tensor, k_lens: torch.Tensor,
 
 
 def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
-                  max_len: int) -> torch.Tensor:
-    """Sequence ``i``'s first ``lens[i]`` cached tokens, float32 ``[num_seqs, max_len, H_kv, D]``.
+                  max_len: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Sequence ``i``'s first ``lens[i]`` cached tokens, float32 ``[num_seqs, max_len, H_kv, D]``
+    (times ``scale``, ``[]`` or ``[H_kv]``, when given).
 
     Only (sequence, position) pairs inside the length are looked up, so neither a table entry
     past a sequence's length nor a cache slot past it is ever read; padding is 0.
@@ -66,7 +70,7 @@ def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.T
     seq, pos = torch.nonzero(valid, as_tuple=True)  # [num_tokens] each
     blocks = block_tables[seq, pos // block_size].to(torch.int64)
     padded = cache.new_zeros((lens.shape[0], max_len, *cache.shape[2:]), dtype=torch.float32)
-    padded[seq, pos] = cache[blocks, pos % block_size].float()
+    padded[seq, pos] = dequantize(cache[blocks, pos % block_size], scale)
     return padded
 
 
@@ -101,8 +105,9 @@ def _attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_visible: 
 
 def _attend_blockwise(q: torch.Tensor, seq: torch.Tensor, n_visible: torch.Tensor,
                       key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      block_tables: torch.Tensor,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      block_tables: torch.Tensor, scale: float,
+                      k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Online softmax over the paged blocks, float32.
 
     q ``[R, Hq, D]``, one row per query token; seq int64 ``[R]``, its sequence; n_visible int64
@@ -125,8 +130,9 @@ def _attend_blockwise(q: torch.Tensor, seq: torch.Tensor, n_visible: torch.Tenso
         blocks = block_tables[seq[active], j].to(torch.int64)  # entries within each length only
         seen = (j * block_size + offsets)[None, :] < n_visible[active, None]  # [A, block_size]
         # Zero the slots a row must not see *before* the matmuls: 0 * NaN would be NaN.
-        k = torch.where(seen[..., None, None], key_cache[blocks].float(), 0.0)  # [A, bs, Hkv, D]
-        v = torch.where(seen[..., None, None], value_cache[blocks].float(), 0.0)
+        k = torch.where(seen[..., None, None], dequantize(key_cache[blocks], k_scale), 0.0)
+        v = torch.where(seen[..., None, None], dequantize(value_cache[blocks], v_scale), 0.0)
+        # k, v: [A, bs, Hkv, D]
         scores = torch.einsum("akgd,abkd->akgb", qg[active], k) * scale  # [A, Hkv, G, bs]
         scores = scores.masked_fill(~seen[:, None, None, :], _NEG_INF)
         m_old = m[active]
@@ -148,7 +154,8 @@ def _attend_blockwise(q: torch.Tensor, seq: torch.Tensor, n_visible: torch.Tenso
 @torch.no_grad()
 def paged_decode_gather(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor, *,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        scale: float, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention by gather + dense float32 softmax, all sequences at once.
 
     Args:
@@ -157,6 +164,7 @@ def paged_decode_gather(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
         context_lens: int32 ``[num_seqs]``.
         scale: softmax scale.
+        k_scale, v_scale: None or float32 ``[]`` / ``[num_kv_heads]``: dequantization scales.
 
     Returns:
         out float32 ``[num_seqs, num_q_heads, head_size]``, lse float32 ``[num_seqs, num_q_heads]``.
@@ -164,8 +172,8 @@ def paged_decode_gather(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     k_lens = context_lens.to(torch.int64)
     # Pad to the longest context (at least 1 so the key dim is never empty; padding is masked).
     max_k = max(int(k_lens.max()) if k_lens.numel() else 0, 1)
-    k = _gather_paged(key_cache, block_tables, k_lens, max_k)
-    v = _gather_paged(value_cache, block_tables, k_lens, max_k)
+    k = _gather_paged(key_cache, block_tables, k_lens, max_k, k_scale)
+    v = _gather_paged(value_cache, block_tables, k_lens, max_k, v_scale)
     out, lse = _attend_dense(query.float()[:, None], k, v, k_lens[:, None], scale)
     return out[:, 0], lse[:, 0]
 
@@ -173,21 +181,25 @@ def paged_decode_gather(query: torch.Tensor, key_cache: torch.Tensor, value_cach
 @torch.no_grad()
 def paged_decode_blockwise(query: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, *,
-                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                           context_lens: torch.Tensor, *, scale: float,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention by a block-wise online softmax; same arguments and results as
     :func:`paged_decode_gather`."""
     k_lens = context_lens.to(torch.int64)
     seq = torch.arange(k_lens.shape[0], device=k_lens.device)
     return _attend_blockwise(query.float(), seq, k_lens, key_cache, value_cache, block_tables,
-                             scale)
+                             scale, k_scale, v_scale)
 
 
 @torch.no_grad()
 def paged_prefill_gather(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                         context_lens: torch.Tensor, *, causal: bool,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                         context_lens: torch.Tensor, *, causal: bool, scale: float,
+                         k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen prefill attention over paged K/V: per sequence, gather + dense float32 softmax.
 
     One sequence at a time, because padding every sequence to the longest query *and* the longest
@@ -202,6 +214,7 @@ def paged_prefill_gather(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         context_lens: int32 ``[num_seqs]``, ``>= q_len`` per sequence.
         causal: bottom-right aligned causal mask.
         scale: softmax scale.
+        k_scale, v_scale: None or float32 ``[]`` / ``[num_kv_heads]``: dequantization scales.
 
     Returns:
         out float32 ``[total_q, num_q_heads, head_size]``, lse float32 ``[total_q, num_q_heads]``.
@@ -216,8 +229,10 @@ def paged_prefill_gather(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         rows = slice(cu[i], cu[i + 1])
         if rows.start == rows.stop:
             continue
-        k = _gather_paged(key_cache, block_tables[i:i + 1], k_lens[i:i + 1], max(k_len, 1))
-        v = _gather_paged(value_cache, block_tables[i:i + 1], k_lens[i:i + 1], max(k_len, 1))
+        k = _gather_paged(key_cache, block_tables[i:i + 1], k_lens[i:i + 1], max(k_len, 1),
+                          k_scale)
+        v = _gather_paged(value_cache, block_tables[i:i + 1], k_lens[i:i + 1], max(k_len, 1),
+                          v_scale)
         o, s = _attend_dense(query[rows].float()[None], k, v, n_visible[None, rows], scale)
         out[rows], lse[rows] = o[0], s[0]
     return out, lse
@@ -227,13 +242,15 @@ def paged_prefill_gather(query: torch.Tensor, key_cache: torch.Tensor, value_cac
 def paged_prefill_blockwise(query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, block_tables: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, *,
-                            causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                            causal: bool, scale: float, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen prefill attention by a block-wise online softmax over all query rows at once;
     same arguments and results as :func:`paged_prefill_gather`."""
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int64)
     seq, n_visible = _visible_counts(q_lens, context_lens.to(torch.int64), causal)
     return _attend_blockwise(query.float(), seq, n_visible, key_cache, value_cache,
-                             block_tables, scale)
+                             block_tables, scale, k_scale, v_scale)
 
 
 @torch.no_grad()
@@ -271,11 +288,16 @@ def varlen_attention_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Write K/V by slot (``block * block_size + offset``; -1 skips), in place.
 
     key, value ``[num_tokens, num_kv_heads, head_size]``; caches
     ``[num_blocks, block_size, num_kv_heads, head_size]``; slot_mapping int32 or int64
-    ``[num_tokens]``. Arguments are checked by ``dispatch.store_kv``.
+    ``[num_tokens]``. An fp8 cache gets ``quantize(key, k_scale)`` (``key / k_scale`` rounded to
+    e4m3, saturated) and likewise for values; scales None, float32 ``[]`` or ``[num_kv_heads]``.
+    Arguments are checked by ``dispatch.store_kv``.
     """
+    if is_fp8(key_cache.dtype):
+        key, value = quantize(key, k_scale), quantize(value, v_scale)
     write_slots(key, value, key_cache, value_cache, slot_mapping)
