@@ -1,0 +1,266 @@
+"""The fp8 (e4m3) KV cache: quantization, the references, the Triton kernels, the checks.
+
+On CPU the decode and prefill kernels run through the Triton interpreter, which loads and
+converts e4m3 correctly (finite values; NaN bytes read as +-480 there, but unused slots are
+masked before that could matter), with fp16 / fp32 queries. The interpreter's float32 -> e4m3
+conversion rounds wrongly at binade boundaries (127.7 becomes 64), so the Triton store_kv is
+checked here only on values that need no rounding; test_fp8_kv_gpu.py checks its rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.fp8_batch import dequantized_batch, fp8_batch, per_head_scales
+from helpers.paged_batch import make_decode_batch, make_prefill_batch
+from mini_paged_attn.ops import reference
+from mini_paged_attn.ops.dispatch import paged_decode, paged_prefill, store_kv
+from mini_paged_attn.ops.kv_quant import FP8_DTYPE, dequantize, kv_cache_torch_dtype, quantize
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Max |kernel - reference on the dequantized cache| by query dtype.
+TOL = {torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def _scales(kind: str, num_kv_heads: int):
+    if kind == "none":
+        return None, None
+    if kind == "tensor":
+        return (torch.tensor(0.02, device=DEVICE), torch.tensor(0.03, device=DEVICE))
+    return (per_head_scales(num_kv_heads, DEVICE),
+            per_head_scales(num_kv_heads, DEVICE, base=0.015).flip(0))
+
+
+# ---- quantization ---------------------------------------------------------------------------
+
+def test_quantize_divides_rounds_to_nearest_even_and_saturates():
+    x = torch.tensor([[[0.0, 1.0, 1.0625, 1.1875, 460.0, -1000.0, float("nan")]]])
+    q = quantize(x, torch.tensor(1.0))
+    assert q.dtype == FP8_DTYPE
+    # 1.0625 ties between 1.0 and 1.125 -> even (1.0); 1.1875 ties -> 1.25; past 448 saturates.
+    got = q.float()[0, 0]
+    assert got[:6].tolist() == [0.0, 1.0, 1.0, 1.25, 448.0, -448.0]
+    assert torch.isnan(got[6]) and q.view(torch.uint8)[0, 0, 6] in (0x7F, 0xFF)
+    per_head = torch.tensor([2.0, 0.5])
+    y = torch.ones(3, 2, 4)
+    assert dequantize(quantize(y, per_head), per_head).eq(1.0).all()
+    assert quantize(y, per_head).float()[:, 1].eq(2.0).all()
+
+
+def test_kv_cache_dtype_names():
+    assert kv_cache_torch_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert kv_cache_torch_dtype("fp8", torch.bfloat16) == FP8_DTYPE
+    assert kv_cache_torch_dtype("fp8_e4m3", torch.float16) == FP8_DTYPE
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        kv_cache_torch_dtype("fp8_e5m2", torch.float16)
+
+
+# ---- the references -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["none", "tensor", "head"])
+def test_references_read_stored_times_scale(kind):
+    """Both references over an fp8 cache equal the plain reference over ``stored * scale``."""
+    base = make_prefill_batch([3, 1, 6], [5, 9, 0], num_q_heads=6, num_kv_heads=3,
+                              head_size=16, block_size=4, seed=3, pool_layout=True)
+    ks, vs = _scales(kind, 3)
+    batch = fp8_batch(base, ks, vs, torch.float32)
+    plain = dequantized_batch(batch, ks, vs)
+    expected = reference.paged_prefill_gather(*plain.prefill_args, causal=True, scale=0.25)
+    for fn in (reference.paged_prefill_gather, reference.paged_prefill_blockwise):
+        out, lse = fn(*batch.prefill_args, causal=True, scale=0.25, k_scale=ks, v_scale=vs)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, expected[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, expected[1], atol=1e-5, rtol=1e-5)
+    dec = make_decode_batch([7, 0, 13], num_q_heads=6, num_kv_heads=3, head_size=16,
+                            block_size=4, seed=4)
+    dec8 = fp8_batch(dec, ks, vs, torch.float32)
+    expected = reference.paged_decode_gather(*dequantized_batch(dec8, ks, vs).decode_args,
+                                             scale=0.25)
+    for fn in (reference.paged_decode_gather, reference.paged_decode_blockwise):
+        out, lse = fn(*dec8.decode_args, scale=0.25, k_scale=ks, v_scale=vs)
+        torch.testing.assert_close(out, expected[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, expected[1], atol=1e-5, rtol=1e-5)
+
+
+# ---- Triton decode and prefill against the reference ----------------------------------------
+
+def _dequantized_reference_decode(batch, ks, vs):
+    plain = dequantized_batch(batch, ks, vs)
+    return reference.paged_decode_gather(*plain.decode_args, scale=batch.query.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("kind", ["none", "tensor", "head"])
+@pytest.mark.parametrize("hq, hkv, head_size, block_size, lens, qdtype, pool_layout, splits", [
+    pytest.param(4, 2, 64, 16, [1, 15, 17, 50], torch.float16, False, None, id="gqa2-bs16"),
+    pytest.param(8, 2, 80, 4, [3, 33, 0], torch.float32, True, 3, id="gqa4-d80-bs4-split3"),
+    pytest.param(8, 1, 32, 32, [31, 70], torch.float16, True, 1, id="mqa-bs32-unsplit"),
+])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_matches_reference_on_dequantized_values(kind, hq, hkv, head_size, block_size,
+                                                        lens, qdtype, pool_layout, splits,
+                                                        backend):
+    base = make_decode_batch(lens, num_q_heads=hq, num_kv_heads=hkv, head_size=head_size,
+                             block_size=block_size, seed=hq + head_size,
+                             pool_layout=pool_layout, device=DEVICE)
+    ks, vs = _scales(kind, hkv)
+    batch = fp8_batch(base, ks, vs, qdtype)
+    out = torch.full_like(batch.query, float("nan"))
+    kwargs = {} if backend == "torch" else {"num_splits": splits}
+    _, lse = paged_decode(*batch.decode_args, out=out, return_lse=True, backend=backend,
+                          k_scale=ks, v_scale=vs, **kwargs)
+    ref_out, ref_lse = _dequantized_reference_decode(batch, ks, vs)
+    assert out.dtype == qdtype
+    torch.testing.assert_close(out.float(), ref_out, atol=TOL[qdtype], rtol=TOL[qdtype])
+    torch.testing.assert_close(lse, ref_lse, atol=TOL[qdtype], rtol=TOL[qdtype])
+
+
+@pytest.mark.parametrize("kind", ["none", "tensor", "head"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_prefill_matches_reference_on_dequantized_values(kind, causal, backend):
+    base = make_prefill_batch([1, 20, 7, 1], [0, 5, 30, 12], num_q_heads=8, num_kv_heads=2,
+                              head_size=64, block_size=8, seed=11, pool_layout=True,
+                              device=DEVICE)
+    ks, vs = _scales(kind, 2)
+    batch = fp8_batch(base, ks, vs, torch.float16)
+    out = torch.full_like(batch.query, float("nan"))
+    _, lse = paged_prefill(*batch.prefill_args, causal=causal, out=out, return_lse=True,
+                           backend=backend, k_scale=ks, v_scale=vs)
+    plain = dequantized_batch(batch, ks, vs)
+    ref_out, ref_lse = reference.paged_prefill_gather(*plain.prefill_args, causal=causal,
+                                                      scale=64 ** -0.5)
+    torch.testing.assert_close(out.float(), ref_out, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-2, rtol=1e-2)
+
+
+def test_scales_change_the_result():
+    """A given scale is used, not ignored (a kernel reading 1.0 would pass the tests above
+    only if every scale were 1)."""
+    base = make_decode_batch([20], num_q_heads=4, num_kv_heads=2, head_size=32, block_size=16,
+                             device=DEVICE)
+    ks, vs = _scales("head", 2)
+    batch = fp8_batch(base, ks, vs, torch.float16)
+    scaled = paged_decode(*batch.decode_args, backend="triton", k_scale=ks, v_scale=vs)
+    unscaled = paged_decode(*batch.decode_args, backend="triton")
+    assert (scaled.float() - unscaled.float()).abs().max() > 0.1
+    ref = reference.paged_decode_gather(*batch.decode_args, scale=32 ** -0.5)[0]
+    torch.testing.assert_close(unscaled.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+# ---- store_kv --------------------------------------------------------------------------------
+
+def _fp8_pool(num_blocks, block_size, num_kv_heads, head_size, pool_layout):
+    pool = torch.full((num_blocks, block_size, 2, num_kv_heads, head_size), float("nan"),
+                      device=DEVICE).to(FP8_DTYPE)
+    if pool_layout:
+        return pool[:, :, 0], pool[:, :, 1]
+    return pool[:, :, 0].contiguous(), pool[:, :, 1].contiguous()
+
+
+@pytest.mark.parametrize("kind", ["none", "tensor", "head"])
+@pytest.mark.parametrize("kdtype, pool_layout", [(torch.float16, True), (torch.float32, False),
+                                                 (torch.bfloat16, True)])
+def test_store_kv_triton_matches_torch_on_representable_values(kind, kdtype, pool_layout):
+    """K/V that are e4m3 values times a power-of-two scale: the division is exact and no
+    rounding happens, so the kernel's plumbing (slots, heads, scales, saturation) is checked
+    under the interpreter too."""
+    gen = torch.Generator().manual_seed(7)
+    hkv, d, bs, n = 3, 32, 4, 7
+    pow2 = {"none": (None, None),
+            "tensor": (torch.tensor(0.25), torch.tensor(4.0)),
+            "head": (torch.tensor([0.5, 2.0, 0.125]), torch.tensor([1.0, 0.25, 8.0]))}[kind]
+    ks, vs = (None if s is None else s.to(DEVICE) for s in pow2)
+    raw = (torch.randn(2, n, hkv, d, generator=gen) * 20).to(FP8_DTYPE).float()
+    key = dequantize(raw[0], None if ks is None else ks.cpu()).to(DEVICE, kdtype)
+    value = dequantize(raw[1], None if vs is None else vs.cpu()).to(DEVICE, kdtype)
+    key[0, 0, :2] = torch.tensor([1e4, -1e4])            # past e4m3's range: saturates
+    slots = torch.tensor([5, -1, 0, 11, 2, -1, 9], device=DEVICE)
+    caches = {}
+    for backend in ("torch", "triton"):
+        kc, vc = _fp8_pool(4, bs, hkv, d, pool_layout)
+        store_kv(key, value, kc, vc, slots, backend=backend, k_scale=ks, v_scale=vs)
+        caches[backend] = (kc, vc)
+    for t, x in zip(caches["torch"], caches["triton"]):
+        assert torch.equal(t.view(torch.uint8), x.view(torch.uint8))
+    kc = caches["torch"][0].reshape(-1, hkv, d)
+    written = slots[slots >= 0].long()
+    assert torch.equal(kc[written].float().cpu()[1:], raw[0][slots.cpu() >= 0][1:])
+    assert kc[5, 0, :2].float().tolist() == [448.0, -448.0]
+    unwritten = torch.ones(16, dtype=torch.bool)
+    unwritten[written.cpu()] = False
+    assert kc.float().cpu()[unwritten].isnan().all()
+
+
+def test_store_kv_reference_rounds_like_torch():
+    key = torch.randn(5, 2, 16) * 50
+    kc = torch.zeros(2, 4, 2, 16, dtype=FP8_DTYPE)
+    vc = torch.zeros_like(kc)
+    ks = torch.tensor([0.5, 3.0])
+    store_kv(key, key, kc, vc, torch.arange(5), backend="torch", k_scale=ks)
+    expected = (key / ks[:, None]).clamp(-448, 448).to(FP8_DTYPE)
+    assert torch.equal(kc.reshape(8, 2, 16)[:5].view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(vc.reshape(8, 2, 16)[:5].view(torch.uint8),
+                       key.clamp(-448, 448).to(FP8_DTYPE).view(torch.uint8))
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+def _small_fp8_decode():
+    base = make_decode_batch([5, 9], num_q_heads=4, num_kv_heads=2, head_size=16, block_size=4)
+    return fp8_batch(base, None, None, torch.float16)
+
+
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+@pytest.mark.parametrize("bad, match", [
+    (torch.ones(3), r"shape \[\] or \[2\]"),
+    (torch.ones(2, 1), r"shape \[\] or \[2\]"),
+    (torch.ones(2, dtype=torch.float16), "float32"),
+    (0.5, "float32 tensor or None"),
+])
+@pytest.mark.parametrize("op", ["decode", "prefill", "store"])
+def test_bad_scales_raise_naming_the_argument(name, bad, match, op):
+    batch = _small_fp8_decode()
+    before = batch.key_cache.clone(), batch.value_cache.clone()
+    kwargs = {name: bad}
+    with pytest.raises(ValueError, match=f"^{name}: .*{match}"):
+        if op == "decode":
+            paged_decode(*batch.decode_args, **kwargs)
+        elif op == "prefill":
+            paged_prefill(*batch.prefill_args, **kwargs)
+        else:
+            kv = torch.ones(2, 2, 16)
+            store_kv(kv, kv, batch.key_cache, batch.value_cache, torch.tensor([0, 1]), **kwargs)
+    assert torch.equal(batch.key_cache.view(torch.uint8), before[0].view(torch.uint8))
+    assert torch.equal(batch.value_cache.view(torch.uint8), before[1].view(torch.uint8))
+
+
+def test_scales_with_a_16_bit_cache_raise():
+    batch = make_decode_batch([5], num_q_heads=2, num_kv_heads=2, head_size=16, block_size=4,
+                              dtype=torch.float16)
+    with pytest.raises(ValueError, match="^k_scale: expected None for a torch.float16 cache"):
+        paged_decode(*batch.decode_args, k_scale=torch.tensor(1.0))
+    before = batch.key_cache.clone()
+    kv = torch.ones(1, 2, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="^v_scale: "):
+        store_kv(kv, kv, batch.key_cache, batch.value_cache, torch.tensor([0]),
+                 v_scale=torch.tensor(1.0))
+    assert torch.equal(batch.key_cache.view(torch.int16), before.view(torch.int16))  # NaN
+
+
+def test_mixed_cache_dtypes_raise():
+    batch = _small_fp8_decode()
+    with pytest.raises(ValueError, match="^value_cache: "):
+        paged_decode(batch.query, batch.key_cache, batch.value_cache.half(), batch.block_tables,
+                     batch.context_lens)
+    with pytest.raises(ValueError, match="^key_cache: "):
+        paged_decode(batch.query, batch.key_cache.to(torch.float8_e5m2), batch.value_cache,
+                     batch.block_tables, batch.context_lens)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (a scale on the CPU)")
+def test_scale_on_another_device_raises():
+    batch = fp8_batch(make_decode_batch([5], num_q_heads=2, num_kv_heads=2, head_size=16,
+                                        block_size=4, device="cuda"), None, None, torch.float16)
+    with pytest.raises(ValueError, match="^k_scale: expected a tensor on cuda"):
+        paged_decode(*batch.decode_args, k_scale=torch.tensor(1.0))
