@@ -44,6 +44,7 @@ from ..core.block_manager import BlockManager
 from ..core.kv_cache_manager import KVCacheManager
 from .block_table import BlockTable
 from .memory_map import MemoryMap, build_memory_map
+from ..ops.kv_quant import is_fp8, quantize
 from .slots import slot_mapping, write_slots
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,8 @@ class PagedAttentionManager:
         head_size: size of one head.
         block_size: tokens per block.
         num_blocks: physical blocks in the pool.
-        device, dtype: of the pool and the tables (tables are int32).
+        device, dtype: of the pool (``torch.float8_e4m3fn`` for an fp8 cache, see
+            ``ops.kv_quant``) and the tables (tables are int32).
         num_kv_heads: K/V heads stored (default ``num_heads``; fewer for GQA / MQA).
         max_blocks_per_seq: columns of the block table (default ``num_blocks``).
         num_layers: layers whose K/V the pool holds (a block id names the same block in each).
@@ -184,8 +186,12 @@ class PagedAttentionManager:
                 raise ValueError(f"{name}: expected shape [n_tokens, num_kv_heads="
                                  f"{self.num_kv_heads}, head_size={self.head_size}], "
                                  f"got {tuple(t.shape)}")
-            if t.dtype != self.dtype or t.device != self.device:
-                raise ValueError(f"{name}: expected {self.dtype} on {self.device} (the cache's), "
+            # An fp8 cache also takes 16/32-bit K/V and quantizes them (scale 1).
+            dtypes = ((self.dtype, torch.float16, torch.bfloat16, torch.float32)
+                      if is_fp8(self.dtype) else (self.dtype,))
+            if t.dtype not in dtypes or t.device != self.device:
+                expected = " or ".join(str(d) for d in dtypes)
+                raise ValueError(f"{name}: expected {expected} on {self.device} (the cache's), "
                                  f"got {t.dtype} on {t.device}")
         if value.shape != key.shape:
             raise ValueError(f"value: expected the shape of key {tuple(key.shape)}, "
@@ -314,7 +320,8 @@ class PagedAttentionManager:
         """Write K/V of positions ``start_pos .. start_pos+n-1`` (already allocated).
 
         Args:
-            key, value: ``[n, num_kv_heads, head_size]`` in the cache's dtype, on its device.
+            key, value: ``[n, num_kv_heads, head_size]`` in the cache's dtype, on its device
+                (an fp8 cache also takes fp16 / bf16 / fp32, rounded to e4m3 with scale 1).
 
         Shared blocks written into are copied first (copy-on-write). Raises ValueError (unknown
         seq, bad tensors, positions not allocated) or OutOfBlocksError, changing nothing.
@@ -326,6 +333,8 @@ class PagedAttentionManager:
             return
         self._make_private(seq_id, range(start // self.block_size,
                                          cdiv(start + n, self.block_size)))
+        if is_fp8(self.dtype):
+            key, value = quantize(key, None), quantize(value, None)
         write_slots(key, value, self.key_cache, self.value_cache, self._slots(seq_id, start, n))
 
     def _make_private(self, seq_id: int, logical_blocks: Iterable[int]) -> None:

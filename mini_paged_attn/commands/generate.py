@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
     if max_model_len is None:
         max_model_len = _default_max_len(args.model)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=max_model_len,
-              max_num_seqs=4, enforce_eager=args.enforce_eager)
+              max_num_seqs=4, enforce_eager=args.enforce_eager,
+              kv_cache_dtype=args.kv_cache_dtype)
     try:
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])

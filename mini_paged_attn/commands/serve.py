@@ -149,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       max_model_len=args.max_model_len,
                       enable_prefix_caching=not args.no_prefix_caching,
-                      enforce_eager=args.enforce_eager, seed=args.seed)
+                      enforce_eager=args.enforce_eager, seed=args.seed,
+                      kv_cache_dtype=args.kv_cache_dtype)
     if wants_engine_process(args.engine_process, args.device):
         from mini_paged_attn.engine.mp_engine_client import MPEngineClient
         engine = MPEngineClient(args.model, llm_kwargs)

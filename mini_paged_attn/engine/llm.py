@@ -24,8 +24,9 @@ class LLM:
         dtype: "auto" (the checkpoint's), "float32", "float16" or "bfloat16".
         device: "cuda", "cpu", ...; None picks CUDA when available.
         block_size, num_kv_blocks, gpu_memory_utilization, max_num_seqs,
-        max_num_batched_tokens, max_model_len, enable_prefix_caching, enforce_eager, seed:
-            see :class:`~.config.EngineConfig`.
+        max_num_batched_tokens, max_model_len, enable_prefix_caching, enforce_eager, seed,
+        kv_cache_dtype: see :class:`~.config.EngineConfig` (``kv_cache_dtype="fp8"``: an
+            e4m3 KV cache, twice the tokens in the same memory).
         **engine_options: other EngineConfig fields (backend, cpu_kv_cache_bytes, ...).
     """
 
@@ -34,13 +35,13 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, seed: int = 0,
-                 **engine_options: Any) -> None:
+                 kv_cache_dtype: str = "auto", **engine_options: Any) -> None:
         config = EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
-            **engine_options)
+            kv_cache_dtype=kv_cache_dtype, **engine_options)
         self.engine = LLMEngine.from_model(model, dtype=dtype, device=device, config=config)
 
     @classmethod

@@ -20,6 +20,7 @@ from ..core.scheduler import SchedulerOutput
 from ..models.attention import AttentionMetadata
 from ..models.config import ModelConfig
 from ..ops.dispatch import resolve_backend
+from ..ops.kv_quant import kv_cache_torch_dtype
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .input_batch import InputBuilder, dummy_inputs, table_width
@@ -57,6 +58,8 @@ class ModelRunner:
         self.config = config
         self.device = device = model.device
         self.dtype = model.dtype
+        # The pool's dtype: the model's, or fp8 (half the bytes per token).
+        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, model.dtype)
         self.block_size = bs = config.block_size
         self.backend = resolve_backend(config.backend, device)
         self.max_blocks_per_seq = cdiv(max_model_len, bs)
@@ -75,7 +78,7 @@ class ModelRunner:
         # its kv_manager).
         self.cache = PagedAttentionManager(
             config.max_num_seqs, model_config.num_q_heads, model_config.head_size, bs,
-            self.num_blocks, device=device, dtype=self.dtype,
+            self.num_blocks, device=device, dtype=self.kv_dtype,
             num_kv_heads=model_config.num_kv_heads, max_blocks_per_seq=self.table_width,
             num_layers=model_config.num_layers,
             enable_prefix_caching=config.enable_prefix_caching)
@@ -96,7 +99,7 @@ class ModelRunner:
 
     # ---- pool sizing -------------------------------------------------------------------------
     def _auto_num_blocks(self, max_model_len: int) -> int:
-        per_block = kv_block_bytes(self.model_config, self.block_size, self.dtype)
+        per_block = kv_block_bytes(self.model_config, self.block_size, self.kv_dtype)
         if self.device.type != "cuda":
             budget = self.config.cpu_kv_cache_bytes
             # More than every sequence at full length is never needed.
@@ -130,7 +133,7 @@ class ModelRunner:
         lens = [min(max_model_len, num_tokens - i) for i in range(0, num_tokens, max_model_len)]
         # The pool does not exist yet: one scratch block, the only one the dummy batch reads.
         scratch = torch.zeros((2, 1, self.block_size, mc.num_kv_heads, mc.head_size),
-                              dtype=self.dtype, device=self.device)
+                              dtype=self.kv_dtype, device=self.device)
         hidden = self._run_dummy(lens, [(scratch[0], scratch[1])] * mc.num_layers,
                                  decode_only=False)
         rows = min(cfg.max_num_seqs, num_tokens)

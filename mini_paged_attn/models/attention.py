@@ -117,8 +117,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
     Args:
         q: ``[num_tokens, num_q_heads, head_size]``, last dim contiguous.
-        k, v: ``[num_tokens, num_kv_heads, head_size]`` in the cache dtype (any strides).
-        kv_cache: (key_cache, value_cache), each ``[num_blocks, block_size, num_kv_heads, head_size]``.
+        k, v: ``[num_tokens, num_kv_heads, head_size]`` in q's dtype (any strides).
+        kv_cache: (key_cache, value_cache), each ``[num_blocks, block_size, num_kv_heads,
+            head_size]``, in q's dtype or fp8 (e4m3, stored and read with scale 1.0).
 
     Returns:
         ``[num_tokens, num_q_heads, head_size]`` in q's dtype.
