@@ -28,12 +28,20 @@ def test_generate_streams_the_same_text_as_llm_generate(capsys):
     assert streamed == expected + "\n"
 
 
+def test_generate_with_an_fp8_kv_cache(capsys):
+    assert main(["generate", "--model", "tiny", "--prompt", "hello", "--max-tokens", "4",
+                 "--temperature", "0", "--device", "cpu", "--kv-cache-dtype", "fp8"]) == 0
+    assert capsys.readouterr().out.endswith("\n")
+
+
 @pytest.mark.parametrize("argv", [
     ["generate", "--model", "tiny", "--prompt", "x", "--max-tokens", "0"],
     ["serve", "--model", "tiny", "--max-queue", "-1"],
     ["serve", "--model", "tiny", "--device", "bogus"],
     ["generate", "--model", "tiny", "--prompt", "x", "--device", "gpu0"],
     ["demo", "--block-size", "many"],
+    ["generate", "--model", "tiny", "--prompt", "x", "--kv-cache-dtype", "int8"],
+    ["serve", "--model", "tiny", "--kv-cache-dtype", "fp4"],
 ])
 def test_bad_arguments_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as exc:
