@@ -146,7 +146,9 @@ class PagedAttentionManager:
             return
         src = torch.tensor([p[0] for p in pairs], dtype=torch.int64).to(self.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64).to(self.device)
-        self.pool[:, dst] = self.pool[:, src]
+        # An fp8 pool is copied as its bytes (uint8 indexing works on every device).
+        pool = self.pool.view(torch.uint8) if is_fp8(self.dtype) else self.pool
+        pool[:, dst] = pool[:, src]
 
     # -- argument checks (raise before any change) -------------------------------------------
 

@@ -14,6 +14,7 @@ import torch
 from ..core.args import as_int, positive_int
 
 PAD_SLOT = -1
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def slot_mapping(block_ids: torch.Tensor | Sequence[int], positions: torch.Tensor | Sequence[int],
@@ -66,7 +67,8 @@ def write_slots(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     """Scatter new tokens' K/V into the paged caches, in place (the torch ``store_kv``).
 
     Args:
-        key, value: ``[num_tokens, num_kv_heads, head_size]`` in the caches' dtype and device.
+        key, value: ``[num_tokens, num_kv_heads, head_size]`` in the caches' dtype and device
+            (for an fp8 cache: already quantized, see ``ops.kv_quant``).
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, any
             strides (e.g. the views of ``PagedAttentionManager.kv_cache``); written in place.
         slot_mapping: int32 or int64 ``[num_tokens]``; token ``t`` goes to block
@@ -78,6 +80,10 @@ def write_slots(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     name the same slot, which one lands is unspecified).
     """
     block_size = key_cache.shape[1]
+    if key_cache.dtype in FP8_DTYPES:
+        # Copy fp8 values as their bytes: indexing works for uint8 on every device.
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].to(torch.int64)
     blocks, offsets = slots // block_size, slots % block_size

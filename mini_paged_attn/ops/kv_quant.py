@@ -76,6 +76,14 @@ def scale_pointers(cache: torch.Tensor, k_scale: torch.Tensor | None,
     return (cache if k_scale is None else k_scale, cache if v_scale is None else v_scale)
 
 
+def index_cache(cache: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
+    """``cache[index]`` (advanced indexing); an fp8 cache is indexed as its bytes, which works
+    on every device."""
+    if is_fp8(cache.dtype):
+        return cache.view(torch.uint8)[index].view(cache.dtype)
+    return cache[index]
+
+
 def _per_head(scale: torch.Tensor) -> torch.Tensor:
     """``[]`` or ``[num_kv_heads]`` -> a float32 tensor that broadcasts over ``[..., H, D]``."""
     return scale.float().reshape(-1, 1)
@@ -97,5 +105,5 @@ def dequantize(stored: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor
     return x if scale is None else x * _per_head(scale)
 
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "KV_CACHE_DTYPES", "check_kv_scales", "dequantize", "is_fp8",
+__all__ = ["FP8_DTYPE", "FP8_MAX", "KV_CACHE_DTYPES", "check_kv_scales", "dequantize", "index_cache", "is_fp8",
            "kv_cache_torch_dtype", "quantize", "scale_pointers", "scale_stride"]

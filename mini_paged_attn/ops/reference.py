@@ -33,7 +33,7 @@ import torch
 
 from ..cache.slots import write_slots
 from ..core.args import cdiv
-from .kv_quant import dequantize, is_fp8, quantize
+from .kv_quant import dequantize, index_cache, is_fp8, quantize
 
 _NEG_INF = float("-inf")
 
@@ -70,7 +70,7 @@ def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.T
     seq, pos = torch.nonzero(valid, as_tuple=True)  # [num_tokens] each
     blocks = block_tables[seq, pos // block_size].to(torch.int64)
     padded = cache.new_zeros((lens.shape[0], max_len, *cache.shape[2:]), dtype=torch.float32)
-    padded[seq, pos] = dequantize(cache[blocks, pos % block_size], scale)
+    padded[seq, pos] = dequantize(index_cache(cache, blocks, pos % block_size), scale)
     return padded
 
 
@@ -130,8 +130,10 @@ def _attend_blockwise(q: torch.Tensor, seq: torch.Tensor, n_visible: torch.Tenso
         blocks = block_tables[seq[active], j].to(torch.int64)  # entries within each length only
         seen = (j * block_size + offsets)[None, :] < n_visible[active, None]  # [A, block_size]
         # Zero the slots a row must not see *before* the matmuls: 0 * NaN would be NaN.
-        k = torch.where(seen[..., None, None], dequantize(key_cache[blocks], k_scale), 0.0)
-        v = torch.where(seen[..., None, None], dequantize(value_cache[blocks], v_scale), 0.0)
+        k = torch.where(seen[..., None, None],
+                        dequantize(index_cache(key_cache, blocks), k_scale), 0.0)
+        v = torch.where(seen[..., None, None],
+                        dequantize(index_cache(value_cache, blocks), v_scale), 0.0)
         # k, v: [A, bs, Hkv, D]
         scores = torch.einsum("akgd,abkd->akgb", qg[active], k) * scale  # [A, Hkv, G, bs]
         scores = scores.masked_fill(~seen[:, None, None, :], _NEG_INF)

@@ -26,8 +26,10 @@ def fp8_batch(batch: PagedBatch, k_scale: torch.Tensor | None, v_scale: torch.Te
     """``batch`` (float32 caches, NaN in unused slots) with its caches quantized to e4m3 with
     the scales (NaN stays NaN: 0x7F / 0xFF) and its query cast to ``query_dtype``. The layout
     (contiguous or the manager's strided pool views) is kept."""
-    pool = torch.stack([quantize(batch.key_cache, k_scale),
-                        quantize(batch.value_cache, v_scale)], dim=2)
+    kc = batch.key_cache
+    pool = torch.empty((*kc.shape[:2], 2, *kc.shape[2:]), dtype=FP8_DTYPE, device=kc.device)
+    pool[:, :, 0].copy_(quantize(batch.key_cache, k_scale))
+    pool[:, :, 1].copy_(quantize(batch.value_cache, v_scale))
     kc, vc = pool[:, :, 0], pool[:, :, 1]
     if batch.key_cache.is_contiguous():
         kc, vc = kc.contiguous(), vc.contiguous()
