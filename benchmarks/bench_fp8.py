@@ -38,6 +38,7 @@ logger = logging.getLogger("benchmarks.bench_fp8")
 DECODE_SHAPES = ((64, 4096), (256, 4096), (128, 16384), (32, 65536))
 MODELS = ("qwen3-0.6b", "qwen2.5-0.5b")
 TOP_LOGPROBS = 20
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _free() -> None:
@@ -197,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for results.json, report.md")
     parser.add_argument("--parts", default="decode,accuracy",
@@ -209,9 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=32, help="accuracy: prompts per model")
     parser.add_argument("--steps", type=int, default=32, help="accuracy: greedy tokens each")
     parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     return run(args)
 
 
