@@ -23,6 +23,26 @@ FP8_MAX = tl.constexpr(_FP8_MAX)
 
 
 @triton.jit
+def _round_to_e4m3(x):
+    """float32 ``x`` with ``|x| <= 448`` -> the nearest e4m3 value (ties to even), float32.
+
+    Adding then subtracting ``c = 2^(e + 20)``, ``e = max(floor(log2 |x|), -6)``, rounds
+    ``|x|`` to a multiple of ``2^(e - 3)`` (float32's rounding, to nearest even): e4m3's 3
+    mantissa bits, and its subnormal step ``2^-9`` below ``2^-6``. The conversion to e4m3 that
+    follows is then exact. Rounding here rather than in the conversion gives the same bits on
+    a GPU and under the Triton interpreter, whose conversion rounds wrongly where the mantissa
+    carries into the exponent (127.7 -> 64). NaN stays NaN; the sign (of -0.0 too) is kept.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)   # floor(log2 |x|), at least -6
+    c = ((exp + 20 + 127) << 23).to(tl.float32, bitcast=True)
+    r = (tl.abs(x) + c) - c
+    # x's sign bit onto r (a negation would be 0 - r: +0.0 where -0.0 is due).
+    sign = (bits >> 31) << 31
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _quantize(x, scale_ptr, stride_scale, heads, NUM_KV_HEADS: tl.constexpr,
               SCALED: tl.constexpr):
     """x ``[HEADS_PADDED, HEAD_SIZE_PADDED]`` -> e4m3 of ``x / scale[head]`` saturated at
@@ -32,7 +52,7 @@ def _quantize(x, scale_ptr, stride_scale, heads, NUM_KV_HEADS: tl.constexpr,
         scale = tl.load(scale_ptr + heads * stride_scale, mask=heads < NUM_KV_HEADS, other=1.0)
         x = tl.math.div_rn(x, scale[:, None])          # [HEADS_PADDED] -> per row
     x = tl.clamp(x, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-    return x.to(tl.float8e4nv)
+    return _round_to_e4m3(x).to(tl.float8e4nv)
 
 
 @triton.jit

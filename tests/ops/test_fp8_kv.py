@@ -1,10 +1,11 @@
 """The fp8 (e4m3) KV cache: quantization, the references, the Triton kernels, the checks.
 
-On CPU the decode and prefill kernels run through the Triton interpreter, which loads and
+On CPU the kernels run through the Triton interpreter, with fp16 / fp32 queries. It loads and
 converts e4m3 correctly (finite values; NaN bytes read as +-480 there, but unused slots are
-masked before that could matter), with fp16 / fp32 queries. The interpreter's float32 -> e4m3
-conversion rounds wrongly at binade boundaries (127.7 becomes 64), so the Triton store_kv is
-checked here only on values that need no rounding; test_fp8_kv_gpu.py checks its rounding.
+masked before that could matter). The store kernel rounds to e4m3 itself before converting,
+so it writes the same bytes under the interpreter (whose own float32 -> e4m3 conversion
+rounds wrongly at binade boundaries) as on a GPU, NaN inputs aside (the interpreter converts a
+float32 NaN to 384); test_fp8_kv_gpu.py checks the GPU's bytes.
 """
 
 from __future__ import annotations
@@ -158,23 +159,28 @@ def _fp8_pool(num_blocks, block_size, num_kv_heads, head_size, pool_layout):
     return pool[:, :, 0].contiguous(), pool[:, :, 1].contiguous()
 
 
+def _every_rounding_case() -> torch.Tensor:
+    """float32: every finite e4m3 value, the midpoints between neighbours (ties) and the
+    float32 values just beside them, signed zeros, tiny values and values past 448."""
+    vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE).float()
+    vals = vals[~vals.isnan()].unique()
+    mids = (vals[1:] + vals[:-1]) / 2
+    beside = [torch.nextafter(mids, torch.full_like(mids, d)) for d in (1e9, -1e9)]
+    edges = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 449.0, 464.0, -500.0, 1e6])
+    return torch.cat([vals, mids, *beside, edges])
+
+
 @pytest.mark.parametrize("kind", ["none", "tensor", "head"])
 @pytest.mark.parametrize("kdtype, pool_layout", [(torch.float16, True), (torch.float32, False),
                                                  (torch.bfloat16, True)])
-def test_store_kv_triton_matches_torch_on_representable_values(kind, kdtype, pool_layout):
-    """K/V that are e4m3 values times a power-of-two scale: the division is exact and no
-    rounding happens, so the kernel's plumbing (slots, heads, scales, saturation) is checked
-    under the interpreter too."""
+def test_store_kv_triton_matches_torch(kind, kdtype, pool_layout):
+    """The Triton store writes the bytes of the torch reference (division, clamp, rounding to
+    nearest even), slots -1 skipped, nothing else touched."""
     gen = torch.Generator().manual_seed(7)
     hkv, d, bs, n = 3, 32, 4, 7
-    pow2 = {"none": (None, None),
-            "tensor": (torch.tensor(0.25), torch.tensor(4.0)),
-            "head": (torch.tensor([0.5, 2.0, 0.125]), torch.tensor([1.0, 0.25, 8.0]))}[kind]
-    ks, vs = (None if s is None else s.to(DEVICE) for s in pow2)
-    raw = (torch.randn(2, n, hkv, d, generator=gen) * 20).to(FP8_DTYPE).float()
-    key = dequantize(raw[0], None if ks is None else ks.cpu()).to(DEVICE, kdtype)
-    value = dequantize(raw[1], None if vs is None else vs.cpu()).to(DEVICE, kdtype)
-    key[0, 0, :2] = torch.tensor([1e4, -1e4])            # past e4m3's range: saturates
+    ks, vs = _scales(kind, hkv)
+    key = (torch.randn(n, hkv, d, generator=gen) * 5).to(DEVICE, kdtype)
+    value = (torch.randn(n, hkv, d, generator=gen) * 5).to(DEVICE, kdtype)
     slots = torch.tensor([5, -1, 0, 11, 2, -1, 9], device=DEVICE)
     caches = {}
     for backend in ("torch", "triton"):
@@ -183,13 +189,27 @@ def test_store_kv_triton_matches_torch_on_representable_values(kind, kdtype, poo
         caches[backend] = (kc, vc)
     for t, x in zip(caches["torch"], caches["triton"]):
         assert torch.equal(t.view(torch.uint8), x.view(torch.uint8))
-    kc = caches["torch"][0].reshape(-1, hkv, d)
-    written = slots[slots >= 0].long()
-    assert torch.equal(kc[written].float().cpu()[1:], raw[0][slots.cpu() >= 0][1:])
-    assert kc[5, 0, :2].float().tolist() == [448.0, -448.0]
-    unwritten = torch.ones(16, dtype=torch.bool)
-    unwritten[written.cpu()] = False
-    assert kc.float().cpu()[unwritten].isnan().all()
+    kc = caches["triton"][0].reshape(-1, hkv, d)
+    keep = slots >= 0
+    assert torch.equal(kc[slots[keep]].view(torch.uint8),
+                       quantize(key[keep], ks).view(torch.uint8))
+    unwritten = torch.ones(16, dtype=torch.bool, device=DEVICE)
+    unwritten[slots[keep]] = False
+    assert kc.float()[unwritten].isnan().all()
+
+
+def test_store_kv_triton_rounds_every_case_like_torch():
+    x = _every_rounding_case()
+    d = 64
+    x = torch.cat([x, torch.zeros(-x.numel() % d)]).view(-1, 1, d).to(DEVICE)
+    n = x.shape[0]
+    written = {}
+    for backend in ("torch", "triton"):
+        kc, vc = _fp8_pool(n, 1, 1, d, False)
+        store_kv(x, x, kc, vc, torch.arange(n, device=DEVICE), backend=backend)
+        written[backend] = kc.view(torch.uint8)
+    bad = written["torch"] != written["triton"]
+    assert not bad.any(), x.view(-1)[bad.view(-1)][:8].tolist()
 
 
 def test_store_kv_reference_rounds_like_torch():
