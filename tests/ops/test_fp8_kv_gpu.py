@@ -179,3 +179,48 @@ def test_store_then_decode_as_the_engine_does():
     stored = kc[slots // 16, slots % 16]                             # [2, hkv, d]
     torch.testing.assert_close(stored.float() * ks[:, None], new_k.float(), atol=0.3,
                                rtol=0.07)
+
+
+def _forbid(monkeypatch, name):
+    from mini_paged_attn.ops import dispatch
+
+    def fail(*args, **kwargs):
+        raise AssertionError(f"{name} ran: the call did not take its prepared launch")
+    monkeypatch.setattr(dispatch, name, fail)
+
+
+@pytest.mark.parametrize("lens", [[4000], [1000] * 64])     # split and unsplit launches
+def test_decode_repeat_with_other_scales_takes_the_prepared_launch(monkeypatch, lens):
+    batch, ks, vs = _decode_batch(lens, seed=8)
+    _assert_decode_close(batch, ks, vs, *_decode(batch, ks, vs))
+    ks2, vs2 = ks * 1.5, vs * 0.75                 # same shapes, other values and pointers
+    with monkeypatch.context() as patch:
+        _forbid(patch, "check_paged_decode_args")
+        _assert_decode_close(batch, ks2, vs2, *_decode(batch, ks2, vs2))
+    # One scale for all heads: another key, the full path, and still right.
+    _assert_decode_close(batch, ks2[0], vs2[0], *_decode(batch, ks2[0], vs2[0]))
+
+
+def test_prefill_and_store_repeat_with_other_scales_take_the_prepared_launch(monkeypatch):
+    base = make_prefill_batch([100, 1, 37], [0, 500, 16], num_q_heads=16, num_kv_heads=4,
+                              head_size=128, block_size=16, seed=9, pool_layout=True,
+                              device=DEVICE)
+    ks, vs = _scales("head", 4)
+    batch = fp8_batch(base, ks, vs, torch.bfloat16)
+    paged_prefill(*batch.prefill_args, k_scale=ks, v_scale=vs)
+    ks2, vs2 = ks * 2, vs * 0.5
+    with monkeypatch.context() as patch:
+        _forbid(patch, "check_paged_prefill_args")
+        out = paged_prefill(*batch.prefill_args, k_scale=ks2, v_scale=vs2)
+    plain = dequantized_batch(batch, ks2, vs2)
+    ref, _ = reference.paged_prefill_gather(*plain.prefill_args, causal=True, scale=128 ** -0.5)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+    key = torch.randn(5, 4, 128, device=DEVICE, dtype=torch.bfloat16)
+    slots = torch.arange(5, device=DEVICE)
+    store_kv(key, key, batch.key_cache, batch.value_cache, slots, k_scale=ks, v_scale=vs)
+    with monkeypatch.context() as patch:
+        _forbid(patch, "check_tensor")
+        store_kv(key, key, batch.key_cache, batch.value_cache, slots, k_scale=ks2, v_scale=vs2)
+    flat = batch.key_cache.reshape(-1, 4, 128)
+    assert torch.equal(flat[slots].view(torch.uint8), quantize(key, ks2).view(torch.uint8))
