@@ -2,7 +2,8 @@
 
 - :func:`paged_decode`, :func:`paged_prefill`, :func:`store_kv`: ``dispatch.py`` checks the
   arguments and runs the ``torch`` reference (``reference.py``) or a Triton kernel
-  (``decode.py``, ``prefill.py``, ``kv_write.py``).
+  (``decode.py``, ``prefill.py``, ``kv_write.py``). The three take an fp8 (e4m3) KV cache
+  with ``k_scale`` / ``v_scale`` (``kv_quant.py``).
 - :func:`flash_attn_varlen_func`: FlashAttention's function of that name (``varlen.py``).
 - :func:`merge_attention_states`: the online-softmax combine of two partial results.
 - :func:`num_splits_heuristic`, :func:`explain_decode`: how decode splits the KV sequence.

@@ -139,8 +139,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         ``(out, lse)`` when ``return_lse``.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices; for the torch backend also bad lengths or
-            block ids. Nothing is written then.
+        ValueError: bad shapes, dtypes, devices or scales; for the torch backend also bad
+            lengths or block ids. Nothing is written then.
     """
     key = None
     if backend != "torch" and explain is False:
