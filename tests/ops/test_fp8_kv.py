@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers.fp8_batch import dequantized_batch, fp8_batch, per_head_scales
 from helpers.paged_batch import make_decode_batch, make_prefill_batch
@@ -47,6 +49,18 @@ def test_quantize_divides_rounds_to_nearest_even_and_saturates():
     y = torch.ones(3, 2, 4)
     assert dequantize(quantize(y, per_head), per_head).eq(1.0).all()
     assert quantize(y, per_head).float()[:, 1].eq(2.0).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.floats(-1.0, 1.0, width=32), min_size=1, max_size=16),
+       scale_exp=st.floats(-12.0, 4.0))
+def test_quantize_error_is_at_most_half_an_e4m3_step(values, scale_exp):
+    """Within range, ``stored * scale`` is within half an e4m3 step of the input: 2^-4 of it
+    (3 mantissa bits), or 2^-10 * scale among the subnormals (step 2^-9)."""
+    scale = torch.tensor(2.0 ** scale_exp)
+    x = torch.tensor(values).view(-1, 1, 1) * 448 * scale
+    err = (dequantize(quantize(x, scale), scale) - x).abs()
+    assert (err <= torch.maximum(x.abs() * 2 ** -4, 2 ** -10 * scale) * (1 + 1e-6)).all()
 
 
 def test_kv_cache_dtype_names():
