@@ -77,7 +77,8 @@ def test_kv_cache_dtype_names():
 def test_references_read_stored_times_scale(kind):
     """Both references over an fp8 cache equal the plain reference over ``stored * scale``."""
     base = make_prefill_batch([3, 1, 6], [5, 9, 0], num_q_heads=6, num_kv_heads=3,
-                              head_size=16, block_size=4, seed=3, pool_layout=True)
+                              head_size=16, block_size=4, seed=3, pool_layout=True,
+                              device=DEVICE)
     ks, vs = _scales(kind, 3)
     batch = fp8_batch(base, ks, vs, torch.float32)
     plain = dequantized_batch(batch, ks, vs)
@@ -88,7 +89,7 @@ def test_references_read_stored_times_scale(kind):
         torch.testing.assert_close(out, expected[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse, expected[1], atol=1e-5, rtol=1e-5)
     dec = make_decode_batch([7, 0, 13], num_q_heads=6, num_kv_heads=3, head_size=16,
-                            block_size=4, seed=4)
+                            block_size=4, seed=4, device=DEVICE)
     dec8 = fp8_batch(dec, ks, vs, torch.float32)
     expected = reference.paged_decode_gather(*dequantized_batch(dec8, ks, vs).decode_args,
                                              scale=0.25)

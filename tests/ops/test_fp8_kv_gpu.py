@@ -45,9 +45,12 @@ def _assert_decode_close(batch, ks, vs, out, lse):
     plain = dequantized_batch(batch, ks, vs)
     ref_out, ref_lse = reference.paged_decode_gather(*plain.decode_args,
                                                      scale=batch.query.shape[-1] ** -0.5)
+    # Errors scale with the output's magnitude: P @ V runs in the query's 16-bit dtype, and
+    # without a v_scale the stored values reach e4m3's 448.
     tol = TOL[batch.query.dtype]
+    atol = tol * max(1.0, ref_out.abs().max().item())
     assert out.dtype == batch.query.dtype
-    torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), ref_out, atol=atol, rtol=tol)
     if lse is not None:
         torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
 
