@@ -3,8 +3,11 @@
 Layers, each importing only from those above it:
 ``core`` (block manager, prefix cache, scheduler; no torch) → ``cache`` (the KV pool and block
 tables) → ``ops`` (paged attention: torch reference and Triton kernels) → ``models`` → ``engine``
-→ ``server`` / ``cli``.
+→ ``server`` / ``cli``. ``integrations`` (transformers' ``attn_implementation="mini_paged_attn"``)
+is a leaf over ``ops``.
 """
+
+import sys
 
 from .errors import BlockStateError, OutOfBlocksError
 from .core.block_manager import BlockManager
@@ -13,6 +16,11 @@ from .ops import (explain_decode, flash_attn_varlen_func, merge_attention_states
                   num_splits_heuristic, paged_decode, paged_prefill, store_kv)
 
 __version__ = "0.1.0"
+
+# Registering with transformers imports transformers.modeling_utils (seconds); do it here only when
+# the caller already uses transformers, else on mini_paged_attn.integrations.transformers.register().
+if "transformers" in sys.modules:
+    from .integrations import transformers as _hf_integration  # noqa: F401  (registers)
 
 _ENGINE_NAMES = {"LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LLMEngine",
                  "EngineStats"}

@@ -1,0 +1,45 @@
+"""Register :func:`~.hf_attention.mini_paged_attention_forward` with transformers.
+
+After :func:`register`, ``AutoModelForCausalLM.from_pretrained(path,
+attn_implementation="mini_paged_attn")`` (or ``model.set_attn_implementation("mini_paged_attn")``)
+runs every attention layer on our varlen kernel: Triton on CUDA, the torch reference on CPU.
+
+Two registrations, both in transformers' own registries (the only global state):
+
+- ``AttentionInterface``: the attention function;
+- ``AttentionMaskInterface``: transformers' flash mask function, which hands the attention
+  function ``None`` when no row is padded (the causal fast path) and otherwise the 2D padding
+  mask, from which we pack the real tokens. Without a mask function of our name transformers'
+  mask builders fail with a KeyError.
+
+When it runs: importing this module registers. ``import mini_paged_attn`` imports it only when
+``transformers`` is already imported, because registering imports ``transformers.modeling_utils``
+(about 3 s on a CPU machine, several times ``import mini_paged_attn``); otherwise call
+:func:`register` (idempotent, cheap once transformers is loaded).
+
+transformers' continuous batching (``generate_batch``) cannot take this implementation: from
+5.23 on it accepts only ``"sdpa"``, ``"paged|eager"`` and names containing ``"flash"`` (and a
+``"flash"`` name makes transformers load a FlashAttention package or Hub kernel of that name);
+see the README's "transformers" section.
+"""
+
+from __future__ import annotations
+
+from .hf_attention import IMPLEMENTATION_NAME, mini_paged_attention_forward
+
+
+def register() -> str:
+    """Register ``"mini_paged_attn"`` with transformers' attention and mask interfaces.
+
+    Returns:
+        the implementation name, for ``attn_implementation=``.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(IMPLEMENTATION_NAME, mini_paged_attention_forward)
+    AttentionMaskInterface.register(IMPLEMENTATION_NAME, flash_attention_mask)
+    return IMPLEMENTATION_NAME
+
+
+register()
