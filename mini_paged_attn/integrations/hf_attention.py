@@ -24,7 +24,7 @@ from ..ops.varlen import flash_attn_varlen_func
 IMPLEMENTATION_NAME = "mini_paged_attn"
 
 
-def _check_supported(module: torch.nn.Module, kv_len: int, dropout: float, kwargs: dict) -> None:
+def check_supported(module: torch.nn.Module, kv_len: int, dropout: float, kwargs: dict) -> None:
     """Raise NotImplementedError for a model feature the varlen op does not compute."""
     if kwargs.get("softcap") is not None:
         raise NotImplementedError(f"{IMPLEMENTATION_NAME}: attention-logit softcapping (softcap="
@@ -80,7 +80,7 @@ def mini_paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, k
     """
     batch, num_heads, q_len, head_dim = query.shape
     kv_len = key.shape[2]
-    _check_supported(module, kv_len, dropout, kwargs)
+    check_supported(module, kv_len, dropout, kwargs)
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     q = query.transpose(1, 2)      # [batch, q_len, num_heads, head_dim]

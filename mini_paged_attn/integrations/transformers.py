@@ -17,15 +17,18 @@ When it runs: importing this module registers. ``import mini_paged_attn`` import
 (about 3 s on a CPU machine, several times ``import mini_paged_attn``); otherwise call
 :func:`register` (idempotent, cheap once transformers is loaded).
 
-transformers' continuous batching (``generate_batch``) cannot take this implementation: from
-5.23 on it accepts only ``"sdpa"``, ``"paged|eager"`` and names containing ``"flash"`` (and a
-``"flash"`` name makes transformers load a FlashAttention package or Hub kernel of that name);
-see the README's "transformers" section.
+Continuous batching (``generate_batch``): transformers up to 5.22 switches the model to
+``"paged|mini_paged_attn"``, registered here when the installed transformers still has its
+``paged|`` implementations (:mod:`.hf_paged`: our paged kernel over its cache's pages). From 5.23
+on it accepts only ``"sdpa"``, ``"paged|eager"`` and names containing ``"flash"`` (and a
+``"flash"`` name makes transformers load a FlashAttention package or Hub kernel of that name),
+so ``generate_batch`` on a ``"mini_paged_attn"`` model raises its ValueError.
 """
 
 from __future__ import annotations
 
 from .hf_attention import IMPLEMENTATION_NAME, mini_paged_attention_forward
+from .hf_paged import PAGED_IMPLEMENTATION_NAME, mini_paged_attention_paged_forward
 
 
 def register() -> str:
@@ -39,6 +42,11 @@ def register() -> str:
 
     AttentionInterface.register(IMPLEMENTATION_NAME, mini_paged_attention_forward)
     AttentionMaskInterface.register(IMPLEMENTATION_NAME, flash_attention_mask)
+    # Only transformers versions whose continuous batching calls "paged|<name>" functions ship
+    # "paged|sdpa"; later ones would never call ours.
+    if "paged|sdpa" in AttentionInterface._global_mapping:
+        AttentionInterface.register(PAGED_IMPLEMENTATION_NAME, mini_paged_attention_paged_forward)
+        AttentionMaskInterface.register(PAGED_IMPLEMENTATION_NAME, flash_attention_mask)
     return IMPLEMENTATION_NAME
 
 
