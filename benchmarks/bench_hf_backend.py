@@ -76,6 +76,25 @@ def _generate_batch(model, prompts: list[list[int]], output_len: int) -> tuple[f
     return time.perf_counter() - t0, [out[k].generated_tokens for k in sorted(out)]
 
 
+def _compare(model, part: str, impls: list[str], batch: int, args) -> list[dict]:
+    """One row per implementation (the last is the reference): time, tokens/s, same tokens."""
+    prompts = _prompts(batch, *args.prompt_len, model.config.vocab_size, seed=batch)
+    run = _generate if part == "generate" else _generate_batch
+    results = {}
+    for impl in impls:
+        model.set_attn_implementation(impl)
+        results[impl] = run(model, prompts, args.output_len)
+    reference = results[impls[-1]][1]
+    rows = []
+    for impl, (secs, tokens) in results.items():
+        rows.append(dict(part=part, impl=impl, batch=batch, seconds=round(secs, 3),
+                         tokens_per_s=round(batch * args.output_len / secs, 1),
+                         same_as=impls[-1],
+                         same_share=sum(a == b for a, b in zip(tokens, reference)) / batch))
+        logger.info("%s", rows[-1])
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="qwen3-0.6b", choices=("qwen3-0.6b", "qwen2.5-0.5b"))
@@ -96,42 +115,24 @@ def main(argv: list[str] | None = None) -> None:
 
     name = register()
     model = _model(args.shape)
-    impls = [name, "sdpa"]
+    impls = [name]
     try:
         import flash_attn  # noqa: F401
         impls.append("flash_attention_2")
     except ImportError:
         pass
+    impls.append("sdpa")                                   # last: the tokens' reference
     rows = []
     for batch in args.batch if "generate" in args.parts else []:
-        prompts = _prompts(batch, *args.prompt_len, model.config.vocab_size, seed=batch)
-        results = {}
-        for impl in impls:
-            model.set_attn_implementation(impl)
-            results[impl] = _generate(model, prompts, args.output_len)
-        for impl, (secs, tokens) in results.items():
-            same = sum(a == b for a, b in zip(tokens, results["sdpa"][1])) / batch
-            rows.append(dict(part="generate", impl=impl, batch=batch, seconds=round(secs, 3),
-                             tokens_per_s=round(batch * args.output_len / secs, 1),
-                             same_as_sdpa=same))
-            logger.info("%s", rows[-1])
+        rows += _compare(model, "generate", impls, batch, args)
     if "batch" in args.parts:
         if "paged|sdpa" not in AttentionInterface._global_mapping:
             rows.append(dict(part="batch", skipped=f"transformers {transformers.__version__}: "
                              "continuous batching takes only its own implementations"))
+            logger.info("%s", rows[-1])
         else:
-            batch = max(args.batch)
-            prompts = _prompts(batch, *args.prompt_len, model.config.vocab_size, seed=batch)
-            results = {}
-            for impl in (f"paged|{name}", "paged|sdpa"):
-                model.set_attn_implementation(impl)
-                results[impl] = _generate_batch(model, prompts, args.output_len)
-            for impl, (secs, tokens) in results.items():
-                same = sum(a == b for a, b in zip(tokens, results["paged|sdpa"][1])) / batch
-                rows.append(dict(part="batch", impl=impl, batch=batch, seconds=round(secs, 3),
-                                 tokens_per_s=round(batch * args.output_len / secs, 1),
-                                 same_as_paged_sdpa=same))
-        logger.info("%s", rows[-1])
+            rows += _compare(model, "batch", [f"paged|{name}", "paged|sdpa"], max(args.batch),
+                             args)
     print(json.dumps(rows, indent=1))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
