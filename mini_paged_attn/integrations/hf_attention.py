@@ -114,9 +114,9 @@ def mini_paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, k
     keep_q = keep_k[:, kv_len - q_len:]
     lens_q = keep_q.sum(dim=1, dtype=torch.int32)
     lens_k = keep_k.sum(dim=1, dtype=torch.int32)
-    max_q, max_k = (int(x) for x in torch.stack([lens_q.max(), lens_k.max()]).tolist())
+    # The padded lengths bound every row's (max_seqlen only bounds the launch): no host sync.
     packed = flash_attn_varlen_func(q[keep_q], k[keep_k], v[keep_k], _cu_seqlens(lens_q),
-                                    _cu_seqlens(lens_k), max_q, max_k,
+                                    _cu_seqlens(lens_k), q_len, kv_len,
                                     softmax_scale=scaling, causal=causal)
     out = query.new_zeros(batch, q_len, num_heads, head_dim)
     out[keep_q] = packed
