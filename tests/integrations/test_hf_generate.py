@@ -58,7 +58,8 @@ def _generate_both(model, ids, mask):
 def _assert_same(ours, ref):
     assert torch.equal(ours.sequences, ref.sequences)
     for step, (a, b) in enumerate(zip(ours.logits, ref.logits, strict=True)):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m, step=step: f"step {step}: {m}")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
