@@ -7,6 +7,7 @@ tables) → ``ops`` (paged attention: torch reference and Triton kernels) → ``
 is a leaf over ``ops``.
 """
 
+import logging
 import sys
 
 from .errors import BlockStateError, OutOfBlocksError
@@ -20,7 +21,11 @@ __version__ = "0.1.0"
 # Registering with transformers imports transformers.modeling_utils (seconds); do it here only when
 # the caller already uses transformers, else on mini_paged_attn.integrations.transformers.register().
 if "transformers" in sys.modules:
-    from .integrations import transformers as _hf_integration  # noqa: F401  (registers)
+    try:
+        from .integrations import transformers as _hf_integration  # noqa: F401  (registers)
+    except ImportError as exc:     # an older transformers: the rest of the library still works
+        logging.getLogger(__name__).warning("attn_implementation='mini_paged_attn' not "
+                                            "registered: %s", exc)
 
 _ENGINE_NAMES = {"LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LLMEngine",
                  "EngineStats"}

@@ -36,9 +36,19 @@ def register() -> str:
 
     Returns:
         the implementation name, for ``attn_implementation=``.
+
+    Raises:
+        ImportError: a transformers without these interfaces.
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    import transformers
+
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    except ImportError as exc:
+        raise ImportError(f"{IMPLEMENTATION_NAME} needs transformers' AttentionInterface and "
+                          "AttentionMaskInterface (transformers 5.x; tested 5.17 and 5.24), "
+                          f"found transformers {transformers.__version__}") from exc
 
     AttentionInterface.register(IMPLEMENTATION_NAME, mini_paged_attention_forward)
     AttentionMaskInterface.register(IMPLEMENTATION_NAME, flash_attention_mask)

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 _REGISTERED = ("from transformers import AttentionInterface\n"
                "from transformers.masking_utils import AttentionMaskInterface\n"
                "print('mini_paged_attn' in AttentionInterface._global_mapping,\n"
@@ -15,7 +17,7 @@ def _run(code: str) -> str:
 
 
 def test_import_alone_does_not_load_transformers_modeling():
-    # Registration costs an import of transformers.modeling_utils (seconds); a plain import skips it.
+    # Registering imports transformers.modeling_utils (seconds); a plain import skips it.
     assert _run("import sys, mini_paged_attn\n"
                 "print('transformers.modeling_utils' in sys.modules)") == "False"
 
@@ -28,3 +30,13 @@ def test_register_after_a_plain_import():
     assert _run("import mini_paged_attn\n"
                 "from mini_paged_attn.integrations.transformers import register\n"
                 "assert register() == 'mini_paged_attn'\n" + _REGISTERED) == "True True"
+
+
+def test_register_names_what_an_older_transformers_lacks(monkeypatch):
+    import transformers.masking_utils
+
+    from mini_paged_attn.integrations.transformers import register
+
+    monkeypatch.delattr(transformers.masking_utils, "AttentionMaskInterface")
+    with pytest.raises(ImportError, match="AttentionMaskInterface"):
+        register()
