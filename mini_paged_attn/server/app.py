@@ -4,7 +4,7 @@
 >>> app = build_app(MPEngineClient("DIR"), model_name="my-model")  # doctest: +SKIP
 >>> uvicorn.run(app, host="127.0.0.1", port=8000)            # doctest: +SKIP
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (behind the
+Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (behind the
 API key when one is set), ``GET /health`` and ``GET /metrics`` (open, for probes and scrapers).
 Every error, a 404 included, carries OpenAI's body ``{"error": {"message", "type", "param",
 "code"}}``: malformed input of any kind is a 4xx, and a 500 says only that the server failed (the
@@ -39,7 +39,7 @@ from .errors import ENGINE_DEAD, APIError
 from .limits import RequestSizeLimit, ServerLimits
 from .metrics import CONTENT_TYPE, render_metrics
 from .openai_api import create_chat_completion, create_completion
-from .prepare import ServedModel
+from .prepare import ServedModel, model_not_found
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +89,20 @@ async def _unhandled(request: Request, exc: Exception) -> Response:
     return _internal_error(request)
 
 
+def _model_object(served: ServedModel) -> dict:
+    return {"id": served.name, "object": "model", "created": int(time.time()),
+            "owned_by": "mini_paged_attn", "max_model_len": served.engine.max_model_len}
+
+
 async def _models(request: Request, served: ServedModel) -> Response:
-    return JSONResponse({"object": "list", "data": [{
-        "id": served.name, "object": "model", "created": int(time.time()),
-        "owned_by": "mini_paged_attn", "max_model_len": served.engine.max_model_len}]})
+    return JSONResponse({"object": "list", "data": [_model_object(served)]})
+
+
+async def _model(request: Request, served: ServedModel) -> Response:
+    name = request.path_params["model_id"]
+    if name != served.name:
+        raise model_not_found(served, name, None)
+    return JSONResponse(_model_object(served))
 
 
 async def _health(request: Request, served: ServedModel) -> Response:
@@ -127,7 +137,8 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str
         engine: an ``EngineClient`` (``InprocEngineClient`` or ``MPEngineClient``; the caller
             shuts it down), or an ``LLMEngine``, which the app wraps in an
             ``InprocEngineClient`` of its own, shut down with the app.
-        model_name: the id clients pass as ``model``; anything else is a 400.
+        model_name: the id clients pass as ``model``; anything else is a 404
+            (``model_not_found``).
         api_key: if set, /v1/* requires ``Authorization: Bearer <api_key>`` (401 otherwise).
         max_queue: at most this many requests wait for their first token; more get 429 (a
             request with more prompts than that gets 400: it could never be admitted).
@@ -176,6 +187,8 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str
 
     routes = [
         Route("/v1/models", _endpoint(_models, served, api_key), methods=["GET"]),
+        # :path: served names often hold a slash (org/model).
+        Route("/v1/models/{model_id:path}", _endpoint(_model, served, api_key), methods=["GET"]),
         Route("/v1/completions", _endpoint(create_completion, served, api_key),
               methods=["POST"]),
         Route("/v1/chat/completions", _endpoint(create_chat_completion, served, api_key),
