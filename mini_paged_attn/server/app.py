@@ -28,7 +28,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..engine.engine_client import EngineClient, InprocEngineClient
@@ -37,7 +37,7 @@ from .async_engine import AsyncEngine
 from .cross_site import CrossSiteGuard
 from .errors import ENGINE_DEAD, APIError
 from .limits import RequestSizeLimit, ServerLimits
-from .metrics import CONTENT_TYPE, render_metrics
+from .metrics import ServerMetrics
 from .openai_api import create_chat_completion, create_completion
 from .prepare import ServedModel, model_not_found
 
@@ -112,8 +112,11 @@ async def _health(request: Request, served: ServedModel) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-async def _metrics(request: Request, served: ServedModel) -> Response:
-    return PlainTextResponse(render_metrics(served.async_engine), media_type=CONTENT_TYPE)
+def _metrics_endpoint(metrics: ServerMetrics) -> Handler:
+    async def scrape(request: Request, served: ServedModel) -> Response:
+        body, content_type = metrics.render(request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
+    return scrape
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -173,6 +176,8 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str
         if owns_client:
             client.shutdown()
         raise
+    metrics = ServerMetrics(async_engine)
+    async_engine.on_finished = metrics.observe
     workers = ThreadPoolExecutor(_REQUEST_WORKERS, thread_name_prefix="mini-paged-attn-request")
     served = ServedModel(model_name, async_engine, workers, limits=limits, max_queue=max_queue)
 
@@ -194,11 +199,12 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str
         Route("/v1/chat/completions", _endpoint(create_chat_completion, served, api_key),
               methods=["POST"]),
         Route("/health", _endpoint(_health, served, None), methods=["GET"]),
-        Route("/metrics", _endpoint(_metrics, served, None), methods=["GET"]),
+        Route("/metrics", _endpoint(_metrics_endpoint(metrics), served, None), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(CrossSiteGuard, allowed_hosts=allowed_hosts),
                                 Middleware(RequestSizeLimit, max_bytes=limits.max_request_bytes)],
                     exception_handlers={HTTPException: _http_error, Exception: _unhandled})
     app.state.async_engine = async_engine
+    app.state.metrics = metrics
     return app
