@@ -50,6 +50,18 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
+# (name without prefix, help, buckets)
+_HISTOGRAMS: tuple[tuple[str, str, tuple[float, ...]], ...] = (
+    ("time_to_first_token_seconds",
+     "Seconds from a request's arrival to its first generated token.", TTFT_BUCKETS),
+    ("time_per_output_token_seconds",
+     "Seconds per generated token after the first (a request's mean).", TPOT_BUCKETS),
+    ("e2e_request_latency_seconds", "Seconds from a request's arrival to its end.",
+     REQUEST_BUCKETS),
+    ("request_queue_time_seconds", "Seconds a request waited before it was first scheduled.",
+     REQUEST_BUCKETS),
+)
+
 
 class _EngineCollector(Collector):
     """The engine's statistics and the server's counters, read at each scrape."""
@@ -89,36 +101,26 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
 
-        def histogram(name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, help_text, buckets=buckets, registry=self.registry)
-
-        self.time_to_first_token = histogram(
-            "time_to_first_token_seconds",
-            "Seconds from a request's arrival to its first generated token.", TTFT_BUCKETS)
-        self.time_per_output_token = histogram(
-            "time_per_output_token_seconds",
-            "Seconds per generated token after the first (a request's mean).", TPOT_BUCKETS)
-        self.e2e_request_latency = histogram(
-            "e2e_request_latency_seconds",
-            "Seconds from a request's arrival to its end.", REQUEST_BUCKETS)
-        self.request_queue_time = histogram(
-            "request_queue_time_seconds",
-            "Seconds a request waited before it was first scheduled.", REQUEST_BUCKETS)
+        self.histograms = {
+            name: Histogram(PREFIX + name, help_text, buckets=buckets, registry=self.registry)
+            for name, help_text, buckets in _HISTOGRAMS}
 
     def observe(self, output: RequestOutput) -> None:
         """Record a finished request's latencies (those its metrics have times for)."""
-        m = output.metrics
+        m, h = output.metrics, self.histograms
         if m.first_scheduled_time is not None:
-            self.request_queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            h["request_queue_time_seconds"].observe(
+                max(0.0, m.first_scheduled_time - m.arrival_time))
         if m.first_token_time is not None:
-            self.time_to_first_token.observe(max(0.0, m.first_token_time - m.arrival_time))
+            h["time_to_first_token_seconds"].observe(
+                max(0.0, m.first_token_time - m.arrival_time))
             # Samples of one request decode side by side: the longest one counts the steps.
             steps = max((len(c.token_ids) for c in output.outputs), default=0) - 1
             if m.last_token_time is not None and steps > 0:
-                self.time_per_output_token.observe(
+                h["time_per_output_token_seconds"].observe(
                     max(0.0, m.last_token_time - m.first_token_time) / steps)
         if m.finished_time is not None:
-            self.e2e_request_latency.observe(max(0.0, m.finished_time - m.arrival_time))
+            h["e2e_request_latency_seconds"].observe(max(0.0, m.finished_time - m.arrival_time))
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         """``(body, content type)`` of a scrape: Prometheus' text format, or OpenMetrics when
