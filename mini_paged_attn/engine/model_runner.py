@@ -219,18 +219,16 @@ class ModelRunner:
         hidden = hidden[:n] if step.sample_rows is None else hidden.index_select(0, step.sample_rows)
         logits = self.model.compute_logits(hidden)
         params, seeds = [], []
-        history = False
         for seq, k in zip(out.seqs, out.num_samples):
             if not k:
                 continue
             p = seq.request.params
-            history |= p.uses_history
             for j in range(k):
                 params.append(p)
                 seeds.append(None if p.seed is None else
                              (seq.request.request_id, seq.index if k == 1 else j))
-        rows = _sample_rows(out) if history else None
-        return self.sampler(logits, params, seeds, overlap, rows)
+        # Made only if some row uses penalties or min_tokens.
+        return self.sampler(logits, params, seeds, overlap, lambda: _sample_rows(out))
 
 
 def _sample_rows(out: SchedulerOutput) -> list[SampleRow]:

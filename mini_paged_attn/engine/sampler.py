@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
@@ -20,6 +21,7 @@ from .penalties import TokenHistory, add_logit_bias, apply_penalties, mask_token
 from .penalties import upload as _upload
 from .sampling_params import SamplingParams
 
+_USES_PROCESSORS = attrgetter("uses_processors")
 
 @dataclass(frozen=True)
 class SampleRow:
@@ -79,7 +81,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  seeds: list[tuple[int, int] | None],
                  overlap: Callable[[], None] | None = None,
-                 rows: list[SampleRow] | None = None) -> SamplerOutput:
+                 rows: Callable[[], list[SampleRow]] | None = None) -> SamplerOutput:
         """Sample one token per row.
 
         Args:
@@ -89,8 +91,8 @@ class Sampler:
                 of a seeded request (its ``params.seed`` seeds that sample's own generator).
             overlap: called once all the step's device work is enqueued, before the host waits
                 for it (host work that then runs in the device's shadow).
-            rows: per row, its :class:`SampleRow`; needed only when some row's params
-                ``uses_history`` (its entries for the other rows are not read).
+            rows: makes the list of each row's :class:`SampleRow`; called (once) only when
+                some row's params ``uses_history`` (the entries of the other rows are not read).
 
         Returns:
             :class:`SamplerOutput` (one host sync: the sampled ids).
@@ -100,15 +102,10 @@ class Sampler:
         if any(k is not None for k in want_logprobs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
-        # Requests without these features cost two scans of ``params`` here, nothing on the device.
+        # A batch that uses none of them costs one scan of ``params``, nothing on the device.
         counted = None
-        if any(p.uses_history for p in params):
-            if rows is None:
-                raise ValueError("rows: required when a row's params use penalties or min_tokens")
-            logits, counted = self._apply_history(logits, params, rows)
-        if any(p.uses_logit_bias for p in params):
-            biased = [i for i, p in enumerate(params) if p.uses_logit_bias]
-            add_logit_bias(logits, biased, [params[i].logit_bias for i in biased])
+        if any(map(_USES_PROCESSORS, params)):
+            logits, counted = self._process(logits, params, rows)
 
         greedy = [p.greedy for p in params]
         if all(greedy):
@@ -127,15 +124,30 @@ class Sampler:
             return SamplerOutput(token_ids)
         return SamplerOutput(token_ids, self._logprobs(raw_logprobs, sampled, want_logprobs))
 
-    def _apply_history(self, logits: torch.Tensor, params: list[SamplingParams],
-                       rows: list[SampleRow]
-                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None] | None]:
-        """min_tokens' masks and the penalties (loops over the rows that use them only).
+    def _process(self, logits: torch.Tensor, params: list[SamplingParams],
+                 rows: Callable[[], list[SampleRow]] | None
+                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None] | None]:
+        """min_tokens' masks, the penalties and logit_bias (host loops over the rows that use
+        them only; one batched operation each on the device).
 
         Returns the logits (a new tensor when penalised) and, when some row is penalised,
         ``(its TokenHistory rows, the batch rows they are at or None for all)``, for counting
         the sampled tokens.
         """
+        counted = None
+        if any(p.uses_history for p in params):
+            if rows is None:
+                raise ValueError("rows: required when a row's params use penalties or min_tokens")
+            logits, counted = self._apply_history(logits, params, rows())
+        if any(p.uses_logit_bias for p in params):
+            biased = [i for i, p in enumerate(params) if p.uses_logit_bias]
+            add_logit_bias(logits, biased, [params[i].logit_bias for i in biased])
+        return logits, counted
+
+    def _apply_history(self, logits: torch.Tensor, params: list[SamplingParams],
+                       rows: list[SampleRow]
+                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None] | None]:
+        """min_tokens' masks and the penalties; returns as :meth:`_process` does."""
         early = [i for i, p in enumerate(params)
                  if p.min_tokens and rows[i].num_output_tokens < p.min_tokens]
         if early:

@@ -75,6 +75,7 @@ class SamplingParams:
     # bias: derived, so the common request costs the sampler one attribute read per row.
     uses_history: bool = field(init=False, repr=False, compare=False, default=False)
     uses_logit_bias: bool = field(init=False, repr=False, compare=False, default=False)
+    uses_processors: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> ValueError:
@@ -133,6 +134,7 @@ class SamplingParams:
         self.repetition_penalty = float(self.repetition_penalty)
         self.uses_history = (self.uses_penalties or self.min_tokens > 0)
         self.uses_logit_bias = self.logit_bias is not None
+        self.uses_processors = self.uses_history or self.uses_logit_bias
 
     @property
     def uses_penalties(self) -> bool:

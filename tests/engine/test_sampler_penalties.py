@@ -66,7 +66,7 @@ def test_processed_logits_match_the_reference_step_after_step(seed):
                     for i, p in enumerate(ROW_PARAMS)]
         rows = [SampleRow((f"r{i}", 0), prompts[i], len(outputs[i]), stops[i])
                 for i in range(len(ROW_PARAMS))]
-        got = sampler(logits.clone(), ROW_PARAMS, [None] * len(ROW_PARAMS), rows=rows)
+        got = sampler(logits.clone(), ROW_PARAMS, [None] * len(ROW_PARAMS), rows=lambda: rows)
         for i, tok in enumerate(got.token_ids):
             ref = torch.tensor(expected[i])
             assert tok == int(ref.argmax()), (step, i, ROW_PARAMS[i])
@@ -115,10 +115,10 @@ def test_seeded_penalised_sampling_does_not_depend_on_the_batch():
             row = SampleRow(("a", 0), [1, 2], len(tokens), frozenset())
             if batched:
                 out = sampler(logits.clone(), [other, p], [None, ("a", 0)],
-                              rows=[SampleRow(("b", 0), [3], 0, frozenset()), row])
+                              rows=lambda: [SampleRow(("b", 0), [3], 0, frozenset()), row])
                 tokens.append(out.token_ids[1])
             else:
-                out = sampler(logits[1:].clone(), [p], [("a", 0)], rows=[row])
+                out = sampler(logits[1:].clone(), [p], [("a", 0)], rows=lambda: [row])
                 tokens.append(out.token_ids[0])
         return tokens
 
@@ -140,11 +140,11 @@ def test_history_rows_are_freed_and_reused_on_release():
     p = SamplingParams(temperature=0.0, presence_penalty=1.0)
     logits = torch.zeros(2, VOCAB)
     rows = [_row(("x", 0), [1], []), _row(("x", 1), [1], [])]
-    sampler(logits.clone(), [p, p], [None, None], rows=rows)
+    sampler(logits.clone(), [p, p], [None, None], rows=lambda: rows)
     assert len(sampler.history) == 2
     sampler.release("x")
     assert len(sampler.history) == 0
-    sampler(logits[:1].clone(), [p], [None], rows=[_row(("y", 0), [2], [])])
+    sampler(logits[:1].clone(), [p], [None], rows=lambda: [_row(("y", 0), [2], [])])
     # The reused row starts from zero counts and y's prompt only.
     row = sampler.history._rows[("y", 0)]
     assert int(sampler.history.counts[row].sum()) == 1
