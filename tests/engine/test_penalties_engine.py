@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.sampling_reference import reference_logits
 from helpers.tiny_models import hf_reference_model
-from test_sampler_penalties import reference_logits
 
 from mini_paged_attn.engine import LLM, SamplingParams
 from helpers import engines
