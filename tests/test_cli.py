@@ -54,3 +54,21 @@ def test_generate_rejects_bad_sampling_values(capsys):
     assert main(["generate", "--model", "tiny", "--prompt", "x", "--top-p", "1.5",
                  "--device", "cpu"]) == 2
     assert "top_p" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny", "--prompt", "x", "--presence-penalty", "3",
+                 "--device", "cpu"]) == 2
+    assert "presence_penalty" in capsys.readouterr().err
+
+
+def test_generate_applies_the_penalties(capsys):
+    penalties = dict(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.2)
+    assert main(["generate", "--model", "tiny", "--prompt", "hello", "--max-tokens", "6",
+                 "--temperature", "0", "--device", "cpu", "--dtype", "float32",
+                 "--presence-penalty", "0.5", "--frequency-penalty", "1",
+                 "--repetition-penalty", "1.2"]) == 0
+    streamed = capsys.readouterr().out
+    llm = LLM("tiny", device="cpu", dtype="float32", num_kv_blocks=16)
+    expected = llm.generate("hello", SamplingParams(temperature=0, max_tokens=6, **penalties),
+                            use_tqdm=False)[0].outputs[0]
+    assert streamed == expected.text + "\n"
+    # The tiny model repeats one token greedily; the penalties break that.
+    assert len(set(expected.token_ids)) > 1

@@ -1,7 +1,7 @@
 """``mini-paged-attn generate``: stream a model's reply to one prompt.
 
     mini-paged-attn generate --model DIR --prompt "..." [--max-tokens 128] [--temperature 0.7]
-                             [--top-p 0.9] [--chat]
+                             [--top-p 0.9] [--repetition-penalty 1.1] [--chat]
 
 ``--model tiny`` uses the embedded tiny Llama (RANDOM weights: its text is noise).
 """
@@ -28,6 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--top-p", type=float, default=1.0, help="default 1.0 (off)")
     sampling.add_argument("--top-k", type=int, default=-1, help="default -1 (off)")
     sampling.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
+    sampling.add_argument("--presence-penalty", type=float, default=0.0,
+                          help="in [-2, 2]: subtracted once from every generated token's logit "
+                               "(default 0)")
+    sampling.add_argument("--frequency-penalty", type=float, default=0.0,
+                          help="in [-2, 2]: subtracted per time a token was generated (default 0)")
+    sampling.add_argument("--repetition-penalty", type=float, default=1.0,
+                          help="> 0: divides the positive logits of tokens of the prompt or the "
+                               "output, multiplies the negative ones (default 1, off)")
     add_engine_arguments(parser, serving=False)
     parser.add_argument("--stats", action="store_true", help="print the engine's stats at the end")
 
@@ -37,7 +45,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                max_tokens=args.max_tokens, seed=args.seed)
+                                max_tokens=args.max_tokens, seed=args.seed,
+                                presence_penalty=args.presence_penalty,
+                                frequency_penalty=args.frequency_penalty,
+                                repetition_penalty=args.repetition_penalty)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ from .sampling_params import SamplingParams
 class Admission:
     """The limits of one engine that decide whether a request can ever run.
 
-    vocab_size: token ids of a prompt must lie in ``[0, vocab_size)``.
+    vocab_size: token ids of a prompt and of a logit_bias must lie in ``[0, vocab_size)``.
     max_model_len: prompt + max_tokens may not exceed it.
     num_blocks, block_size: the KV pool; prompt + max_tokens - 1 tokens must fit in it whole.
     max_num_seqs: ``n`` samples run side by side, so ``n`` may not exceed it.
@@ -65,6 +65,11 @@ class Admission:
             raise ValueError(f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
                              f"need {blocks} KV blocks, more than the whole pool "
                              f"({self.num_blocks} blocks of {self.block_size})")
+        if params.logit_bias is not None:
+            bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
         if params.n > self.max_num_seqs:
             raise ValueError(f"params.n: expected <= max_num_seqs={self.max_num_seqs}, "
                              f"got {params.n}")

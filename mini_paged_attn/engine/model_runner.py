@@ -24,7 +24,7 @@ from ..ops.kv_quant import kv_cache_torch_dtype
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .input_batch import InputBuilder, dummy_inputs, table_width
-from .sampler import Sampler
+from .sampler import SampleRow, Sampler
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -227,7 +227,21 @@ class ModelRunner:
                 params.append(p)
                 seeds.append(None if p.seed is None else
                              (seq.request.request_id, seq.index if k == 1 else j))
-        return self.sampler(logits, params, seeds, overlap)
+        # Made only if some row uses penalties or min_tokens.
+        return self.sampler(logits, params, seeds, overlap, lambda: _sample_rows(out))
+
+
+def _sample_rows(out: SchedulerOutput) -> list[SampleRow]:
+    """Per sample row, what penalties and min_tokens read of its sample (a request about to
+    fork has one row per sample index, all from sequence 0)."""
+    rows = []
+    for seq, k in zip(out.seqs, out.num_samples):
+        request = seq.request
+        for j in range(k):
+            rows.append(SampleRow((request.request_id, seq.index if k == 1 else j),
+                                  request.prompt_token_ids, seq.num_output_tokens,
+                                  request.stop_token_ids))
+    return rows
 
 
 __all__ = ["ModelRunner", "kv_block_bytes"]

@@ -1,4 +1,5 @@
-"""Sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs,
+and before them (see ``penalties``) min_tokens, logit_bias and the penalties.
 
 Every row is sampled in vocabulary order with the exponential-race trick: with
 ``q ~ Exp(1)`` drawn per token, ``argmax(p / q)`` is a sample from ``p``. Filtering (top-k,
@@ -10,18 +11,32 @@ or in any batch (for the same logits).
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
+from .penalties import TokenHistory, add_logit_bias, apply_penalties, mask_tokens
+from .penalties import upload as _upload
 from .sampling_params import SamplingParams
 
+_USES_PROCESSORS = attrgetter("uses_processors")
 
-def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A per-row parameter tensor on the device. Pinned on CUDA: a copy from pageable memory
-    would first wait for the stream, i.e. for the whole forward."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
+@dataclass(frozen=True)
+class SampleRow:
+    """What the sampler reads of a row's sample when its params need the sample's tokens
+    (``SamplingParams.uses_history``: penalties or min_tokens).
+
+    ``key``: ``(request id, sample index)``, whose token counts the penalties keep;
+    ``stop_token_ids``: what min_tokens masks (the request's stop tokens, EOS included unless
+    ignore_eos).
+    """
+
+    key: tuple[str, int]
+    prompt_token_ids: Seq[int]
+    num_output_tokens: int
+    stop_token_ids: frozenset[int]
 
 
 @dataclass
@@ -45,10 +60,13 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._seeded: dict[str, dict[int, torch.Generator]] = {}
+        self.history = TokenHistory(device)
 
     def release(self, request_id: str) -> None:
-        """Forget a request's generators (it finished or was aborted)."""
+        """Forget a request's generators and token counts (it finished or was aborted)."""
         self._seeded.pop(request_id, None)
+        if len(self.history):
+            self.history.release(request_id)
 
     def _generator_of(self, request_id: str, index: int, seed: int) -> torch.Generator:
         gens = self._seeded.setdefault(request_id, {})
@@ -62,7 +80,8 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  seeds: list[tuple[int, int] | None],
-                 overlap: Callable[[], None] | None = None) -> SamplerOutput:
+                 overlap: Callable[[], None] | None = None,
+                 rows: Callable[[], list[SampleRow]] | None = None) -> SamplerOutput:
         """Sample one token per row.
 
         Args:
@@ -72,6 +91,8 @@ class Sampler:
                 of a seeded request (its ``params.seed`` seeds that sample's own generator).
             overlap: called once all the step's device work is enqueued, before the host waits
                 for it (host work that then runs in the device's shadow).
+            rows: makes the list of each row's :class:`SampleRow`; called (once) only when
+                some row's params ``uses_history`` (the entries of the other rows are not read).
 
         Returns:
             :class:`SamplerOutput` (one host sync: the sampled ids).
@@ -81,6 +102,11 @@ class Sampler:
         if any(k is not None for k in want_logprobs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
+        # A batch that uses none of them costs one scan of ``params``, nothing on the device.
+        counted = None
+        if any(map(_USES_PROCESSORS, params)):
+            logits, counted = self._process(logits, params, rows)
+
         greedy = [p.greedy for p in params]
         if all(greedy):
             sampled = logits.argmax(dim=-1)
@@ -89,10 +115,63 @@ class Sampler:
 
         if overlap is not None:
             overlap()
+        if counted is not None:
+            # After overlap: a step that raises there is rolled back, its tokens never counted.
+            history_rows, at = counted
+            self.history.record(history_rows, sampled if at is None else sampled[at])
         token_ids = sampled.tolist()
         if raw_logprobs is None:
             return SamplerOutput(token_ids)
         return SamplerOutput(token_ids, self._logprobs(raw_logprobs, sampled, want_logprobs))
+
+    def _process(self, logits: torch.Tensor, params: list[SamplingParams],
+                 rows: Callable[[], list[SampleRow]] | None
+                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None] | None]:
+        """min_tokens' masks, the penalties and logit_bias (host loops over the rows that use
+        them only; one batched operation each on the device).
+
+        Returns the logits (a new tensor when penalised) and, when some row is penalised,
+        ``(its TokenHistory rows, the batch rows they are at or None for all)``, for counting
+        the sampled tokens.
+        """
+        counted = None
+        if any(p.uses_history for p in params):
+            if rows is None:
+                raise ValueError("rows: required when a row's params use penalties or min_tokens")
+            logits, counted = self._apply_history(logits, params, rows())
+        if any(p.uses_logit_bias for p in params):
+            biased = [i for i, p in enumerate(params) if p.uses_logit_bias]
+            add_logit_bias(logits, biased, [params[i].logit_bias for i in biased])
+        return logits, counted
+
+    def _apply_history(self, logits: torch.Tensor, params: list[SamplingParams],
+                       rows: list[SampleRow]
+                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None] | None]:
+        """min_tokens' masks and the penalties; returns as :meth:`_process` does."""
+        early = [i for i, p in enumerate(params)
+                 if p.min_tokens and rows[i].num_output_tokens < p.min_tokens]
+        if early:
+            mask_tokens(logits, early, [rows[i].stop_token_ids for i in early])
+        penalised = [i for i, p in enumerate(params) if p.uses_penalties]
+        if not penalised:
+            return logits, None
+        device = logits.device
+        history = self.history.rows_for([rows[i].key for i in penalised],
+                                        [rows[i].prompt_token_ids for i in penalised],
+                                        logits.shape[1])
+        every = len(penalised) == len(params)
+        at = None if every else _upload(penalised, torch.int64, device)
+        chosen = [params[i] for i in penalised]
+        new = apply_penalties(
+            logits if every else logits[at], self.history.counts[history],
+            self.history.in_prompt[history],
+            _upload([p.presence_penalty for p in chosen], torch.float32, device),
+            _upload([p.frequency_penalty for p in chosen], torch.float32, device),
+            _upload([p.repetition_penalty for p in chosen], torch.float32, device))
+        if every:
+            return new, (history, None)
+        logits.index_copy_(0, at, new)
+        return logits, (history, at)
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
                 seeds: list[tuple[int, int] | None], greedy: list[bool]) -> torch.Tensor:
@@ -172,4 +251,4 @@ class Sampler:
         return out
 
 
-__all__ = ["Sampler", "SamplerOutput"]
+__all__ = ["SampleRow", "Sampler", "SamplerOutput"]

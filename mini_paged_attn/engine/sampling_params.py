@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..core.args import check_bool, is_int, is_number, positive_int
 
@@ -12,6 +12,9 @@ MAX_LOGPROBS = 20
 # Temperatures below this are greedy: float32 logits divided by a tinier one overflow to inf
 # (1e-40 is even a float32 zero), and the softmax of inf is NaN (vLLM uses the same bound).
 GREEDY_TEMPERATURE = 1e-5
+# OpenAI's ranges: penalties in [-2, 2], a logit bias in [-100, 100].
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -33,7 +36,19 @@ class SamplingParams:
         seed: makes this request's sampling reproducible (its own random generator).
         logprobs: None, or the number (0..20) of most likely tokens whose log-probabilities are
             returned per generated token, with the sampled token's (log-softmax of the model's
-            logits before temperature and filtering).
+            logits before the penalties, the bias, temperature and filtering).
+        presence_penalty: in [-2, 2]; subtracted once from the logit of every token the sample
+            has generated so far (> 0: favours new tokens).
+        frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time the sample
+            has generated it.
+        repetition_penalty: > 0, 1 is off; tokens of the prompt or of the output have positive
+            logits divided by it and negative ones multiplied by it (> 1: discourages repeats).
+        logit_bias: ``{token_id: bias}`` added to those logits before sampling; biases in
+            [-100, 100] (-100 in effect bans a token); token ids are checked against the
+            vocabulary when the request is added.
+        min_tokens: >= 0 and <= max_tokens; the end-of-sequence and stop_token_ids tokens cannot
+            be sampled before this many tokens have been generated (stop strings still apply).
+        prompt_logprobs: None only (per-prompt-token logprobs are not computed).
 
     Raises:
         ValueError: naming the field, the expected range and the value given.
@@ -50,6 +65,17 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
+    # Whether the sampler must look at the sample's tokens (penalties, min_tokens) or add a
+    # bias: derived, so the common request costs the sampler one attribute read per row.
+    uses_history: bool = field(init=False, repr=False, compare=False, default=False)
+    uses_logit_bias: bool = field(init=False, repr=False, compare=False, default=False)
+    uses_processors: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> ValueError:
@@ -83,13 +109,41 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in ids):
             raise fail("stop_token_ids", "None or a list of non-negative ints")
         self.stop_token_ids = tuple(ids)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise fail(name, f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        if not is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise fail("repetition_penalty", "a number > 0 (1 is off)")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise fail("min_tokens", f"an int in [0, max_tokens={self.max_tokens}]")
+        if self.prompt_logprobs is not None:
+            raise fail("prompt_logprobs", "None (prompt logprobs are not supported)")
+        bias = {} if self.logit_bias is None else self.logit_bias
+        if not isinstance(bias, dict) or not all(
+                is_int(t) and t >= 0 and is_number(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+                for t, b in bias.items()):
+            raise fail("logit_bias", f"None or a dict of token id (int >= 0) to a number in "
+                                     f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        self.logit_bias = {int(t): float(b) for t, b in bias.items()} or None
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self.min_p = float(self.min_p)
+        self.presence_penalty = float(self.presence_penalty)
+        self.frequency_penalty = float(self.frequency_penalty)
+        self.repetition_penalty = float(self.repetition_penalty)
+        self.uses_history = (self.uses_penalties or self.min_tokens > 0)
+        self.uses_logit_bias = self.logit_bias is not None
+        self.uses_processors = self.uses_history or self.uses_logit_bias
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
 
-__all__ = ["GREEDY_TEMPERATURE", "MAX_LOGPROBS", "SamplingParams"]
+__all__ = ["GREEDY_TEMPERATURE", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "MAX_PENALTY", "SamplingParams"]

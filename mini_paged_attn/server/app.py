@@ -4,7 +4,7 @@
 >>> app = build_app(MPEngineClient("DIR"), model_name="my-model")  # doctest: +SKIP
 >>> uvicorn.run(app, host="127.0.0.1", port=8000)            # doctest: +SKIP
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (behind the
+Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (behind the
 API key when one is set), ``GET /health`` and ``GET /metrics`` (open, for probes and scrapers).
 Every error, a 404 included, carries OpenAI's body ``{"error": {"message", "type", "param",
 "code"}}``: malformed input of any kind is a 4xx, and a 500 says only that the server failed (the
@@ -28,7 +28,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..engine.engine_client import EngineClient, InprocEngineClient
@@ -37,9 +37,9 @@ from .async_engine import AsyncEngine
 from .cross_site import CrossSiteGuard
 from .errors import ENGINE_DEAD, APIError
 from .limits import RequestSizeLimit, ServerLimits
-from .metrics import CONTENT_TYPE, render_metrics
+from .metrics import ServerMetrics
 from .openai_api import create_chat_completion, create_completion
-from .prepare import ServedModel
+from .prepare import ServedModel, model_not_found
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +89,20 @@ async def _unhandled(request: Request, exc: Exception) -> Response:
     return _internal_error(request)
 
 
+def _model_object(served: ServedModel) -> dict:
+    return {"id": served.name, "object": "model", "created": int(time.time()),
+            "owned_by": "mini_paged_attn", "max_model_len": served.engine.max_model_len}
+
+
 async def _models(request: Request, served: ServedModel) -> Response:
-    return JSONResponse({"object": "list", "data": [{
-        "id": served.name, "object": "model", "created": int(time.time()),
-        "owned_by": "mini_paged_attn", "max_model_len": served.engine.max_model_len}]})
+    return JSONResponse({"object": "list", "data": [_model_object(served)]})
+
+
+async def _model(request: Request, served: ServedModel) -> Response:
+    name = request.path_params["model_id"]
+    if name != served.name:
+        raise model_not_found(served, name, None)
+    return JSONResponse(_model_object(served))
 
 
 async def _health(request: Request, served: ServedModel) -> Response:
@@ -102,8 +112,11 @@ async def _health(request: Request, served: ServedModel) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-async def _metrics(request: Request, served: ServedModel) -> Response:
-    return PlainTextResponse(render_metrics(served.async_engine), media_type=CONTENT_TYPE)
+def _metrics_endpoint(metrics: ServerMetrics) -> Handler:
+    async def scrape(request: Request, served: ServedModel) -> Response:
+        body, content_type = metrics.render(request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
+    return scrape
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -127,7 +140,8 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str
         engine: an ``EngineClient`` (``InprocEngineClient`` or ``MPEngineClient``; the caller
             shuts it down), or an ``LLMEngine``, which the app wraps in an
             ``InprocEngineClient`` of its own, shut down with the app.
-        model_name: the id clients pass as ``model``; anything else is a 400.
+        model_name: the id clients pass as ``model``; anything else is a 404
+            (``model_not_found``).
         api_key: if set, /v1/* requires ``Authorization: Bearer <api_key>`` (401 otherwise).
         max_queue: at most this many requests wait for their first token; more get 429 (a
             request with more prompts than that gets 400: it could never be admitted).
@@ -162,6 +176,8 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str
         if owns_client:
             client.shutdown()
         raise
+    metrics = ServerMetrics(async_engine)
+    async_engine.on_finished = metrics.observe
     workers = ThreadPoolExecutor(_REQUEST_WORKERS, thread_name_prefix="mini-paged-attn-request")
     served = ServedModel(model_name, async_engine, workers, limits=limits, max_queue=max_queue)
 
@@ -176,16 +192,19 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str
 
     routes = [
         Route("/v1/models", _endpoint(_models, served, api_key), methods=["GET"]),
+        # :path: served names often hold a slash (org/model).
+        Route("/v1/models/{model_id:path}", _endpoint(_model, served, api_key), methods=["GET"]),
         Route("/v1/completions", _endpoint(create_completion, served, api_key),
               methods=["POST"]),
         Route("/v1/chat/completions", _endpoint(create_chat_completion, served, api_key),
               methods=["POST"]),
         Route("/health", _endpoint(_health, served, None), methods=["GET"]),
-        Route("/metrics", _endpoint(_metrics, served, None), methods=["GET"]),
+        Route("/metrics", _endpoint(_metrics_endpoint(metrics), served, None), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(CrossSiteGuard, allowed_hosts=allowed_hosts),
                                 Middleware(RequestSizeLimit, max_bytes=limits.max_request_bytes)],
                     exception_handlers={HTTPException: _http_error, Exception: _unhandled})
     app.state.async_engine = async_engine
+    app.state.metrics = metrics
     return app

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,6 +146,9 @@ class AsyncEngine:
         self.max_queue = max_queue
         self.owns_client = owns_client
         self.counters = ServerCounters()
+        # Called with the final output of every request that finishes while its client waits
+        # (on the client's output thread): what /metrics' latency histograms observe.
+        self.on_finished: Callable[[RequestOutput], None] | None = None
         self._lock = threading.Lock()
         self._routes: dict[str, _Route] = {}
         self._started = False
@@ -243,6 +246,7 @@ class AsyncEngine:
     # ---- the client's output thread (OutputHandler) -----------------------------------------
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         deliveries = []
+        finished = []
         with self._lock:
             for out in outputs:
                 route = self._routes.get(out.request_id)
@@ -250,8 +254,12 @@ class AsyncEngine:
                     continue  # aborted by its client while the step ran
                 if out.finished:
                     del self._routes[out.request_id]
+                    finished.append(out)
                 deliveries.append((route, out))
         _deliver(deliveries)
+        if self.on_finished is not None:
+            for out in finished:
+                self.on_finished(out)
 
     def on_failure(self, message: str, request_ids: list[str]) -> None:
         # The core aborted them already (every request of the failed step).

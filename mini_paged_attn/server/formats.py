@@ -75,13 +75,22 @@ class Logprobs:
 
 @dataclass
 class ResponseFormat:
-    """Builds the response objects of one request of either endpoint."""
+    """Builds the response objects of one request of either endpoint.
+
+    ``echo`` (completions): per prompt, the text each of its choices starts with (choice ``i``
+    belongs to prompt ``i // n``); None: the choices hold the completion only.
+    """
 
     chat: bool
     request_id: str
     model: str
     created: int
     logprobs: Logprobs | None = None
+    echo: list[str] | None = None
+    n: int = 1
+
+    def _echoed(self, index: int, text: str) -> str:
+        return text if self.echo is None else self.echo[index // self.n] + text
 
     @property
     def object_name(self) -> str:
@@ -113,6 +122,8 @@ class ResponseFormat:
               usage_field: bool) -> dict[str, Any]:
         """The chunk for what ``comp`` gained since ``text_start`` / ``token_start``."""
         delta = comp.text[text_start:]
+        if token_start == 0:   # the choice's first chunk
+            delta = self._echoed(index, delta)
         logprobs = self._logprobs(comp, token_start, text_start)
         if self.chat:
             choice = {"index": index, "delta": {"content": delta}, "logprobs": logprobs,
@@ -141,6 +152,7 @@ class ResponseFormat:
                             "message": {"role": "assistant", "content": comp.text},
                             "logprobs": logprobs, "finish_reason": comp.finish_reason})
             else:
-                out.append({"index": index, "text": comp.text, "logprobs": logprobs,
+                out.append({"index": index, "text": self._echoed(index, comp.text),
+                            "logprobs": logprobs,
                             "finish_reason": comp.finish_reason})
         return self._envelope(self.object_name, out, usage=usage_)

@@ -33,7 +33,8 @@ class ServerLimits:
     engine serves); OpenAI's n <= 128; 16 stop strings (OpenAI allows 4, vLLM any number: every
     stop string is searched in every new piece of text, every step) of at most 256 characters;
     256 prompts per request and 256 completions (n x prompts) per request, the engine's default
-    batch (--max-num-seqs).
+    batch (--max-num-seqs); 64 stop_token_ids and 1024 logit_bias entries (OpenAI's cap): the
+    sampler scatters each of them every step.
     """
 
     max_request_bytes: int = _cap(4 * 1024 * 1024,
@@ -43,6 +44,8 @@ class ServerLimits:
     max_choices: int = _cap(256, "most completions one request asks for (n x prompts)")
     max_stop_strings: int = _cap(16, "most stop strings in one request")
     max_stop_chars: int = _cap(256, "longest stop string, in characters")
+    max_stop_token_ids: int = _cap(64, "most stop_token_ids in one request")
+    max_logit_bias: int = _cap(1024, "most logit_bias entries in one request")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -52,7 +55,8 @@ class ServerLimits:
 
 
 def check_request(limits: ServerLimits, *, n: int, stop: list[str] | None, num_prompts: int,
-                  max_queue: int | None) -> None:
+                  max_queue: int | None, stop_token_ids: list[int] | None = None,
+                  logit_bias: dict[str, float] | None = None) -> None:
     """Raise a 400 :class:`APIError` naming the field if the request exceeds a cap.
 
     Args:
@@ -61,7 +65,13 @@ def check_request(limits: ServerLimits, *, n: int, stop: list[str] | None, num_p
         num_prompts: prompts in the request (engine requests it becomes).
         max_queue: the server's --max-queue (None: no limit): a request with more prompts than
             may ever wait at once could only get 429 forever, so it is a 400.
+        stop_token_ids, logit_bias: as the request gives them, or None.
     """
+    for name, given, cap in (("stop_token_ids", stop_token_ids, limits.max_stop_token_ids),
+                             ("logit_bias", logit_bias, limits.max_logit_bias)):
+        if given is not None and len(given) > cap:
+            raise bad_request(f"{name}: at most {cap} entries are allowed, got {len(given)}",
+                              param=name)
     stops = stop or []
     if len(stops) > limits.max_stop_strings:
         raise bad_request(f"stop: at most {limits.max_stop_strings} stop strings are allowed, "

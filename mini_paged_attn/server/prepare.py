@@ -50,10 +50,31 @@ class ServedModel:
         return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
 
 
+def model_not_found(served: ServedModel, name: str, param: str | None) -> APIError:
+    """OpenAI's 404 for a model it does not serve."""
+    return APIError(404, f"The model `{name}` does not exist; this server serves "
+                         f"`{served.name}`", param=param, code="model_not_found")
+
+
 def _check_model(served: ServedModel, name: str) -> None:
     if name != served.name:
-        raise APIError(400, f"The model `{name}` does not exist; this server serves "
-                            f"`{served.name}`", param="model", code="model_not_found")
+        raise model_not_found(served, name, "model")
+
+
+def _check_logit_bias(served: ServedModel, req: Any) -> None:
+    vocab = served.engine.model_config.vocab_size
+    bad = next((k for k in req.logit_bias or () if int(k) >= vocab), None)
+    if bad is not None:
+        raise bad_request(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})",
+                          param="logit_bias")
+
+
+def _check_sampling(served: ServedModel, req: Any, num_prompts: int) -> None:
+    """The per-request caps and the token ids of logit_bias (before any tokenizing)."""
+    check_request(served.limits, n=req.n, stop=req.stop, num_prompts=num_prompts,
+                  max_queue=served.max_queue, stop_token_ids=req.stop_token_ids,
+                  logit_bias=req.logit_bias)
+    _check_logit_bias(served, req)
 
 
 def _check_prompt_ids(served: ServedModel, ids: list[int], param: str) -> list[int]:
@@ -105,9 +126,11 @@ def prepare_completion(served: ServedModel, raw: bytes) -> Prepared:
     """Body -> token ids and SamplingParams (on a worker thread); APIError on bad input."""
     req = parse_request(raw, CompletionRequest)
     _check_model(served, req.model)
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo: echo with logprobs needs the prompt's logprobs, which this "
+                          "server does not compute; drop one of them", param="echo")
     items = req.prompts()
-    check_request(served.limits, n=req.n, stop=req.stop, num_prompts=len(items),
-                  max_queue=served.max_queue)
+    _check_sampling(served, req, len(items))
     tokenizer = served.engine.tokenizer
     prompts = []
     for i, p in enumerate(items):
@@ -117,8 +140,12 @@ def prepare_completion(served: ServedModel, raw: bytes) -> Prepared:
     max_tokens = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
     _check_fits(served, prompts, max_tokens, "max_tokens")
     params = to_sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+    echo = None
+    if req.echo:   # a prompt given as token ids echoes as their text
+        echo = [p if isinstance(p, str) else tokenizer.decode(ids)
+                for p, ids in zip(items, prompts)]
     fmt = ResponseFormat(False, f"cmpl-{uuid.uuid4().hex}", served.name, int(time.time()),
-                         _logprobs_format(served, req.logprobs))
+                         _logprobs_format(served, req.logprobs), echo=echo, n=req.n)
     return Prepared(prompts, params, fmt, req.n, req.stream, req.include_usage)
 
 
@@ -129,8 +156,7 @@ def prepare_chat(served: ServedModel, raw: bytes) -> Prepared:
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise bad_request("give max_tokens or max_completion_tokens, not both",
                           param="max_completion_tokens")
-    check_request(served.limits, n=req.n, stop=req.stop, num_prompts=1,
-                  max_queue=served.max_queue)
+    _check_sampling(served, req, 1)
     try:
         ids = served.engine.tokenizer.apply_chat_template(req.template_messages(),
                                                           add_generation_prompt=True)

@@ -13,6 +13,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..engine import SamplingParams
+from ..engine.sampling_params import MAX_LOGIT_BIAS, MAX_PENALTY
 from .errors import bad_request
 from .json_body import MAX_INT_DIGITS, HugeInt, parse_json, preview
 
@@ -44,14 +45,17 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Accepted only at their neutral values, so clients that always send them still work.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    # Token ids (as strings: JSON keys) -> a bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
     # Extensions (vLLM's names).
     top_k: int = -1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     ignore_eos: bool = False
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
 
     @field_validator("top_k")
     @classmethod
@@ -68,19 +72,27 @@ class _SamplingFields(_Strict):
             raise ValueError("stop strings must not be empty")
         return stops or None
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("only 0 is supported")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise ValueError("is not supported")
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= MAX_INT_DIGITS):
+                raise ValueError(f"keys must be token ids, got {key[:40]!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                 f"got {bias!r} for token {key}")
         return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    def token_biases(self) -> dict[int, float] | None:
+        """``logit_bias`` with int token ids (the keys were checked to be digits)."""
+        return {int(k): b for k, b in self.logit_bias.items()} if self.logit_bias else None
 
     @property
     def include_usage(self) -> bool:
@@ -93,14 +105,9 @@ class CompletionRequest(_SamplingFields):
     # A string, a list of strings, a list of token ids or a list of lists of token ids.
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    # The prompt's text before each choice's text. Not with logprobs: those would need the
+    # prompt tokens' logprobs, which the engine does not compute.
     echo: bool = False
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo=true is not supported")
-        return v
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as separate items: a string or a list of token ids each."""
@@ -209,7 +216,11 @@ def to_sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int |
         return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               min_p=req.min_p, max_tokens=max_tokens, stop=req.stop,
                               ignore_eos=req.ignore_eos, n=req.n, seed=req.seed,
-                              logprobs=logprobs)
+                              logprobs=logprobs, presence_penalty=req.presence_penalty,
+                              frequency_penalty=req.frequency_penalty,
+                              repetition_penalty=req.repetition_penalty,
+                              logit_bias=req.token_biases(), min_tokens=req.min_tokens,
+                              stop_token_ids=req.stop_token_ids)
     except ValueError as exc:  # the engine's checks say "<field>: expected ..., got ..."
         field_name = str(exc).split(":", 1)[0]
         raise bad_request(str(exc), param=field_name if field_name.isidentifier() else None

@@ -42,6 +42,10 @@ def test_inproc_and_mp_clients_give_the_same_outputs(inproc_client, mp_client):
     stop_cases = [(p, GREEDY) for p in PROMPTS] + [
         (PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=8, n=2, seed=7,
                                     ignore_eos=True)),
+        (PROMPTS[1], SamplingParams(temperature=0.9, max_tokens=8, n=2, seed=3,
+                                    presence_penalty=1.0, frequency_penalty=0.5,
+                                    repetition_penalty=1.3, logit_bias={5: 2.0},
+                                    min_tokens=2)),
         (PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
                                     logprobs=2))]
     want = run_requests(inproc_client, stop_cases, "in")

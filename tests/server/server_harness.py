@@ -36,12 +36,16 @@ class Server:
         return httpx.Client(base_url=self.url, headers=headers, timeout=TIMEOUT_S)
 
     def metrics(self) -> dict[str, float]:
+        """/metrics as ``{'name{label="value",...}': value}``, through prometheus_client's
+        parser (so the exposition must be valid)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
         text = httpx.get(f"{self.url}/metrics", timeout=TIMEOUT_S).text
         out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
         return out
 
     def wait_all_free(self, timeout: float = TIMEOUT_S) -> dict[str, float]:

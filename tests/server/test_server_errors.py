@@ -31,7 +31,7 @@ BAD_INPUTS = [
     ("completions", {**GOOD, "prompt": "x" * 300}, 400, "prompt"),
     ("completions", {**GOOD, "prompt": [5, 999999]}, 400, "prompt"),
     ("completions", {**GOOD, "max_tokens": 250, "prompt": "x" * 100}, 400, "max_tokens"),
-    ("completions", {**GOOD, "model": "gpt-4"}, 400, "model"),
+    ("completions", {**GOOD, "model": "gpt-4"}, 404, "model"),
     ("completions", {**GOOD, "best_of_luck": 1}, 400, "best_of_luck"),
     ("completions", {k: v for k, v in GOOD.items() if k != "model"}, 400, "model"),
     ("chat/completions", {**CHAT_GOOD, "messages": []}, 400, "messages"),
