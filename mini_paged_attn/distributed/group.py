@@ -111,7 +111,7 @@ def init_tp_group(rank: int, world_size: int, device: torch.device | str, *, hos
 def serve_store(world_size: int, timeout_s: float, host: str = "127.0.0.1") -> Any:
     """Rank 0's ``TCPStore`` on a free port (read it as ``store.port``)."""
     from torch import distributed as dist
-    return dist.TCPStore(host, 0, world_size, True,
+    return dist.TCPStore(host, 0, world_size, True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
