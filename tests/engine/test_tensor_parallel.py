@@ -22,7 +22,7 @@ import torch
 from helpers.engines import assert_pool_whole
 from helpers.tiny_models import hf_reference_model
 from mini_paged_attn.distributed import ShardLayout, TPGroup
-from mini_paged_attn.engine import LLMEngine
+from mini_paged_attn.engine import InprocEngineClient, LLMEngine
 from mini_paged_attn.engine.config import EngineConfig
 from mini_paged_attn.engine.llm import LLM
 from mini_paged_attn.engine.sampling_params import SamplingParams
@@ -113,6 +113,13 @@ def test_a_killed_worker_fails_the_next_call_at_once():
     with pytest.raises(TensorParallelError, match="rank 1"):     # and it stays failed
         llm.generate(prompts, p, use_tqdm=False)
     assert time.monotonic() - start < 10
+    # The server's client declares the engine dead at the first failed step (/health: 503).
+    client = InprocEngineClient(llm.engine)
+    client.add_request("r", "hello", p)
+    while client.dead_reason is None and time.monotonic() - start < 20:
+        time.sleep(0.05)
+    assert "rank 1" in (client.dead_reason or "")
+    client.shutdown()
     llm.shutdown()
     llm.shutdown()                                                 # idempotent
 
