@@ -41,6 +41,10 @@ SHAPES = {
                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                          max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
                          tie_word_embeddings=True),
+    "qwen2.5-7b": dict(arch="Qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False),
 }
 
 
