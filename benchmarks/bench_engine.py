@@ -28,6 +28,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -358,15 +359,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def engine_tool_main(doc: str, add: Callable[[argparse.ArgumentParser], None],
+                     run_tool: Callable[[argparse.Namespace], int], argv: list[str] | None) -> int:
+    """Parse ``argv`` with the tool's arguments and ``--log-level``, set up logging, run it
+    (shared by the engine-level tools: this one and ``bench_tp``)."""
     import logging
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    add(parser)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(args)
+    return run_tool(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return engine_tool_main(__doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

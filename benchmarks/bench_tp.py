@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_engine import random_model_dir, timed_generate
+from benchmarks.bench_engine import engine_tool_main, random_model_dir, timed_generate
 
 SHAPE = "qwen2.5-7b"
 
@@ -121,14 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import logging
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(args)
+    return engine_tool_main(__doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":
