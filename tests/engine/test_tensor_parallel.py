@@ -19,10 +19,11 @@ import time
 import pytest
 import torch
 
+from helpers.engine_clients import run_requests
 from helpers.engines import assert_pool_whole
 from helpers.tiny_models import hf_reference_model
 from mini_paged_attn.distributed import ShardLayout, TPGroup
-from mini_paged_attn.engine import InprocEngineClient, LLMEngine
+from mini_paged_attn.engine import InprocEngineClient, LLMEngine, MPEngineClient
 from mini_paged_attn.engine.config import EngineConfig
 from mini_paged_attn.engine.llm import LLM
 from mini_paged_attn.engine.sampling_params import SamplingParams
@@ -122,6 +123,25 @@ def test_a_killed_worker_fails_the_next_call_at_once():
     client.shutdown()
     llm.shutdown()
     llm.shutdown()                                                 # idempotent
+
+
+def test_the_server_engine_process_runs_tensor_parallel_and_stops_its_workers():
+    # The engine process of `serve --engine-process on`: its workers are its children.
+    p = SamplingParams(temperature=0.0, max_tokens=4)
+    kwargs = dict(device="cpu", dtype="float32", num_kv_blocks=16)
+    expected = LLM("tiny", **kwargs).generate("hello", p, use_tqdm=False)[0].outputs[0].token_ids
+    client = MPEngineClient("tiny", dict(kwargs, tensor_parallel_size=2), start_timeout=120)
+    try:
+        (out,) = run_requests(client, [("hello", p)])
+        assert out.outputs[0].token_ids == expected
+        core = client.process.pid
+        with open(f"/proc/{core}/task/{core}/children") as f:
+            workers = [int(pid) for pid in f.read().split()]
+        assert len(workers) == 1
+    finally:
+        client.shutdown()
+    assert client.process.exitcode == 0
+    assert_gone(workers)
 
 
 def test_garbage_collection_stops_the_workers():
