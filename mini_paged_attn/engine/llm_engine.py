@@ -121,16 +121,15 @@ class LLMEngine:
             net, model_config, tokenizer = load_model_and_tokenizer(model, dtype=dtype,
                                                                     device=device)
             return cls(net, tokenizer, model_config, config)
-        from .tp_executor import start_tensor_parallel, wait_ready
+        from .tp_executor import start_tensor_parallel
         net, model_config, tokenizer, peers = start_tensor_parallel(model, dtype=dtype,
                                                                      device=device, config=config)
         try:
             engine = cls(net, tokenizer, model_config, config, peers=peers)
-            wait_ready(peers, config.distributed_timeout_s)
+            peers.wait_ready(config.distributed_timeout_s)
             return engine
-        except BaseException:
-            peers.close()
-            raise
+        except BaseException as exc:
+            peers.close_after_failure(exc)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one rank). Idempotent;

@@ -21,16 +21,17 @@ import pickle
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from multiprocessing import util as mp_util
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from ..distributed.group import TPGroup, init_tp_group, serve_store
 from ..distributed.sharding import check_tensor_parallel_size
 from ..errors import TensorParallelError
-from .config import EngineConfig
+from .config import EngineConfig, resolve_max_model_len
 from .step_message import StepMessage, StopMessage
 from .tp_worker import WorkerLaunch, run_worker
 
@@ -66,7 +67,7 @@ class TPWorkers:
     def check(self) -> None:
         """Raise :class:`TensorParallelError` if a worker has died or a step failed before."""
         if self._error is None:
-            dead = self._dead_ranks()
+            dead = dead_ranks(self.processes, self.conns)
             if dead:
                 self._error = dead
         if self._error is not None:
@@ -86,34 +87,55 @@ class TPWorkers:
         """A step's forward raised on rank 0: the ranks are out of step from now on. Raises
         :class:`TensorParallelError` naming a worker that died (waiting a moment for one) or
         else the failure itself."""
-        deadline = time.monotonic() + DEATH_POLL_S
-        dead = self._dead_ranks()
-        while not dead and time.monotonic() < deadline and _is_comm_error(exc):
-            time.sleep(0.05)
-            dead = self._dead_ranks()
+        dead = _wait_for_dead(self.processes, self.conns, exc)
         self._fail(dead or f"a step failed on rank 0 ({type(exc).__name__}: {exc}), so the "
                            "ranks are out of step", exc)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait for every worker's ready word (call it after rank 0 built its runner: building
+        one has collectives every rank joins). Raises TensorParallelError naming a worker
+        that failed or did not start in time."""
+        deadline = time.monotonic() + timeout_s
+        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
+            while not conn.poll(0.05):
+                if not process.is_alive():
+                    self.check()
+                if time.monotonic() > deadline:
+                    self._fail(f"tensor-parallel worker rank {rank} did not start within "
+                               f"{timeout_s:.0f} s", TimeoutError())
+            kind, text = conn.recv()
+            if kind != "ready":
+                self._fail(f"tensor-parallel worker rank {rank} could not start: {text}",
+                           RuntimeError(text))
 
     def close(self) -> None:
         """Stop every worker and wait for it to exit (idempotent)."""
         self._finalizer()
 
+    def close_after_failure(self, exc: BaseException) -> NoReturn:
+        """Starting the engine failed with ``exc``: stop the workers and raise, naming a worker
+        that died (a worker failing to start breaks rank 0's rendezvous or first collective:
+        what the worker said is the useful part), else ``exc`` itself."""
+        _close_after_failure(self.processes, self.conns, exc, self.close)
+
     def _fail(self, text: str, cause: BaseException) -> None:
         self._error = self._error or text
         raise TensorParallelError(self._error) from cause
 
-    def _dead_ranks(self) -> str | None:
-        """A description of the dead workers (with what they reported), or None."""
-        dead = []
-        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
-            if process.is_alive():
-                continue
-            said = _last_error(conn)
-            dead.append(f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
-                        + (f": {said}" if said else ""))
-        if not dead:
-            return None
-        return "tensor-parallel worker " + "; ".join(dead) + "; shut the engine down"
+
+
+def dead_ranks(processes: list, conns: list) -> str | None:
+    """A description of the dead workers (with what they reported on their pipes), or None."""
+    dead = []
+    for rank, (process, conn) in enumerate(zip(processes, conns), start=1):
+        if process.is_alive():
+            continue
+        said = _last_error(conn)
+        dead.append(f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
+                    + (f": {said}" if said else ""))
+    if not dead:
+        return None
+    return "tensor-parallel worker " + "; ".join(dead) + "; shut the engine down"
 
 
 def start_tensor_parallel(model: str | Path, *, dtype: str, device: str | None,
@@ -144,15 +166,20 @@ def start_tensor_parallel(model: str | Path, *, dtype: str, device: str | None,
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     devices = _rank_devices(device, n)
     cleanup: list[Path] = []
-    if str(model) == TINY_MODEL:
-        from ..models.tiny import tiny_llama_config, write_tiny_llama
-        mc = tiny_llama_config()
-        _check(n, mc)
+    tiny = str(model) == TINY_MODEL
+    if tiny:
+        from ..models.tiny import tiny_llama_config
+        model_config = tiny_llama_config()
+    else:
+        model_config = ModelConfig.from_model_dir(model)
+    check_tensor_parallel_size(n, model_config.num_q_heads, model_config.num_kv_heads,
+                               model_config.intermediate_size)
+    resolve_max_model_len(config, model_config.max_position_embeddings)   # raises if too long
+    if tiny:
+        from ..models.tiny import write_tiny_llama
         tmp = Path(tempfile.mkdtemp(prefix="mini-paged-attn-tiny-"))
         cleanup.append(tmp)
         model = write_tiny_llama(tmp)
-    else:
-        _check(n, ModelConfig.from_model_dir(model))
     model_dir = str(model)
     store = serve_store(n, config.distributed_timeout_s, STORE_HOST)
     ctx = torch.multiprocessing.get_context("spawn")
@@ -177,33 +204,11 @@ def start_tensor_parallel(model: str | Path, *, dtype: str, device: str | None,
         net, model_config = load_model(model_dir, dtype=dtype, device=devices[0], tp=tp)
         tokenizer = load_tokenizer(model_dir)
         return net, model_config, tokenizer, workers
-    except BaseException:
+    except BaseException as exc:
         if workers is not None:
-            workers.close()
-        else:
-            _stop(processes, conns, None, cleanup)
-        raise
-
-
-def wait_ready(workers: TPWorkers, timeout_s: float) -> None:
-    """Wait for every worker's ready word (after rank 0 built its runner: building one has
-    collectives every rank joins). Raises TensorParallelError naming a worker that failed."""
-    deadline = time.monotonic() + timeout_s
-    for rank, (process, conn) in enumerate(zip(workers.processes, workers.conns), start=1):
-        while not conn.poll(0.05):
-            if not process.is_alive() or time.monotonic() > deadline:
-                workers.check()
-                workers._fail(f"tensor-parallel worker rank {rank} did not start within "
-                              f"{timeout_s:.0f} s", TimeoutError())
-        kind, text = conn.recv()
-        if kind != "ready":
-            workers._fail(f"tensor-parallel worker rank {rank} could not start: {text}",
-                          RuntimeError(text))
-
-
-def _check(n: int, model_config) -> None:
-    check_tensor_parallel_size(n, model_config.num_q_heads, model_config.num_kv_heads,
-                               model_config.intermediate_size)
+            workers.close_after_failure(exc)
+        _close_after_failure(processes, conns, exc,
+                             lambda: _stop(processes, conns, None, cleanup))
 
 
 def _rank_devices(device: torch.device, n: int) -> list[torch.device]:
@@ -217,8 +222,26 @@ def _rank_devices(device: torch.device, n: int) -> list[torch.device]:
     return [torch.device("cuda", first + r) for r in range(n)]
 
 
-def _is_comm_error(exc: BaseException) -> bool:
-    return isinstance(exc, (RuntimeError, OSError)) and not isinstance(exc, TensorParallelError)
+def _close_after_failure(processes: list, conns: list, exc: BaseException,
+                         close: Callable[[], None]) -> NoReturn:
+    dead = None if isinstance(exc, ValueError) else _wait_for_dead(processes, conns, exc)
+    close()
+    if dead:
+        raise TensorParallelError(dead) from exc
+    raise exc
+
+
+def _wait_for_dead(processes: list, conns: list, exc: BaseException) -> str | None:
+    """:func:`dead_ranks`, after up to DEATH_POLL_S for a worker whose death broke a
+    collective (``exc``) to be seen as exited."""
+    deadline = time.monotonic() + DEATH_POLL_S
+    comm_error = (isinstance(exc, (RuntimeError, OSError))
+                  and not isinstance(exc, TensorParallelError))
+    dead = dead_ranks(processes, conns)
+    while not dead and comm_error and time.monotonic() < deadline:
+        time.sleep(0.05)
+        dead = dead_ranks(processes, conns)
+    return dead
 
 
 def _last_error(conn: Any) -> str | None:
@@ -262,4 +285,4 @@ def _stop(processes: list, conns: list, tp: TPGroup | None, cleanup: list[Path])
         shutil.rmtree(path, ignore_errors=True)
 
 
-__all__ = ["TPWorkers", "start_tensor_parallel", "wait_ready"]
+__all__ = ["TPWorkers", "dead_ranks", "start_tensor_parallel"]

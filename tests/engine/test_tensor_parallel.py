@@ -162,6 +162,14 @@ def test_bad_sizes_are_refused_before_any_process_starts(tiny_model_factory, siz
     assert {p.pid for p in multiprocessing.active_children()} == before
 
 
+def test_a_too_long_max_model_len_is_refused_before_any_process_starts(tiny_model_factory):
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(tiny_model_factory("llama"), device="cpu", tensor_parallel_size=2,
+            max_model_len=10**6)
+    assert {p.pid for p in multiprocessing.active_children()} == before
+
+
 class _FakeGroup:
     """A process group the layout tests never call (no collective runs)."""
 
@@ -180,7 +188,6 @@ def test_each_rank_loads_its_shard_and_the_shards_make_the_model(tiny_model_fact
     o_cols = torch.cat([a.o_proj.weight for a in attn], dim=1)
     assert torch.equal(o_cols, full.layers[0].self_attn.o_proj.weight)
     # 2 KV heads: at TP=4 ranks 0-1 hold KV head 0, ranks 2-3 KV head 1.
-    kv = config.kv_size
     for r, a in enumerate(attn):
         layout = ShardLayout.of(config, r, n)
         k_rows = a.qkv_proj.weight[a.num_q_heads * hs:(a.num_q_heads + a.num_kv_heads) * hs]
