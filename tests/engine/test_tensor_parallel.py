@@ -14,6 +14,7 @@ import gc
 import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -123,6 +124,24 @@ def test_a_killed_worker_fails_the_next_call_at_once():
     client.shutdown()
     llm.shutdown()
     llm.shutdown()                                                 # idempotent
+
+
+def test_a_worker_killed_inside_a_step_fails_that_step_without_a_hang():
+    llm = LLM("tiny", device="cpu", num_kv_blocks=1024, tensor_parallel_size=2)
+    (pid,) = worker_pids(llm)
+    killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    start = time.monotonic()
+    try:
+        # Far more steps than 0.5 s holds: the kill lands while steps run back to back,
+        # almost always inside one step's collectives (else the check before the next step).
+        with pytest.raises(TensorParallelError, match="rank 1.*code -9"):
+            llm.generate(["x"] * 8, SamplingParams(max_tokens=2000, ignore_eos=True),
+                         use_tqdm=False)
+        assert time.monotonic() - start < 15
+    finally:
+        killer.cancel()
+        llm.shutdown()
 
 
 def test_the_server_engine_process_runs_tensor_parallel_and_stops_its_workers():
