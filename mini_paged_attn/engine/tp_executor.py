@@ -123,7 +123,6 @@ class TPWorkers:
         raise TensorParallelError(self._error) from cause
 
 
-
 def dead_ranks(processes: list, conns: list) -> str | None:
     """A description of the dead workers (with what they reported on their pipes), or None."""
     dead = []
