@@ -28,6 +28,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,6 +42,10 @@ SHAPES = {
                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                          max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
                          tie_word_embeddings=True),
+    "qwen2.5-7b": dict(arch="Qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False),
 }
 
 
@@ -354,15 +359,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def engine_tool_main(doc: str, add: Callable[[argparse.ArgumentParser], None],
+                     run_tool: Callable[[argparse.Namespace], int], argv: list[str] | None) -> int:
+    """Parse ``argv`` with the tool's arguments and ``--log-level``, set up logging, run it
+    (shared by the engine-level tools: this one and ``bench_tp``)."""
     import logging
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    add(parser)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(args)
+    return run_tool(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return engine_tool_main(__doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -10,3 +10,8 @@ class OutOfBlocksError(MemoryError):
 
 class BlockStateError(RuntimeError):
     """A block was used in a state that does not allow it (e.g. freeing a free block)."""
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died or the ranks fell out of step: the engine cannot go on
+    (every later step raises this too); shut it down and build a new one."""

@@ -18,9 +18,11 @@ def test_demo_runs_and_paged_attention_matches_dense(capsys):
     assert "n2[0]" in text and "n2[1]" in text
 
 
-def test_generate_streams_the_same_text_as_llm_generate(capsys):
+@pytest.mark.parametrize("tp", ["1", "2"])
+def test_generate_streams_the_same_text_as_llm_generate(capsys, tp):
     assert main(["generate", "--model", "tiny", "--prompt", "hello", "--max-tokens", "6",
-                 "--temperature", "0", "--device", "cpu", "--dtype", "float32"]) == 0
+                 "--temperature", "0", "--device", "cpu", "--dtype", "float32",
+                 "--tensor-parallel-size", tp]) == 0
     streamed = capsys.readouterr().out
     llm = LLM("tiny", device="cpu", dtype="float32", num_kv_blocks=16)
     expected = llm.generate("hello", SamplingParams(temperature=0, max_tokens=6),
@@ -42,6 +44,7 @@ def test_generate_with_an_fp8_kv_cache(capsys):
     ["demo", "--block-size", "many"],
     ["generate", "--model", "tiny", "--prompt", "x", "--kv-cache-dtype", "int8"],
     ["serve", "--model", "tiny", "--kv-cache-dtype", "fp4"],
+    ["generate", "--model", "tiny", "--prompt", "x", "--tensor-parallel-size", "0"],
 ])
 def test_bad_arguments_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -40,6 +40,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool) -> N
                         help="longest prompt + output (default: the model's"
                              + ("" if serving else ", capped at 8192") + ")")
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    engine.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                        help="split the model over this many processes, one GPU each on CUDA "
+                             "(default 1)")
     engine.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="auto (the model's dtype) or fp8 (e4m3: twice the tokens in the "
                              "same memory)")

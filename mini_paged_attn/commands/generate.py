@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         max_model_len = _default_max_len(args.model)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=max_model_len,
               max_num_seqs=4, enforce_eager=args.enforce_eager,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype,
+              tensor_parallel_size=args.tensor_parallel_size)
     try:
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -72,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 2
+    finally:
+        llm.shutdown()
     sys.stdout.write("\n")
     if args.stats:
         print(llm.stats().summary(), file=sys.stderr)

@@ -150,7 +150,9 @@ def run(args: argparse.Namespace) -> int:
                       max_model_len=args.max_model_len,
                       enable_prefix_caching=not args.no_prefix_caching,
                       enforce_eager=args.enforce_eager, seed=args.seed,
-                      kv_cache_dtype=args.kv_cache_dtype)
+                      kv_cache_dtype=args.kv_cache_dtype,
+                      tensor_parallel_size=args.tensor_parallel_size)
+    llm_engine = None
     if wants_engine_process(args.engine_process, args.device):
         from mini_paged_attn.engine.mp_engine_client import MPEngineClient
         engine = MPEngineClient(args.model, llm_kwargs)
@@ -186,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, previous)
     finally:
         engine.shutdown()  # the engine's thread or process
+        if llm_engine is not None:
+            llm_engine.shutdown()   # its tensor-parallel workers, if any
     return 0
 
 

@@ -36,6 +36,11 @@ class EngineConfig:
             memory. K/V are stored unscaled (scale 1.0: e4m3 covers +-448, ample for keys and
             values of the models here).
         log_stats_interval_s: log a stats line at INFO at most this often while busy.
+        tensor_parallel_size: processes (one GPU each on CUDA) the model is split over; 1
+            runs in the caller's process alone. Must divide the model's attention heads
+            (checked when the model is read, before any process starts).
+        distributed_timeout_s: how long a tensor-parallel rank waits for the others (the
+            rendezvous, one collective, a worker's start) before the engine gives up.
     """
 
     block_size: int = 16
@@ -51,10 +56,13 @@ class EngineConfig:
     backend: str = "auto"
     kv_cache_dtype: str = "auto"
     log_stats_interval_s: float = 10.0
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         # positive_int returns a Python int (numpy / torch integers come in as well).
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_bytes"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_bytes",
+                     "tensor_parallel_size"):
             object.__setattr__(self, name, positive_int(name, getattr(self, name)))
         for name in ("num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None:
@@ -72,8 +80,24 @@ class EngineConfig:
         t = self.log_stats_interval_s
         if not is_number(t) or not 0 <= t < float("inf"):
             raise ValueError(f"log_stats_interval_s: expected a number >= 0, got {t!r}")
+        t = self.distributed_timeout_s
+        if not is_number(t) or not 0 < t < float("inf"):
+            raise ValueError(f"distributed_timeout_s: expected a number > 0, got {t!r}")
         for name in ("enable_prefix_caching", "enforce_eager"):
             check_bool(name, getattr(self, name))
 
 
-__all__ = ["DEFAULT_CPU_KV_CACHE_BYTES", "EngineConfig"]
+def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) -> int:
+    """The engine's maximum sequence length: ``config.max_model_len`` or the model's.
+
+    Raises:
+        ValueError: max_model_len over the model's max_position_embeddings.
+    """
+    max_len = config.max_model_len or max_position_embeddings
+    if max_len > max_position_embeddings:
+        raise ValueError(f"max_model_len: expected <= the model's max_position_embeddings "
+                         f"({max_position_embeddings}), got {max_len}")
+    return max_len
+
+
+__all__ = ["DEFAULT_CPU_KV_CACHE_BYTES", "EngineConfig", "resolve_max_model_len"]

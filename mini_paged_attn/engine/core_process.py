@@ -143,6 +143,10 @@ def run_core_process(launch: CoreLaunch, commands: Any, results: Any) -> None:
         core.run()
     except OSError:  # the client is gone: nobody to tell
         pass
+    finally:
+        shutdown = getattr(engine, "shutdown", None)
+        if shutdown is not None:    # the engine's tensor-parallel workers, if it has any
+            shutdown()
 
 
 __all__ = ["CoreLaunch", "PipeInbox", "PipeOutbox", "run_core_process"]

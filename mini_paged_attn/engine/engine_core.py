@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ..errors import TensorParallelError
 from .core_messages import AbortRequest, AddRequest, Message, Shutdown
 from .outputs import EngineStats, RequestOutput
 
@@ -118,6 +119,8 @@ class EngineCore:
                 continue
             try:
                 outputs = engine.step(overlap=outbox.flush)
+            except TensorParallelError:
+                raise                  # a rank is gone: no later step can succeed
             except Exception as exc:
                 failures += 1
                 logger.exception("engine step failed (%d in a row)", failures)

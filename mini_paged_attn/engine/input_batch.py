@@ -16,6 +16,7 @@ import torch
 from ..cache.block_table import BlockTable
 from ..core.args import cdiv
 from ..core.scheduler import SchedulerOutput
+from .step_message import STEP_ARRAYS
 
 
 # Elements each staging region starts at a multiple of (256 bytes for int32).
@@ -131,6 +132,47 @@ class InputBuilder:
             return self.i64.device[start:start + n]
         start = self._i32_regions[name]
         return self.i32.device[start:start + n]
+
+    def host_arrays(self, step: StepInputs) -> dict[str, np.ndarray]:
+        """Copies of the host arrays ``step`` was uploaded from (see ``StepMessage.arrays``):
+        what another tensor-parallel rank needs to rebuild it with :meth:`load`."""
+        sizes = {name: getattr(step, name).numel() for name in STEP_ARRAYS}
+        if step.sample_rows is not None:
+            sizes["sample_rows"] = step.num_sample_rows
+        return {name: self._host(name, n).copy() for name, n in sizes.items()}
+
+    def load(self, arrays: dict[str, np.ndarray], *, table_width: int, max_seqlen_q: int,
+             num_sample_rows: int) -> StepInputs:
+        """Write ``arrays`` (from :meth:`host_arrays` on rank 0) into this builder's staging
+        regions and upload them: the same step, with device views at this builder's fixed
+        addresses (so a captured CUDA graph reads them in place)."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        views = {}
+        for name, values in arrays.items():
+            self._host(name, len(values))[:] = values
+            buffer, regions = ((self.i64, self._i64_regions) if name in self._i64_regions
+                               else (self.i32, self._i32_regions))
+            views[name] = buffer.upload(regions[name], regions[name] + len(values))
+        num_seqs = len(arrays["block_tables"]) // table_width if table_width else 0
+        inputs = StepInputs(
+            input_ids=views["input_ids"], positions=views["positions"],
+            slot_mapping=views["slot_mapping"], cu_seqlens_q=views["cu_seqlens_q"],
+            context_lens=views["context_lens"],
+            block_tables=views["block_tables"].view(num_seqs, table_width),
+            max_seqlen_q=max_seqlen_q, num_sample_rows=num_sample_rows,
+            sample_rows=views.get("sample_rows"))
+        if self._uploaded is not None:
+            self._uploaded.record()
+        return inputs
+
+    def _host(self, name: str, n: int) -> np.ndarray:
+        """The first ``n`` elements of a staging region on the host (numpy view)."""
+        if name in self._i64_regions:
+            start = self._i64_regions[name]
+            return self.i64.np[start:start + n]
+        start = self._i32_regions[name]
+        return self.i32.np[start:start + n]
 
     def build(self, out: SchedulerOutput, pad_to: int | None = None) -> StepInputs:
         """Fill and upload the inputs of ``out``. ``pad_to`` (decode-only steps): pad the batch

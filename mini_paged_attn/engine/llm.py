@@ -25,8 +25,10 @@ class LLM:
         device: "cuda", "cpu", ...; None picks CUDA when available.
         block_size, num_kv_blocks, gpu_memory_utilization, max_num_seqs,
         max_num_batched_tokens, max_model_len, enable_prefix_caching, enforce_eager, seed,
-        kv_cache_dtype: see :class:`~.config.EngineConfig` (``kv_cache_dtype="fp8"``: an
-            e4m3 KV cache, twice the tokens in the same memory).
+        kv_cache_dtype, tensor_parallel_size: see :class:`~.config.EngineConfig`
+            (``kv_cache_dtype="fp8"``: an e4m3 KV cache, twice the tokens in the same memory;
+            ``tensor_parallel_size=N``: the model split over N processes, one GPU each on
+            CUDA; :meth:`shutdown` stops them).
         **engine_options: other EngineConfig fields (backend, cpu_kv_cache_bytes, ...).
     """
 
@@ -35,13 +37,15 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, seed: int = 0,
-                 kv_cache_dtype: str = "auto", **engine_options: Any) -> None:
+                 kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
+                 **engine_options: Any) -> None:
         config = EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
-            kv_cache_dtype=kv_cache_dtype, **engine_options)
+            kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,
+            **engine_options)
         self.engine = LLMEngine.from_model(model, dtype=dtype, device=device, config=config)
 
     @classmethod
@@ -50,6 +54,17 @@ class LLM:
         llm = cls.__new__(cls)
         llm.engine = engine
         return llm
+
+    def shutdown(self) -> None:
+        """Stop the engine's other tensor-parallel processes (if any); idempotent. Also done
+        when the LLM is garbage collected and at interpreter exit."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     @property
     def tokenizer(self):

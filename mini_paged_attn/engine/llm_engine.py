@@ -24,7 +24,7 @@ from ..core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ..models.config import ModelConfig
 from ..models.tokenizer import Tokenizer
 from .admission import Admission
-from .config import EngineConfig
+from .config import EngineConfig, resolve_max_model_len
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor, RequestState
 from .outputs import EngineStats, RequestOutput
@@ -61,19 +61,20 @@ class LLMEngine:
         tokenizer: its :class:`~mini_paged_attn.models.tokenizer.Tokenizer`.
         model_config: its :class:`ModelConfig`.
         config: the :class:`EngineConfig`.
+        peers: under tensor parallelism, the other ranks' :class:`~.tp_executor.TPWorkers`
+            (``model`` is then rank 0's shard); built by :meth:`from_model`.
     """
 
     def __init__(self, model, tokenizer: Tokenizer, model_config: ModelConfig,
-                 config: EngineConfig | None = None) -> None:
+                 config: EngineConfig | None = None, *, peers=None) -> None:
         self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.model_config = model_config
-        max_len = config.max_model_len or model_config.max_position_embeddings
-        if max_len > model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len: expected <= the model's max_position_embeddings "
-                             f"({model_config.max_position_embeddings}), got {max_len}")
+        max_len = resolve_max_model_len(config, model_config.max_position_embeddings)
         self.max_model_len = max_len
-        self.runner = ModelRunner(model, model_config, config, max_len)
+        # Rank 0 under tensor parallelism: the other ranks (stopped by shutdown()).
+        self.peers = peers
+        self.runner = ModelRunner(model, model_config, config, max_len, peers=peers)
         # The one KV cache (pool, block tables, copy-on-write) and its block-level logic.
         self.cache = self.runner.cache
         self.kv_manager = self.cache.kv_manager
@@ -107,9 +108,34 @@ class LLMEngine:
     @classmethod
     def from_model(cls, model: str | Path, *, dtype="auto", device=None,
                    config: EngineConfig | None = None) -> LLMEngine:
-        """Load a local Hugging Face model directory (or ``"tiny"``) and build the engine."""
-        net, model_config, tokenizer = load_model_and_tokenizer(model, dtype=dtype, device=device)
-        return cls(net, tokenizer, model_config, config)
+        """Load a local Hugging Face model directory (or ``"tiny"``) and build the engine;
+        with ``config.tensor_parallel_size > 1``, start the other ranks first (see
+        :mod:`.tp_executor`) and load rank 0's shard here.
+
+        Raises:
+            ValueError: the tensor-parallel size does not split the model, or names more
+                GPUs than there are (before any process starts).
+        """
+        config = config or EngineConfig()
+        if config.tensor_parallel_size == 1:
+            net, model_config, tokenizer = load_model_and_tokenizer(model, dtype=dtype,
+                                                                    device=device)
+            return cls(net, tokenizer, model_config, config)
+        from .tp_executor import start_tensor_parallel
+        net, model_config, tokenizer, peers = start_tensor_parallel(model, dtype=dtype,
+                                                                     device=device, config=config)
+        try:
+            engine = cls(net, tokenizer, model_config, config, peers=peers)
+            peers.wait_ready(config.distributed_timeout_s)
+            return engine
+        except BaseException as exc:
+            peers.close_after_failure(exc)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one rank). Idempotent;
+        also happens when the engine is garbage collected and at interpreter exit."""
+        if self.peers is not None:
+            self.peers.close()
 
     # ---- requests (any thread) ----------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

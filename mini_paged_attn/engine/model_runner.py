@@ -4,6 +4,11 @@ Per step: copy-on-write block copies (all layers at once), the inputs (built onc
 see ``input_batch``), the forward (a captured CUDA graph for decode-only batches on CUDA, else
 eager), logits for the rows that sample, and the sampler. The only host sync is reading the
 sampled token ids.
+
+Under tensor parallelism every rank has a ModelRunner over its shard of the model and a pool of
+its own KV heads with the same number of blocks. Rank 0's runner builds each step's inputs and
+hands them to ``peers`` (the other ranks, see ``tp_executor``) before its own forward; the
+other ranks run :meth:`ModelRunner.execute_message`. Only rank 0 samples.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from .cuda_graphs import DecodeGraphs
 from .input_batch import InputBuilder, dummy_inputs, table_width
 from .sampler import SampleRow, Sampler
 from .sampling_params import SamplingParams
+from .step_message import StepMessage
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +41,13 @@ GRAPH_MEMORY_RESERVE = 512 << 20
 WORKSPACE_SPLITS_PER_SEQ = 16
 
 
-def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block over all layers (K and V)."""
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                   num_kv_heads: int | None = None) -> int:
+    """Bytes of one block over all layers (K and V); ``num_kv_heads``: the KV heads one rank
+    stores (default: all of the model's)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_size * elem
+    heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return config.num_layers * 2 * block_size * heads * config.head_size * elem
 
 
 class ModelRunner:
@@ -49,13 +58,18 @@ class ModelRunner:
         model_config: its config.
         config: engine config (block size, limits, pool sizing, CUDA graphs).
         max_model_len: the resolved maximum sequence length.
+        peers: rank 0 under tensor parallelism: the other ranks, which get every step's
+            inputs (``send(StepMessage)``) before this rank's forward; None otherwise.
     """
 
     def __init__(self, model, model_config: ModelConfig, config: EngineConfig,
-                 max_model_len: int) -> None:
+                 max_model_len: int, *, peers=None) -> None:
         self.model = model
         self.model_config = model_config
         self.config = config
+        self.peers = peers
+        # This rank's share of the heads (all of them with one rank).
+        self.tp, self.layout = model.tp, model.layout
         self.device = device = model.device
         self.dtype = model.dtype
         # The pool's dtype: the model's, or fp8 (half the bytes per token).
@@ -69,17 +83,17 @@ class ModelRunner:
         self.workspace = None
         if self.backend == "triton":
             from ..ops.decode import workspace_size
-            size = workspace_size(config.max_num_seqs, model_config.num_q_heads,
+            size = workspace_size(config.max_num_seqs, self.layout.num_q_heads,
                                   model_config.head_size, WORKSPACE_SPLITS_PER_SEQ)
             self.workspace = torch.empty(size, dtype=torch.float32, device=device)
 
         self.num_blocks = config.num_kv_blocks or self._auto_num_blocks(max_model_len)
         # The one KV cache: pool, block tables, copy-on-write (the scheduler allocates through
-        # its kv_manager).
+        # its kv_manager; other ranks use the pool and copy-on-write only).
         self.cache = PagedAttentionManager(
-            config.max_num_seqs, model_config.num_q_heads, model_config.head_size, bs,
+            config.max_num_seqs, self.layout.num_q_heads, model_config.head_size, bs,
             self.num_blocks, device=device, dtype=self.kv_dtype,
-            num_kv_heads=model_config.num_kv_heads, max_blocks_per_seq=self.table_width,
+            num_kv_heads=self.layout.num_kv_heads, max_blocks_per_seq=self.table_width,
             num_layers=model_config.num_layers,
             enable_prefix_caching=config.enable_prefix_caching)
         self.kv_caches = self.cache.layer_caches
@@ -99,7 +113,8 @@ class ModelRunner:
 
     # ---- pool sizing -------------------------------------------------------------------------
     def _auto_num_blocks(self, max_model_len: int) -> int:
-        per_block = kv_block_bytes(self.model_config, self.block_size, self.kv_dtype)
+        per_block = kv_block_bytes(self.model_config, self.block_size, self.kv_dtype,
+                                   self.layout.num_kv_heads)
         if self.device.type != "cuda":
             budget = self.config.cpu_kv_cache_bytes
             # More than every sequence at full length is never needed.
@@ -118,6 +133,11 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks: no room for a single KV block of {per_block} bytes "
                              f"in {where}; raise gpu_memory_utilization or pass num_kv_blocks")
+        if self.tp.world_size > 1:
+            # Every rank must have every block id the scheduler hands out: the smallest pool.
+            agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+            num_blocks = int(self.tp.all_reduce(agreed, "min").item())
+            where += f", the least of {self.tp.world_size} ranks"
         logger.info("KV pool sized to %d blocks from %s", num_blocks, where)
         return num_blocks
 
@@ -132,7 +152,7 @@ class ModelRunner:
         num_tokens = cfg.max_num_batched_tokens
         lens = [min(max_model_len, num_tokens - i) for i in range(0, num_tokens, max_model_len)]
         # The pool does not exist yet: one scratch block, the only one the dummy batch reads.
-        scratch = torch.zeros((2, 1, self.block_size, mc.num_kv_heads, mc.head_size),
+        scratch = torch.zeros((2, 1, self.block_size, self.layout.num_kv_heads, mc.head_size),
                               dtype=self.kv_dtype, device=self.device)
         hidden = self._run_dummy(lens, [(scratch[0], scratch[1])] * mc.num_layers,
                                  decode_only=False)
@@ -201,23 +221,25 @@ class ModelRunner:
         """
         for seq_id in out.released_seq_ids:
             self.release(seq_id)
-        if out.block_copies:
-            self.cache.copy_blocks(out.block_copies)
         n = out.num_seqs
         bucket = None
         if self.graphs is not None and out.decode_only:
             bucket = self.graphs.bucket_for(n)
         step = self.inputs.build(out, pad_to=bucket)
-        if bucket is not None:
-            hidden = self.graphs.replay(n, step.block_tables)
-        else:
-            meta = AttentionMetadata.for_step(step, decode_only=out.decode_only,
-                                              backend=self.backend, decode_workspace=self.workspace)
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
-        if step.num_sample_rows == 0:
+        if self.peers is not None:
+            self.peers.send(StepMessage(
+                self.inputs.host_arrays(step), num_seqs=n, table_width=step.block_tables.shape[1],
+                max_seqlen_q=step.max_seqlen_q, num_sample_rows=step.num_sample_rows,
+                decode_only=out.decode_only, graph_bucket=bucket,
+                block_copies=list(out.block_copies)))
+        try:
+            logits = self._forward(step, n, out.decode_only, bucket, out.block_copies)
+        except Exception as exc:
+            if self.peers is not None:
+                self.peers.check_after_failure(exc)   # raises naming a dead rank, if one is
+            raise
+        if logits is None:
             return None
-        hidden = hidden[:n] if step.sample_rows is None else hidden.index_select(0, step.sample_rows)
-        logits = self.model.compute_logits(hidden)
         params, seeds = [], []
         for seq, k in zip(out.seqs, out.num_samples):
             if not k:
@@ -242,6 +264,38 @@ def _sample_rows(out: SchedulerOutput) -> list[SampleRow]:
                                   request.prompt_token_ids, seq.num_output_tokens,
                                   request.stop_token_ids))
     return rows
+
+    @torch.inference_mode()
+    def execute_message(self, message: StepMessage) -> None:
+        """A non-zero tensor-parallel rank's part of a step rank 0 scheduled: the same
+        forward over this rank's shard and KV heads (its collectives pair with rank 0's);
+        the logits, gathered on every rank, are dropped here (rank 0 samples)."""
+        step = self.inputs.load(message.arrays, table_width=message.table_width,
+                                max_seqlen_q=message.max_seqlen_q,
+                                num_sample_rows=message.num_sample_rows)
+        self._forward(step, message.num_seqs, message.decode_only, message.graph_bucket,
+                      message.block_copies)
+
+    def _forward(self, step, num_seqs: int, decode_only: bool, bucket: int | None,
+                 block_copies) -> torch.Tensor | None:
+        """Copy-on-write, the forward (a graph replay when ``bucket`` is set) and the LM head
+        on the sample rows: float32 logits ``[num_sample_rows, vocab_size]``, or None when
+        no row samples. Every rank runs it, in the same order of collectives."""
+        if block_copies:
+            self.cache.copy_blocks(block_copies)
+        if bucket is not None:
+            hidden = self.graphs.replay(num_seqs, step.block_tables)
+        else:
+            meta = AttentionMetadata.for_step(step, decode_only=decode_only,
+                                              backend=self.backend, decode_workspace=self.workspace)
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
+        if step.num_sample_rows == 0:
+            return None
+        if step.sample_rows is None:
+            hidden = hidden[:num_seqs]
+        else:
+            hidden = hidden.index_select(0, step.sample_rows)
+        return self.model.compute_logits(hidden)
 
 
 __all__ = ["ModelRunner", "kv_block_bytes"]

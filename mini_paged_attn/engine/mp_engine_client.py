@@ -103,7 +103,11 @@ class MPEngineClient(ClientBookkeeping):
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
         child_commands, self._commands = ctx.Pipe(duplex=False)  # (receiving, sending) ends
         self._results, child_results = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=run_core_process, name="engine-core", daemon=True,
+        # A daemonic process may not start children, and a tensor-parallel engine starts its
+        # other ranks: that core is not a daemon, and shutdown() (or its pipe's end, when this
+        # process dies) stops it.
+        daemon = launch.llm_kwargs.get("tensor_parallel_size", 1) == 1
+        self.process = ctx.Process(target=run_core_process, name="engine-core", daemon=daemon,
                                    args=(launch, child_commands, child_results))
         self.process.start()
         child_commands.close()

@@ -17,9 +17,12 @@ import torch
 from torch import nn
 
 from ..ops.dispatch import BACKENDS, paged_decode, paged_prefill, store_kv
+from ..distributed.group import TPGroup
+from ..distributed.sharding import ShardLayout
 from ..ops.fused import apply_rotary
 from .config import ModelConfig
 from .layers import RMSNorm
+from .parallel_layers import RowParallelLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]   # (key_cache, value_cache) of one layer
 
@@ -143,20 +146,26 @@ class Attention(nn.Module):
     """Self-attention of one decoder layer: fused qkv projection, (q/k RMSNorm), rope, paged attention, o_proj.
 
     ``qkv_proj.weight`` is ``[(num_q_heads + 2 * num_kv_heads) * head_size, hidden_size]``: the
-    q rows, then k, then v (the loader fills them from q_proj / k_proj / v_proj).
+    q rows, then k, then v (the loader fills them from q_proj / k_proj / v_proj). Under tensor
+    parallelism the head counts are this rank's (``layout``): qkv_proj is column parallel by
+    heads, o_proj row parallel (all-reduced), and the KV cache holds this rank's KV heads.
     """
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, tp: TPGroup | None = None,
+                 layout: ShardLayout | None = None):
         super().__init__()
-        self.num_q_heads = config.num_q_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_size = config.head_size
+        tp = tp or TPGroup.single(device or "cpu")
+        layout = layout or ShardLayout.of(config)
+        self.num_q_heads = layout.num_q_heads
+        self.num_kv_heads = layout.num_kv_heads
+        self.head_size = hs = config.head_size
         self.scale = config.head_size ** -0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size,
+        self.qkv_proj = nn.Linear(config.hidden_size,
+                                  (self.num_q_heads + 2 * self.num_kv_heads) * hs,
                                   bias=config.qkv_bias, dtype=dtype, device=device)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias,
-                                dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, bias=config.o_bias,
+                                        tp=tp, dtype=dtype, device=device)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_size, config.rms_norm_eps, dtype=dtype, device=device)
             self.k_norm = RMSNorm(config.head_size, config.rms_norm_eps, dtype=dtype, device=device)

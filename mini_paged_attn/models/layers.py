@@ -14,8 +14,10 @@ import math
 import torch
 from torch import nn
 
+from ..distributed.group import TPGroup
 from ..ops.fused import rms_norm, rotate_half_reference, silu_and_mul
 from .config import RopeConfig
+from .parallel_layers import RowParallelLinear
 
 
 class RMSNorm(nn.Module):
@@ -108,17 +110,21 @@ class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul.
 
     ``gate_up_proj.weight`` is ``[2 * intermediate_size, hidden_size]``: the gate rows, then the
-    up rows (the loader fills both halves from the checkpoint's gate_proj / up_proj).
+    up rows (the loader fills both halves from the checkpoint's gate_proj / up_proj). Under
+    tensor parallelism ``intermediate_size`` is this rank's share: gate/up are column parallel
+    (this rank's rows of each), ``down_proj`` row parallel (all-reduced).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool,
-                 dtype: torch.dtype, device: torch.device | str | None = None):
+                 dtype: torch.dtype, device: torch.device | str | None = None,
+                 tp: TPGroup | None = None):
         super().__init__()
+        tp = tp or TPGroup.single(device or "cpu")
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias,
                                       dtype=dtype, device=device)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias,
-                                   dtype=dtype, device=device)
+        self.down_proj = RowParallelLinear(intermediate_size * tp.world_size, hidden_size,
+                                           bias=bias, tp=tp, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
         """x: ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``, same dtype."""

@@ -7,18 +7,26 @@ Differences between the families are flags: ``qkv_bias`` (Qwen2), ``qk_norm`` (Q
 RMSNorm on q and k before rope), ``tie_word_embeddings``, the rope scaling, ``head_size`` not
 ``hidden_size // num_q_heads`` (Qwen3). Parameter names follow the Hugging Face checkpoints
 except for the fused projections (``qkv_proj``, ``gate_up_proj``);
-:meth:`CausalLM.checkpoint_targets` maps every checkpoint tensor name onto its rows.
+:meth:`CausalLM.checkpoint_shards` maps every checkpoint tensor name onto its rows, and under
+tensor parallelism onto the part of the checkpoint tensor this rank holds (see
+``distributed.sharding``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..distributed.group import TPGroup
+from ..distributed.sharding import ShardLayout
 from .attention import Attention, AttentionMetadata, KVCache
 from .config import ModelConfig
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding
+from .parallel_layers import VocabParallelEmbedding, parallel_logits
+
+# Where a checkpoint tensor goes: the parameter rows it fills, and the index of the part of the
+# checkpoint tensor that fills them (None: the whole tensor).
+Shard = tuple[torch.Tensor, tuple[slice, ...] | None]
 
 # Checkpoint tensors that carry nothing the model needs (older Llama checkpoints store the rope
 # frequencies; the model recomputes them).
@@ -26,14 +34,15 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device=None):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device, tp: TPGroup,
+                 layout: ShardLayout):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.self_attn = Attention(config, dtype=dtype, device=device)
+        self.self_attn = Attention(config, dtype=dtype, device=device, tp=tp, layout=layout)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias,
-                            dtype=dtype, device=device)
+        self.mlp = GatedMLP(config.hidden_size, layout.intermediate_size, bias=config.mlp_bias,
+                            dtype=dtype, device=device, tp=tp)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: KVCache,
@@ -68,20 +77,27 @@ class CausalLM(nn.Module):
     Build it with :func:`init_empty_model` (no weight init, no double allocation) and fill it with
     ``loader.load_model``; or call ``CausalLM(config, dtype=..., device=...)`` for a model with
     PyTorch's default init (tests).
+
+    ``tp``: this process's rank of the tensor-parallel group (default: alone); the model then
+    holds this rank's shard (``self.layout``) and its forward all-reduces inside the layers.
     """
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, tp: TPGroup | None = None):
         super().__init__()
         self.config = config
         self.dtype = dtype = dtype or config.dtype
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
-                                         device=device)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype=dtype, device=device)
-                                    for _ in range(config.num_layers))
+        self.tp = tp = tp or TPGroup.single(device or "cpu")
+        self.layout = layout = ShardLayout.of(config, tp.rank, tp.world_size)
+        self.embed_tokens = VocabParallelEmbedding(layout.vocab_rows, config.hidden_size,
+                                                   vocab_start=layout.vocab_start, tp=tp,
+                                                   dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dtype=dtype, device=device, tp=tp, layout=layout)
+            for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.lm_head = (None if config.tie_word_embeddings else
-                        nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
+                        nn.Linear(config.hidden_size, layout.vocab_rows, bias=False, dtype=dtype,
                                   device=device))
         self.rotary = RotaryEmbedding(config.head_size, config.max_position_embeddings, config.rope,
                                       dtype=dtype, device=device)
@@ -120,47 +136,84 @@ class CausalLM(nn.Module):
         return self.norm(hidden, residual, backend=meta.backend)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: ``[n, hidden_size]`` model dtype -> float32 logits ``[n, vocab_size]``."""
+        """hidden: ``[n, hidden_size]`` model dtype -> float32 logits ``[n, vocab_size]``
+        (on every rank: a collective under tensor parallelism)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return parallel_logits(hidden, weight, self.config.vocab_size, self.tp)
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
-        """Hugging Face checkpoint tensor name -> the parameter (rows) it is copied into.
+        """Hugging Face checkpoint tensor name -> the parameter (rows) it is copied into
+        (see :meth:`checkpoint_shards` for the part of the tensor under tensor parallelism)."""
+        return {name: target for name, (target, _) in self.checkpoint_shards().items()}
+
+    def checkpoint_shards(self) -> dict[str, Shard]:
+        """Hugging Face checkpoint tensor name -> ``(rows, part)``: the parameter rows it fills
+        and the index of the checkpoint tensor that fills them (None: all of it, e.g. always
+        with one rank).
 
         The fused projections appear under each of their checkpoint names with a view of their
         rows: ``q_proj``/``k_proj``/``v_proj`` -> rows of ``qkv_proj``, ``gate_proj``/``up_proj``
         -> halves of ``gate_up_proj``. With tied embeddings there is no ``lm_head.weight``.
+        Under tensor parallelism the parts are this rank's heads' rows of q/k/v (its KV head,
+        replicated, when ranks outnumber KV heads), its rows of gate/up, its input columns of
+        o_proj/down_proj (their biases whole) and its vocabulary rows.
         """
-        c = self.config
-        targets = {"model.embed_tokens.weight": self.embed_tokens.weight,
-                   "model.norm.weight": self.norm.weight}
+        c, lay = self.config, self.layout
+        hs, split = c.head_size, lay.sharded
+
+        def part(start: int, size: int, dim: int = 0) -> tuple[slice, ...] | None:
+            # The checkpoint index of `size` rows (dim 0) or columns (dim 1) from `start`.
+            if not split:
+                return None
+            return (slice(None),) * dim + (slice(start, start + size),)
+
+        vocab_rows = slice(0, lay.vocab_valid)
+        vocab = part(lay.vocab_start, lay.vocab_valid)
+        shards: dict[str, Shard] = {
+            "model.embed_tokens.weight": (self.embed_tokens.weight[vocab_rows], vocab),
+            "model.norm.weight": (self.norm.weight, None)}
         if self.lm_head is not None:
-            targets["lm_head.weight"] = self.lm_head.weight
-        qkv_rows = {"q_proj": slice(0, c.q_size), "k_proj": slice(c.q_size, c.q_size + c.kv_size),
-                    "v_proj": slice(c.q_size + c.kv_size, c.q_size + 2 * c.kv_size)}
-        mlp_rows = {"gate_proj": slice(0, c.intermediate_size),
-                    "up_proj": slice(c.intermediate_size, 2 * c.intermediate_size)}
-        def add_linear(name: str, linear: nn.Linear, rows: slice = slice(None)) -> None:
-            # A checkpoint linear (weight, and bias if the model has one) -> rows of ours.
-            targets[f"{name}.weight"] = linear.weight[rows]
+            shards["lm_head.weight"] = (self.lm_head.weight[vocab_rows], vocab)
+        q, kv, inter = lay.num_q_heads * hs, lay.num_kv_heads * hs, lay.intermediate_size
+        q_part = part(lay.q_head_start * hs, q)
+        kv_part = part(lay.kv_head_start * hs, kv)
+        inter_part = part(lay.intermediate_start, inter)
+        column_parts = {"o_proj": part(lay.q_head_start * hs, q, dim=1),
+                        "down_proj": part(lay.intermediate_start, inter, dim=1)}
+        qkv_rows = {"q_proj": (slice(0, q), q_part), "k_proj": (slice(q, q + kv), kv_part),
+                    "v_proj": (slice(q + kv, q + 2 * kv), kv_part)}
+        mlp_rows = {"gate_proj": (slice(0, inter), inter_part),
+                    "up_proj": (slice(inter, 2 * inter), inter_part)}
+
+        def add_linear(name: str, linear: nn.Linear, rows: slice = slice(None),
+                       rows_part: tuple[slice, ...] | None = None) -> None:
+            # A column-parallel checkpoint linear (weight, and bias if any) -> rows of ours.
+            shards[f"{name}.weight"] = (linear.weight[rows], rows_part)
             if linear.bias is not None:
-                targets[f"{name}.bias"] = linear.bias[rows]
+                shards[f"{name}.bias"] = (linear.bias[rows], rows_part)
+
+        def add_row_parallel(name: str, linear: nn.Linear, kind: str) -> None:
+            # Input columns are split; the bias is added once, after the all-reduce: whole.
+            shards[f"{name}.weight"] = (linear.weight, column_parts[kind])
+            if linear.bias is not None:
+                shards[f"{name}.bias"] = (linear.bias, None)
 
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            for name, rows in qkv_rows.items():
-                add_linear(f"{prefix}self_attn.{name}", attn.qkv_proj, rows)
-            add_linear(f"{prefix}self_attn.o_proj", attn.o_proj)
+            for name, (rows, rows_part) in qkv_rows.items():
+                add_linear(f"{prefix}self_attn.{name}", attn.qkv_proj, rows, rows_part)
+            add_row_parallel(f"{prefix}self_attn.o_proj", attn.o_proj, "o_proj")
             if attn.q_norm is not None:
-                targets[f"{prefix}self_attn.q_norm.weight"] = attn.q_norm.weight
-                targets[f"{prefix}self_attn.k_norm.weight"] = attn.k_norm.weight
-            for name, rows in mlp_rows.items():
-                add_linear(f"{prefix}mlp.{name}", mlp.gate_up_proj, rows)
-            add_linear(f"{prefix}mlp.down_proj", mlp.down_proj)
-            targets[f"{prefix}input_layernorm.weight"] = layer.input_layernorm.weight
-            targets[f"{prefix}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
-        return targets
+                shards[f"{prefix}self_attn.q_norm.weight"] = (attn.q_norm.weight, None)
+                shards[f"{prefix}self_attn.k_norm.weight"] = (attn.k_norm.weight, None)
+            for name, (rows, rows_part) in mlp_rows.items():
+                add_linear(f"{prefix}mlp.{name}", mlp.gate_up_proj, rows, rows_part)
+            add_row_parallel(f"{prefix}mlp.down_proj", mlp.down_proj, "down_proj")
+            shards[f"{prefix}input_layernorm.weight"] = (layer.input_layernorm.weight, None)
+            shards[f"{prefix}post_attention_layernorm.weight"] = (
+                layer.post_attention_layernorm.weight, None)
+        return shards
 
     def is_ignored_checkpoint_tensor(self, name: str) -> bool:
         """Whether a checkpoint tensor without a target is expected (not a sign of a wrong model)."""
@@ -170,11 +223,18 @@ class CausalLM(nn.Module):
         return name == "lm_head.weight" and self.lm_head is None
 
 
-def init_empty_model(config: ModelConfig, *, dtype: torch.dtype,
-                     device: torch.device | str) -> CausalLM:
-    """A :class:`CausalLM` whose weights are allocated on ``device`` in ``dtype`` but not
-    initialised (filled by the loader): built on the meta device, then materialised once."""
-    model = CausalLM(config, dtype=dtype, device="meta")
+def init_empty_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str,
+                     tp: TPGroup | None = None) -> CausalLM:
+    """A :class:`CausalLM` (``tp``'s shard of it) whose weights are allocated on ``device`` in
+    ``dtype`` but not initialised (filled by the loader): built on the meta device, then
+    materialised once. The vocabulary padding rows of the last rank are zeroed (no checkpoint
+    tensor fills them)."""
+    model = CausalLM(config, dtype=dtype, device="meta", tp=tp)
     model.to_empty(device=device)
     model.rotary.reset_parameters()
+    valid = model.layout.vocab_valid
+    with torch.no_grad():
+        for table in (model.embed_tokens, model.lm_head):
+            if table is not None:
+                table.weight[valid:].zero_()
     return model

@@ -3,7 +3,9 @@
 Each checkpoint tensor is read by ``safetensors.safe_open(device=...)`` directly onto the target
 device in its stored dtype, then copied (and cast) into its rows of the already allocated
 parameters, so peak extra memory is one tensor: no full-precision copy of the model on the CPU.
-Sharded checkpoints are read through ``model.safetensors.index.json``.
+Sharded checkpoints are read through ``model.safetensors.index.json``. Under tensor parallelism
+each rank reads only its part of each tensor (``safe_open(...).get_slice(name)[part]`` reads
+those bytes alone), so a rank's memory holds its shard and nothing more.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..distributed.group import TPGroup
 from .config import ModelConfig, resolve_dtype
 from .llama import CausalLM, init_empty_model
 
@@ -50,7 +53,8 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 
 def load_weights(model: CausalLM, files: list[Path], device: torch.device | str) -> None:
-    """Copy every tensor of ``files`` into ``model`` (cast to its dtype).
+    """Copy every tensor of ``files`` (this rank's part of it) into ``model`` (cast to its
+    dtype).
 
     Raises:
         ValueError: a tensor the model needs is absent from every file, or a tensor's shape does
@@ -58,7 +62,7 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device | str)
     """
     from safetensors import safe_open
 
-    targets = model.checkpoint_targets()
+    targets = model.checkpoint_shards()
     loaded: set[str] = set()
     unexpected: list[str] = []
     device = torch.device(device)
@@ -69,12 +73,13 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device | str)
         for path in files:
             with safe_open(str(path), framework="pt", device=device_str) as f:
                 for name in f.keys():
-                    target = targets.get(name)
-                    if target is None:
+                    shard = targets.get(name)
+                    if shard is None:
                         if not model.is_ignored_checkpoint_tensor(name):
                             unexpected.append(name)
                         continue
-                    tensor = f.get_tensor(name)
+                    target, part = shard
+                    tensor = f.get_tensor(name) if part is None else f.get_slice(name)[part]
                     if tuple(tensor.shape) != tuple(target.shape):
                         raise ValueError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                          f"the model expects {tuple(target.shape)} "
@@ -91,8 +96,10 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device | str)
 
 
 def load_model(model_dir: str | Path, *, dtype: torch.dtype | str | None = None,
-               device: torch.device | str = "cpu") -> tuple[CausalLM, ModelConfig]:
-    """Read a Hugging Face model directory into a :class:`CausalLM` on ``device``.
+               device: torch.device | str = "cpu",
+               tp: TPGroup | None = None) -> tuple[CausalLM, ModelConfig]:
+    """Read a Hugging Face model directory into a :class:`CausalLM` on ``device`` (``tp``'s
+    shard of it: each rank calls this with its group).
 
     Args:
         model_dir: holds config.json and model.safetensors (or shards + index).
@@ -111,8 +118,9 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype | str | None = None,
     config = ModelConfig.from_model_dir(model_dir)
     files = checkpoint_files(model_dir)
     load_dtype = resolve_dtype(dtype, config)
-    model = init_empty_model(config, dtype=load_dtype, device=device)
+    model = init_empty_model(config, dtype=load_dtype, device=device, tp=tp)
     load_weights(model, files, device)
-    logger.info("loaded %s from %s: %d layers, hidden %d, %s on %s", config.architecture,
-                model_dir, config.num_layers, config.hidden_size, load_dtype, device)
+    rank = "" if tp is None or tp.world_size == 1 else f" (rank {tp.rank} of {tp.world_size})"
+    logger.info("loaded %s from %s: %d layers, hidden %d, %s on %s%s", config.architecture,
+                model_dir, config.num_layers, config.hidden_size, load_dtype, device, rank)
     return model, config

@@ -1,0 +1,244 @@
+"""Tensor parallelism on CPU: gloo, 2 and 4 processes (the same code NCCL runs on GPUs).
+
+Greedy tokens of TP=2 / TP=4 engines equal transformers' (and so the TP=1 engine's, which
+tests/engine/test_llm.py holds to the same outputs) for the tiny Llama / Qwen2 / Qwen3, with
+the KV heads replicated at TP=4 (2 KV heads), prefix caching, chunked prefill and forced
+preemption in one engine; the pool is whole after a drain; shutdown (or garbage collection)
+leaves no process; a killed worker makes the next call fail at once.
+Each engine starts its worker processes once per module (a few seconds each on 2 cores).
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from helpers.engine_clients import run_requests
+from helpers.engines import assert_pool_whole
+from helpers.tiny_models import hf_reference_model
+from mini_paged_attn.distributed import ShardLayout, TPGroup
+from mini_paged_attn.engine import InprocEngineClient, LLMEngine, MPEngineClient
+from mini_paged_attn.engine.config import EngineConfig
+from mini_paged_attn.engine.llm import LLM
+from mini_paged_attn.engine.sampling_params import SamplingParams
+from mini_paged_attn.errors import TensorParallelError
+from mini_paged_attn.models.config import ModelConfig
+from mini_paged_attn.models.loader import load_model
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+PROMPT_LENS = (3, 13, 21, 30)
+# One engine exercises everything at once: blocks of 4, a pool of 12 blocks (the longest request
+# needs 10, so the others are preempted), 8 tokens a step (prompts are chunked), prefix caching.
+ENGINE = dict(block_size=4, num_kv_blocks=12, max_num_seqs=4, max_num_batched_tokens=8,
+              max_model_len=64, enable_prefix_caching=True)
+# (arch, tensor-parallel size, config overrides): qkv bias (Qwen2), q/k norms and a head size
+# that is not hidden / heads (Qwen3), tied embeddings, and 2 KV heads over 4 ranks.
+CASES = [("llama", 2, {"tie_word_embeddings": True}), ("qwen2", 2, {}), ("qwen3", 4, {}),
+         ("llama", 4, {})]
+
+
+def make_prompts(vocab_size: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    prompts[3][:12] = prompts[1][:12]           # a shared prefix of 3 blocks
+    return prompts
+
+
+def hf_greedy(model_dir, prompts) -> list[list[int]]:
+    hf = hf_reference_model(model_dir)
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                              dtype=torch.long), max_new_tokens=MAX_TOKENS, do_sample=False,
+                              pad_token_id=0)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def worker_pids(llm: LLM) -> list[int]:
+    return [p.pid for p in llm.engine.peers.processes]
+
+
+def assert_gone(pids: list[int]) -> None:
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-tp{c[1]}")
+def tp_case(request, tiny_model_factory):
+    arch, n, overrides = request.param
+    model_dir = tiny_model_factory(arch, **overrides)
+    llm = LLM(model_dir, dtype="float32", device="cpu", tensor_parallel_size=n, **ENGINE)
+    yield llm, model_dir
+    pids = worker_pids(llm)
+    llm.shutdown()
+    assert_gone(pids)
+
+
+def test_greedy_matches_transformers(tp_case):
+    llm, model_dir = tp_case
+    prompts = make_prompts(llm.engine.model_config.vocab_size)
+    expected = hf_greedy(model_dir, prompts)
+    for _ in range(2):          # the second round hits the prefix cache
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    stats = llm.stats()
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hit_rate > 0
+    assert_pool_whole(llm.engine)
+
+
+def test_a_killed_worker_fails_the_next_call_at_once():
+    p = SamplingParams(temperature=0.0, max_tokens=4)
+    prompts = ["hello", "tensor parallel"]
+    expected = [o.outputs[0].token_ids
+                for o in LLM("tiny", device="cpu", num_kv_blocks=32).generate(prompts, p,
+                                                                               use_tqdm=False)]
+    llm = LLM("tiny", device="cpu", num_kv_blocks=32, tensor_parallel_size=2)
+    # The tiny model's 259 tokens leave a padding row on rank 1's vocabulary shard.
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)] == expected
+    (pid,) = worker_pids(llm)
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1"):
+        llm.generate(prompts, p, use_tqdm=False)
+    with pytest.raises(TensorParallelError, match="rank 1"):     # and it stays failed
+        llm.generate(prompts, p, use_tqdm=False)
+    assert time.monotonic() - start < 10
+    # The server's client declares the engine dead at the first failed step (/health: 503).
+    client = InprocEngineClient(llm.engine)
+    client.add_request("r", "hello", p)
+    while client.dead_reason is None and time.monotonic() - start < 20:
+        time.sleep(0.05)
+    assert "rank 1" in (client.dead_reason or "")
+    client.shutdown()
+    llm.shutdown()
+    llm.shutdown()                                                 # idempotent
+
+
+def test_a_worker_killed_inside_a_step_fails_that_step_without_a_hang():
+    llm = LLM("tiny", device="cpu", num_kv_blocks=1024, tensor_parallel_size=2)
+    (pid,) = worker_pids(llm)
+    killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    start = time.monotonic()
+    try:
+        # Far more steps than 0.5 s holds: the kill lands while steps run back to back,
+        # almost always inside one step's collectives (else the check before the next step).
+        with pytest.raises(TensorParallelError, match="rank 1.*code -9"):
+            llm.generate(["x"] * 8, SamplingParams(max_tokens=2000, ignore_eos=True),
+                         use_tqdm=False)
+        assert time.monotonic() - start < 15
+    finally:
+        killer.cancel()
+        llm.shutdown()
+
+
+def test_the_server_engine_process_runs_tensor_parallel_and_stops_its_workers():
+    # The engine process of `serve --engine-process on`: its workers are its children.
+    p = SamplingParams(temperature=0.0, max_tokens=4)
+    kwargs = dict(device="cpu", dtype="float32", num_kv_blocks=16)
+    expected = LLM("tiny", **kwargs).generate("hello", p, use_tqdm=False)[0].outputs[0].token_ids
+    client = MPEngineClient("tiny", dict(kwargs, tensor_parallel_size=2), start_timeout=120)
+    try:
+        (out,) = run_requests(client, [("hello", p)])
+        assert out.outputs[0].token_ids == expected
+        core = client.process.pid
+        with open(f"/proc/{core}/task/{core}/children") as f:
+            workers = [int(pid) for pid in f.read().split()]
+        assert len(workers) == 1
+    finally:
+        client.shutdown()
+    assert client.process.exitcode == 0
+    assert_gone(workers)
+
+
+def test_garbage_collection_stops_the_workers():
+    llm = LLM("tiny", device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
+    pids = worker_pids(llm)
+    del llm
+    gc.collect()
+    assert_gone(pids)
+
+
+@pytest.mark.parametrize("size, match", [
+    (3, "num_attention_heads=4, got 3"), (8, "num_attention_heads=4, got 8"),
+    (0, "tensor_parallel_size"), ("2", "tensor_parallel_size"), (True, "tensor_parallel_size")])
+def test_bad_sizes_are_refused_before_any_process_starts(tiny_model_factory, size, match):
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny_model_factory("llama"), device="cpu", tensor_parallel_size=size)
+    assert {p.pid for p in multiprocessing.active_children()} == before
+
+
+def test_a_too_long_max_model_len_is_refused_before_any_process_starts(tiny_model_factory):
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(tiny_model_factory("llama"), device="cpu", tensor_parallel_size=2,
+            max_model_len=10**6)
+    assert {p.pid for p in multiprocessing.active_children()} == before
+
+
+class _FakeGroup:
+    """A process group the layout tests never call (no collective runs)."""
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_each_rank_loads_its_shard_and_the_shards_make_the_model(tiny_model_factory, n):
+    model_dir = tiny_model_factory("qwen3")
+    full, config = load_model(model_dir, dtype="float32")
+    ranks = [load_model(model_dir, dtype="float32",
+                        tp=TPGroup(r, n, torch.device("cpu"), _FakeGroup()))[0] for r in range(n)]
+    attn = [m.layers[0].self_attn for m in ranks]
+    hs, q = config.head_size, config.q_size
+    # Query rows: the ranks' slices in order; o_proj columns likewise.
+    q_rows = torch.cat([a.qkv_proj.weight[:a.num_q_heads * hs] for a in attn])
+    assert torch.equal(q_rows, full.layers[0].self_attn.qkv_proj.weight[:q])
+    o_cols = torch.cat([a.o_proj.weight for a in attn], dim=1)
+    assert torch.equal(o_cols, full.layers[0].self_attn.o_proj.weight)
+    # 2 KV heads: at TP=4 ranks 0-1 hold KV head 0, ranks 2-3 KV head 1.
+    for r, a in enumerate(attn):
+        layout = ShardLayout.of(config, r, n)
+        k_rows = a.qkv_proj.weight[a.num_q_heads * hs:(a.num_q_heads + a.num_kv_heads) * hs]
+        start = layout.kv_head_start * hs
+        assert torch.equal(k_rows, full.layers[0].self_attn.qkv_proj.weight[q + start:q + start
+                                                                           + len(k_rows)])
+        assert a.num_kv_heads == 1                     # 2 KV heads over 2 or 4 ranks
+    embed = torch.cat([m.embed_tokens.weight for m in ranks])[:config.vocab_size]
+    assert torch.equal(embed, full.embed_tokens.weight)
+    sizes = [sum(p.numel() for p in m.parameters()) for m in ranks]
+    assert max(sizes) < sum(p.numel() for p in full.parameters()) / n * 1.2
+
+
+def test_kv_head_replication_layout():
+    config = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                                    "intermediate_size": 128, "num_hidden_layers": 1,
+                                    "num_attention_heads": 8, "num_key_value_heads": 2,
+                                    "vocab_size": 10, "max_position_embeddings": 16})
+    layouts = [ShardLayout.of(config, r, 8) for r in range(8)]
+    assert [lay.kv_head_start for lay in layouts] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [lay.q_head_start for lay in layouts] == list(range(8))
+    assert [lay.vocab_valid for lay in layouts] == [2, 2, 2, 2, 2, 0, 0, 0]
+    # 6 ranks can neither split 4 KV heads nor share them evenly.
+    odd = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 96,
+                                 "intermediate_size": 96, "num_hidden_layers": 1,
+                                 "num_attention_heads": 12, "num_key_value_heads": 4,
+                                 "vocab_size": 10, "max_position_embeddings": 16})
+    with pytest.raises(ValueError, match="num_key_value_heads=4, got 6"):
+        ShardLayout.of(odd, 0, 6)
+
+
+def test_engine_config_checks_the_size():
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=-1)
+    assert LLMEngine.shutdown                               # TP=1 engines have it too
