@@ -252,19 +252,6 @@ class ModelRunner:
         # Made only if some row uses penalties or min_tokens.
         return self.sampler(logits, params, seeds, overlap, lambda: _sample_rows(out))
 
-
-def _sample_rows(out: SchedulerOutput) -> list[SampleRow]:
-    """Per sample row, what penalties and min_tokens read of its sample (a request about to
-    fork has one row per sample index, all from sequence 0)."""
-    rows = []
-    for seq, k in zip(out.seqs, out.num_samples):
-        request = seq.request
-        for j in range(k):
-            rows.append(SampleRow((request.request_id, seq.index if k == 1 else j),
-                                  request.prompt_token_ids, seq.num_output_tokens,
-                                  request.stop_token_ids))
-    return rows
-
     @torch.inference_mode()
     def execute_message(self, message: StepMessage) -> None:
         """A non-zero tensor-parallel rank's part of a step rank 0 scheduled: the same
@@ -296,6 +283,20 @@ def _sample_rows(out: SchedulerOutput) -> list[SampleRow]:
         else:
             hidden = hidden.index_select(0, step.sample_rows)
         return self.model.compute_logits(hidden)
+
+
+
+def _sample_rows(out: SchedulerOutput) -> list[SampleRow]:
+    """Per sample row, what penalties and min_tokens read of its sample (a request about to
+    fork has one row per sample index, all from sequence 0)."""
+    rows = []
+    for seq, k in zip(out.seqs, out.num_samples):
+        request = seq.request
+        for j in range(k):
+            rows.append(SampleRow((request.request_id, seq.index if k == 1 else j),
+                                  request.prompt_token_ids, seq.num_output_tokens,
+                                  request.stop_token_ids))
+    return rows
 
 
 __all__ = ["ModelRunner", "kv_block_bytes"]
