@@ -15,3 +15,8 @@ class BlockStateError(RuntimeError):
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank died or the ranks fell out of step: the engine cannot go on
     (every later step raises this too); shut it down and build a new one."""
+
+
+class ModelLoadError(ValueError):
+    """A model directory exists but cannot be loaded: a truncated or unreadable weights file,
+    a config.json that is not JSON. The message names the file and what is wrong with it."""

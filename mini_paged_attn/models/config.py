@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from ..core.args import positive_int
+from ..errors import ModelLoadError
 
 # architecture name in config.json -> the family whose flags apply
 SUPPORTED_ARCHITECTURES = {
@@ -182,13 +184,48 @@ class ModelConfig:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
         """Read ``model_dir/config.json`` (and generation_config.json when present)."""
-        model_dir = Path(model_dir)
+        model_dir = check_model_dir(model_dir)
         path = model_dir / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"model_dir: no config.json in {str(model_dir)!r}")
         gen_path = model_dir / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-        return cls.from_dict(json.loads(path.read_text()), generation_config=gen, source=str(path))
+        gen = read_json(gen_path) if gen_path.is_file() else None
+        return cls.from_dict(read_json(path), generation_config=gen, source=str(path))
+
+
+def check_model_dir(model_dir: str | Path) -> Path:
+    """``model_dir`` as a Path, if it is a directory.
+
+    Raises:
+        FileNotFoundError: it is not; a name such as ``Qwen/Qwen2.5-0.5B-Instruct`` that looks
+            like a Hugging Face hub id gets the command that makes a local copy of it.
+    """
+    path = Path(model_dir)
+    if path.is_dir():
+        if not any(path.iterdir()):
+            raise FileNotFoundError(f"model_dir: {str(model_dir)!r} is empty (expected "
+                                    "config.json, *.safetensors and tokenizer files)")
+        return path
+    text = str(model_dir)
+    hint = ""
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", text) and not path.parent.exists():
+        hint = (f"; it looks like a Hugging Face hub id, and models are read only from local "
+                f"directories: download one with `huggingface-cli download {text} "
+                f"--local-dir {path.name}` and pass --model {path.name}")
+    raise FileNotFoundError(f"model_dir: {text!r} is not a directory{hint}")
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in ``path``.
+
+    Raises:
+        ModelLoadError: the file is not valid JSON (names the file and where).
+    """
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: expected JSON, got a file that does not parse "
+                             f"({exc})") from exc
 
 
 def parse_dtype(value: torch.dtype | str, what: str = "dtype") -> torch.dtype:

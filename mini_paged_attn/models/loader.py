@@ -10,14 +10,14 @@ those bytes alone), so a rank's memory holds its shard and nothing more.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import torch
 
 from ..distributed.group import TPGroup
-from .config import ModelConfig, resolve_dtype
+from ..errors import ModelLoadError
+from .config import ModelConfig, check_model_dir, read_json, resolve_dtype
 from .llama import CausalLM, init_empty_model
 
 logger = logging.getLogger(__name__)
@@ -32,12 +32,10 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
         FileNotFoundError: the directory, a shard named by the index, or any safetensors file is
             missing (the message names it).
     """
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"model_dir: {str(model_dir)!r} is not a directory")
+    model_dir = check_model_dir(model_dir)
     index = model_dir / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        weight_map = read_json(index).get("weight_map") or {}
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -59,8 +57,9 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device | str)
     Raises:
         ValueError: a tensor the model needs is absent from every file, or a tensor's shape does
             not match its parameter (names the tensor and file).
+        ModelLoadError: a file is not a readable safetensors file (truncated, say; named).
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     targets = model.checkpoint_shards()
     loaded: set[str] = set()
@@ -71,7 +70,13 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device | str)
     device_str = str(device)
     with torch.no_grad():
         for path in files:
-            with safe_open(str(path), framework="pt", device=device_str) as f:
+            try:
+                opened = safe_open(str(path), framework="pt", device=device_str)
+            except SafetensorError as exc:
+                raise ModelLoadError(
+                    f"{path}: expected a safetensors file, got one that cannot be read ({exc}); "
+                    "it may be truncated: download it again") from exc
+            with opened as f:
                 for name in f.keys():
                     shard = targets.get(name)
                     if shard is None:

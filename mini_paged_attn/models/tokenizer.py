@@ -4,11 +4,12 @@ and IncrementalDetokenizer, which turns a growing list of token ids into text de
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from .config import check_model_dir, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -162,9 +163,7 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     """
     from transformers import AutoTokenizer
 
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"model_dir: {str(model_dir)!r} is not a directory")
+    model_dir = check_model_dir(model_dir)
     if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
         raise FileNotFoundError(f"model_dir: no tokenizer in {str(model_dir)!r} (expected one of "
                                 f"{', '.join(TOKENIZER_FILES)})")
@@ -173,6 +172,6 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     for name in ("config.json", "generation_config.json"):
         path = model_dir / name
         if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
+            eos = read_json(path).get("eos_token_id")
             extra.extend([eos] if isinstance(eos, int) else (eos or []))
     return Tokenizer(hf, extra_eos_token_ids=extra, name=f"the tokenizer of {model_dir}")

@@ -52,6 +52,9 @@ def test_no_chat_template_and_missing_files(tmp_path):
     plain = Tokenizer(hf, name="plain")
     with pytest.raises(ValueError, match="no chat template"):
         plain.apply_chat_template(MESSAGES)
+    with pytest.raises(FileNotFoundError, match="is empty"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="no tokenizer"):
         load_tokenizer(tmp_path)
     with pytest.raises(FileNotFoundError, match="not a directory"):
