@@ -13,16 +13,36 @@ def positive_int(text: str) -> int:
     return value
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 1..65535."""
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 1..65535, got {value}")
+    return value
+
+
 def device_name(text: str) -> str:
-    """argparse type: a torch device string (cpu, cuda, cuda:1, ...)."""
+    """argparse type: a torch device string (cpu, cuda, cuda:1, ...) this torch can use."""
     import torch
 
     try:
-        torch.device(text)
+        device = torch.device(text)
     except RuntimeError:
         raise argparse.ArgumentTypeError(
             f"expected a torch device such as cpu, cuda or cuda:1, got {text!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(
+                f"expected a device this torch can use, got {text!r}: no CUDA GPU is available "
+                f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'}); "
+                "use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(
+                f"expected one of cuda:0..cuda:{torch.cuda.device_count() - 1}, got {text!r}")
     return text
+
+
+DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool) -> None:
@@ -32,7 +52,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool) -> N
     mode; ``serving=True`` adds the pool and batching knobs a server needs.
     """
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="auto",
+    engine.add_argument("--dtype", default="auto", choices=DTYPES,
                         help="auto (the model's), float16, bfloat16 or float32")
     engine.add_argument("--device", type=device_name, default=None,
                         help="cuda, cuda:1, cpu ... (default: cuda if available, else cpu)")

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 
+from ._args import positive_int
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--block-size", type=int, default=4,
+    parser.add_argument("--block-size", type=positive_int, default=4,
                         help="tokens per KV block in part 1 (small, so the map is readable)")
     parser.add_argument("--skip-engine", action="store_true",
                         help="show only part 1 (the paged KV cache and attention)")

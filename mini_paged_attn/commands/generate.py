@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.system is not None and not args.chat:
+        print("error: --system: expected --chat with it (a system message goes in the chat "
+              "template), got --system without --chat", file=sys.stderr)
+        return 2
     from mini_paged_attn.engine import LLM, SamplingParams
 
     try:

@@ -19,7 +19,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from ._args import add_engine_arguments, positive_int
+from ._args import add_engine_arguments, port_number, positive_int
 
 if TYPE_CHECKING:
     from mini_paged_attn.server.limits import ServerLimits
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1",
                       help="address to bind (default 127.0.0.1: this machine only)")
-    http.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    http.add_argument("--port", type=port_number, default=8000, help="port (default 8000)")
     http.add_argument("--api-key", default=os.environ.get("MINI_PAGED_ATTN_API_KEY"),
                       help="require `Authorization: Bearer KEY` on /v1/* "
                            "(default: $MINI_PAGED_ATTN_API_KEY, else no key)")
