@@ -125,9 +125,15 @@ class StepFailed:
 
 @dataclass(frozen=True)
 class EngineDead:
-    """The core has stopped, or never started; nothing more comes."""
+    """The core has stopped, or never started; nothing more comes.
+
+    ``user_error``: it never started because of what it was asked to load (a ValueError or
+    FileNotFoundError, e.g. a model directory that cannot be loaded): ``message`` is then that
+    error's own text, for the client to raise as the same type.
+    """
 
     message: str
+    user_error: str | None = None   # "ValueError" or "FileNotFoundError"
     kind: ClassVar[MessageKind] = MessageKind.ENGINE_DEAD
 
 

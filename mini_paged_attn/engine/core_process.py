@@ -135,6 +135,11 @@ def run_core_process(launch: CoreLaunch, commands: Any, results: Any) -> None:
                           engine.admission, engine.stats()))
         core = EngineCore(engine, PipeInbox(commands), outbox,
                           max_consecutive_failures=launch.max_consecutive_failures)
+    except (ValueError, FileNotFoundError) as exc:   # what it was given cannot be loaded
+        logger.debug("the engine could not start", exc_info=True)
+        kind = "FileNotFoundError" if isinstance(exc, FileNotFoundError) else "ValueError"
+        outbox.send(EngineDead(str(exc), user_error=kind))
+        return
     except BaseException as exc:
         logger.exception("the engine could not start")
         outbox.send(EngineDead(f"the engine could not start: {type(exc).__name__}: {exc}"))

@@ -90,6 +90,8 @@ class MPEngineClient(ClientBookkeeping):
 
     Raises:
         RuntimeError: the child did not start, or its engine could not be built.
+        ValueError, FileNotFoundError: what it was asked to load cannot be (e.g. the model
+            directory; the message is the engine's own).
     """
 
     def __init__(self, model: str, llm_kwargs: dict | None = None, *,
@@ -137,6 +139,10 @@ class MPEngineClient(ClientBookkeeping):
             raise
         if not isinstance(message, Ready):
             self._stop_process(5)
+            user_error = getattr(message, "user_error", None)
+            if user_error is not None:   # e.g. the model directory: the caller's to fix
+                raise (FileNotFoundError if user_error == "FileNotFoundError"
+                       else ValueError)(message.message)
             raise RuntimeError(getattr(message, "message", f"unexpected {message!r}"))
         return message
 
