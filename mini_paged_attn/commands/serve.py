@@ -132,12 +132,10 @@ def run(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
-    problem = api_key_error(args.api_key)
+    problem = api_key_error(args.api_key) or missing_server_extra()
     if problem is not None:  # before the model loads, which can take minutes
         print(f"error: {problem}", file=sys.stderr)
         return 2
-
-    import uvicorn
 
     from mini_paged_attn.server.app import build_app
 
@@ -171,18 +169,18 @@ def run(args: argparse.Namespace) -> int:
         app = build_app(engine, model_name=name, api_key=args.api_key,
                         max_queue=args.max_queue, limits=server_limits(args),
                         allowed_hosts=allowed_hosts(args.host, args.allowed_host))
-        print(f"serving {name!r} on http://{args.host}:{args.port}/v1, engine in {where} "
-              f"({engine.stats().summary()})", flush=True)
+        banner = (f"serving {name!r} on http://{args.host}:{args.port}/v1, engine in {where} "
+                  f"({engine.stats().summary()})")
         if args.api_key is None and not _is_loopback(args.host):
             log.warning("listening on %s with no API key: anyone who can reach it can use it",
                         args.host)
+        server = _server(with_access_log(app, _access_logger()), args.host, args.port, banner)
         # uvicorn shuts down on SIGTERM, then raises the signal again: make that an ordinary
         # exit, so the engine's process is closed below rather than left to notice it is alone.
         previous = signal.signal(signal.SIGTERM, _exit_quietly)
         try:
-            uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                        access_log=False)
-        except KeyboardInterrupt:   # Ctrl-C, re-raised the same way
+            server.run()
+        except (KeyboardInterrupt, SystemExit):   # Ctrl-C re-raised, SIGTERM, or no bind
             pass
         finally:
             signal.signal(signal.SIGTERM, previous)
@@ -190,7 +188,77 @@ def run(args: argparse.Namespace) -> int:
         engine.shutdown()  # the engine's thread or process
         if llm_engine is not None:
             llm_engine.shutdown()   # its tensor-parallel workers, if any
+    if not server.started:   # could not bind: uvicorn has logged why
+        return 2
+    print(f"stopped serving {name!r} on http://{args.host}:{args.port}", flush=True)
     return 0
+
+
+def missing_server_extra() -> str | None:
+    """Why ``serve`` cannot run here (None if it can): a package of the server extra is not
+    installed."""
+    try:
+        import mini_paged_attn.server.app  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        return (f"serve needs the server extra, and {exc.name or 'a package of it'!r} is not "
+                'installed: pip install -e ".[server]" (or pip install "mini_paged_attn[server]")')
+    return None
+
+
+def _server(app: object, host: str, port: int, banner: str):
+    """A uvicorn server that prints ``banner`` once its socket is bound (not before, so the
+    banner means clients can connect)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                print(banner, flush=True)
+
+    return Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                 access_log=False))
+
+
+def _access_logger():
+    """The logger of the one line per request: INFO, shown unless --log-level is ERROR or
+    higher."""
+    import logging
+
+    access = logging.getLogger("mini_paged_attn.serve.access")
+    if logging.getLogger().getEffectiveLevel() <= logging.WARNING:
+        access.setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
+    return access
+
+
+def with_access_log(app, log):
+    """``app`` (ASGI) logging one line per HTTP request when it ends: client, method, path,
+    status and duration (a stream's whole length)."""
+    import time
+
+    async def logged(scope, receive, send):
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 0
+
+        async def send_and_see_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await app(scope, receive, send_and_see_status)
+        finally:
+            client = scope.get("client")
+            log.info("%s %s %s %s %.1f ms", f"{client[0]}:{client[1]}" if client else "-",
+                     scope["method"], scope["path"], status or "-",
+                     1000 * (time.perf_counter() - start))
+
+    return logged
 
 
 def _exit_quietly(signum: int, frame: object) -> None:

@@ -93,8 +93,39 @@ def test_serve_with_the_engine_in_its_own_process_answers_like_generate():
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
     assert "engine in its own process" in out
+    assert "POST /v1/completions 200" in out   # the access log: one line per request
+    assert f"stopped serving 'tiny' on http://127.0.0.1:{port}" in out
     assert proc.returncode == 0, out   # SIGTERM: uvicorn stops, then the engine process
     assert all(_gone(pid, timeout=10) for pid in engine_pids)
+
+
+def test_serve_prints_its_banner_once_the_port_is_bound_then_logs_and_stops():
+    port = _free_port()
+    cmd = [sys.executable, "-m", "mini_paged_attn.cli", "serve", "--model", "tiny",
+           "--port", str(port), "--device", "cpu", "--num-kv-blocks", "32"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("serving 'tiny' on"):
+                break
+        else:
+            raise AssertionError(f"serve exited without its banner: {''.join(seen)}")
+        # No retry: once the banner is out, the port answers.
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code == 200
+        # A second server on the same port: one line from uvicorn, exit 2, no traceback.
+        busy = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert busy.returncode == 2, busy.stderr
+        assert "address already in use" in busy.stderr and "Traceback" not in busy.stderr
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    access = [line for line in out.splitlines() if "mini_paged_attn.serve.access" in line]
+    assert len(access) == 1 and "GET /v1/models 200" in access[0], out
+    assert out.rstrip().endswith(f"stopped serving 'tiny' on http://127.0.0.1:{port}"), out
+    assert proc.returncode == 0, out
 
 
 @pytest.mark.parametrize("argv_key, env_key", [(["--api-key", ""], None),
