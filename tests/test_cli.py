@@ -75,3 +75,139 @@ def test_generate_applies_the_penalties(capsys):
     assert streamed == expected.text + "\n"
     # The tiny model repeats one token greedily; the penalties break that.
     assert len(set(expected.token_ids)) > 1
+
+
+# ---- user mistakes: one `error:` line on stderr, exit 2, no traceback ----------------------
+
+def _model_dir(tmp_path, case: str) -> str:
+    """A model path with one thing wrong with it (``case``)."""
+    import shutil
+
+    from mini_paged_attn.models.tiny import write_tiny_llama
+
+    path = tmp_path / case
+    if case == "missing":
+        return str(path)
+    if case == "hub-id":
+        return "Qwen/Qwen2.5-0.5B-Instruct"
+    path.mkdir()
+    if case == "empty":
+        return str(path)
+    good = write_tiny_llama(tmp_path / "good")
+    if case == "config-only":
+        shutil.copy(good / "config.json", path)
+        return str(path)
+    for f in good.iterdir():
+        shutil.copy(f, path)
+    weights = path / "model.safetensors"
+    if case == "no-weights":
+        weights.unlink()
+    elif case == "truncated-weights":
+        weights.write_bytes(weights.read_bytes()[:200])
+    return str(path)
+
+
+MODEL_CASES = {
+    "missing": "is not a directory",
+    "hub-id": "huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct",
+    "empty": "is empty",
+    "config-only": "no tokenizer",
+    "no-weights": r"no *.safetensors",
+    "truncated-weights": "truncated",
+}
+
+
+def _one_error_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", MODEL_CASES)
+def test_a_model_directory_that_cannot_load_is_one_error_line(tmp_path, capsys, case):
+    model = _model_dir(tmp_path, case)
+    assert main(["generate", "--model", model, "--prompt", "x", "--device", "cpu"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert MODEL_CASES[case] in line
+    if case not in ("hub-id",):
+        assert case in line   # names the path
+
+
+@pytest.mark.parametrize("case", ["missing", "truncated-weights"])
+@pytest.mark.parametrize("engine_process", ["off", "on"])
+def test_serve_reports_the_same_model_error_as_generate(tmp_path, capsys, case, engine_process):
+    model = _model_dir(tmp_path, case)
+    assert main(["generate", "--model", model, "--prompt", "x", "--device", "cpu"]) == 2
+    from_generate = _one_error_line(capsys.readouterr().err)
+    assert main(["serve", "--model", model, "--device", "cpu",
+                 "--engine-process", engine_process]) == 2
+    assert _one_error_line(capsys.readouterr().err) == from_generate
+
+
+def test_debug_shows_the_traceback_instead(tmp_path):
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        main(["--debug", "generate", "--model", str(tmp_path / "missing"), "--prompt", "x"])
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--log-level", "LOUD", "demo"], "--log-level"),
+    (["generate", "--model", "tiny", "--prompt", "x", "--dtype", "nonsense"], "--dtype"),
+    (["demo", "--block-size", "0"], "--block-size"),
+    (["serve", "--model", "tiny", "--port", "99999"], "--port"),
+    (["serve", "--model", "tiny", "--port", "0"], "--port"),
+])
+def test_bad_option_values_are_usage_errors_naming_the_option(capsys, argv, names):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"error: argument {names}" in err.splitlines()[-1]
+
+
+def test_a_cuda_device_without_a_gpu_is_a_usage_error(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--model", "tiny", "--prompt", "x", "--device", "cuda"])
+    assert exc.value.code == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_log_level_is_case_insensitive(capsys):
+    assert main(["--log-level", "error", "demo", "--skip-engine"]) == 0
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"mini-paged-attn {version('mini_paged_attn')}"
+
+
+def test_system_without_chat_is_an_error(capsys):
+    assert main(["generate", "--model", "tiny", "--prompt", "x", "--system", "be brief"]) == 2
+    assert "--chat" in _one_error_line(capsys.readouterr().err)
+
+
+def test_serve_without_the_server_extra_says_how_to_install_it(capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)   # import uvicorn -> ImportError
+    assert main(["serve", "--model", "tiny"]) == 2
+    assert 'pip install -e ".[server]"' in _one_error_line(capsys.readouterr().err)
+
+
+def test_an_unloadable_model_is_one_line_end_to_end(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "mini_paged_attn.cli", "generate", "--model",
+                           str(tmp_path / "missing"), "--prompt", "x"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "is not a directory" in _one_error_line(proc.stderr)
