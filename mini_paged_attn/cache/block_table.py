@@ -98,8 +98,7 @@ class BlockTable:
             row = rows.get(seq.seq_id)
             start = seq.blocks_changed_from
             if row is None:
-                row = rows[seq.seq_id] = self._free_rows.pop()
-                self._taken.add(row)
+                row = self.bind(seq.seq_id)
                 start = 0
             blocks = seq.block_ids
             if start < len(blocks):

@@ -27,6 +27,14 @@ ALIGNMENT = 16
 """Triton specialises pointer arguments on ``data_ptr() % 16 == 0``."""
 
 
+def _leading_tensors(args: Sequence) -> int:
+    """How many of ``args`` are tensors before the first non-tensor."""
+    count = 0
+    while count < len(args) and isinstance(args[count], torch.Tensor):
+        count += 1
+    return count
+
+
 class PreparedLaunch:
     """One launch of a ``@triton.jit`` kernel, made through the JIT, repeatable directly.
 
@@ -45,9 +53,7 @@ class PreparedLaunch:
     def __init__(self, jit_fn, grid: tuple[int, ...], args: Sequence, kwargs: dict) -> None:
         compiled = jit_fn[grid](*args, **kwargs)
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
-        num_tensors = 0
-        while num_tensors < len(args) and isinstance(args[num_tensors], torch.Tensor):
-            num_tensors += 1
+        num_tensors = _leading_tensors(args)
         self.ready = (compiled is not None and hasattr(compiled, "packed_metadata")
                       and num_tensors > 0
                       and not any(isinstance(a, torch.Tensor) for a in args[num_tensors:]))
@@ -138,9 +144,7 @@ def launch(jit_fn, grid: tuple[int, ...], args: Sequence, kwargs: dict) -> None:
     arguments (tensors first in ``args``; a kernel's launch sites pass the same kinds of
     values each time). The key is built from the arguments alone, so ops with few checks
     (the fused layers) need no key of their own."""
-    num_tensors = 0
-    while num_tensors < len(args) and isinstance(args[num_tensors], torch.Tensor):
-        num_tensors += 1
+    num_tensors = _leading_tensors(args)
     tensors = args[:num_tensors]
     if not tensors or tensors[0].get_device() < 0:     # the interpreter: nothing to reuse
         jit_fn[grid](*args, **kwargs)
