@@ -9,9 +9,14 @@ one block, one per token otherwise). The softmax is online, in float32, with ``e
 is folded into the scale). Cache addresses are computed in 64 bits (block id cast first), so
 pools over 2^31 elements work.
 
-An fp8 cache (:mod:`.kv_quant`) is read as fp8 (half the bytes) and converted to the query's
-dtype right after the load (exact: every e4m3 value is an fp16 / bf16 value), so the dots run
-as for a cache in the query's dtype. The program's KV head has one ``k_scale`` and one
+An fp8 cache (:mod:`.kv_quant`) is read as fp8 (half the bytes) and converted right after the
+load (exact: every e4m3 value is an fp16 / bf16 value). With 16-bit queries the dots run in
+fp16 (``FP16_DOTS``): e4m3 -> fp16 is one instruction per pair on Hopper, e4m3 -> bf16 goes
+through fp16 and fp32, and that conversion alone held decode at ~68% of copy bandwidth (fp16
+dots, with the fp8 tiles of :data:`~.explain.FP8_TILES`: 89-93%). A bf16 query is
+rounded to fp16 for the dot (fp16 has more mantissa than bf16; values past fp16's range,
+|q| > 65504, would overflow: attention queries do not come near it); the softmax
+probabilities go to fp16 for the PV dot, accumulation stays float32. The program's KV head has one ``k_scale`` and one
 ``v_scale``: the first is folded into the softmax scale, the second multiplies the normalised
 output, instead of scaling every loaded element.
 
@@ -60,7 +65,7 @@ def _paged_decode_kernel(
     GROUP_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
+    K_SCALED: tl.constexpr, V_SCALED: tl.constexpr, FP16_DOTS: tl.constexpr,
 ):
     """Grid ``(num_kv_heads, num_splits, num_seqs)``: the KV heads of one sequence run side by
     side, so the token rows of a block (all heads' K and V) are read at about the same time.
@@ -92,6 +97,8 @@ def _paged_decode_kernel(
               + heads[:, None] * stride_q_head + dims[None, :])
     q = tl.load(q_ptrs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
     # q: [BLOCK_H, HEAD_SIZE_PADDED]
+    if FP16_DOTS:
+        q = q.to(tl.float16)
 
     qk_scale = scale_log2
     if K_SCALED:
@@ -126,7 +133,7 @@ def _paged_decode_kernel(
         kv_valid = token_valid[:, None] & dim_valid[None, :]  # [BLOCK_N, HEAD_SIZE_PADDED]
         k = tl.load(k_head + k_rows[:, None] + dims[None, :], mask=kv_valid, other=0.0)
         v = tl.load(v_head + v_rows[:, None] + dims[None, :], mask=kv_valid, other=0.0)
-        # k, v: [BLOCK_N, HEAD_SIZE_PADDED] in the query's dtype (no-op unless the cache is fp8)
+        # k, v: [BLOCK_N, HEAD_SIZE_PADDED] in the dots' dtype (no-op unless the cache is fp8)
         k = k.to(q.dtype)
         v = v.to(q.dtype)
 
@@ -310,7 +317,8 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     plan = plan_decode(shapes.num_seqs, shapes.num_q_heads, shapes.num_kv_heads,
                        shapes.head_size, shapes.max_blocks_per_seq * shapes.block_size,
                        shapes.block_size, query.dtype, num_sms_of(device), num_splits,
-                       max(1, min(max_splits, MAX_SPLITS)), device.type == "cuda", tiles)
+                       max(1, min(max_splits, MAX_SPLITS)), device.type == "cuda", tiles,
+                       None if key_cache.dtype == query.dtype else key_cache.dtype)
     if explain:
         logger.info("%s", plan)
     if shapes.num_seqs == 0:
@@ -374,6 +382,7 @@ def _constexprs(plan: DecodePlan) -> dict:
         HEAD_SIZE_PADDED=plan.head_size_padded, BLOCK_H=plan.block_h,
         BLOCK_N=plan.tiles.block_n, BLOCK_SIZE=plan.block_size,
         DOT_PRECISION="ieee" if plan.dtype == torch.float32 else "tf32",
+        FP16_DOTS=plan.fp16_dots,
         num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
     )
 

@@ -69,7 +69,7 @@ class DecodeTiles:
 
 
 def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool, *,
-                  block_size: int) -> DecodeTiles:
+                  block_size: int, kv_dtype: torch.dtype | None = None) -> DecodeTiles:
     """Tiles for a head size, dtype and cache block size, and whether the launch splits the KV.
 
     They never depend on the batch itself, so that a sequence's result with ``num_splits=1``
@@ -81,6 +81,7 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool,
       block_size 1 takes 8 warps to share its per-token table lookups.
     - Split launches (small batches) are latency-bound: 32-token tiles with 5 stages keep two
       K/V tiles in flight behind the block-table loads (the table load takes a stage itself).
+    - An fp8 cache (``kv_dtype`` one byte), split or not: :data:`FP8_TILES`.
     - Tiles never exceed :data:`MAX_BLOCK_N` tokens: small head sizes would otherwise get tiles
       of thousands of tokens, slow to compile and heavy in registers.
 
@@ -91,6 +92,8 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool,
     """
     if not on_gpu:
         return DecodeTiles(block_n=16, num_warps=4, num_stages=1)
+    if kv_dtype is not None and kv_dtype.itemsize == 1:
+        return FP8_TILES
     # One token of K as the kernel holds it (head_size padded to a power of two >= 16).
     row_bytes = max(16, next_pow2(head_size)) * torch.finfo(dtype).bits // 8
     if split:
@@ -102,6 +105,13 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool,
     tile_bytes = 16384 if block_size >= 128 else 32768
     return DecodeTiles(block_n=min(MAX_BLOCK_N, max(16, tile_bytes // row_bytes)),
                        num_warps=8 if block_size == 1 else 4, num_stages=3)
+
+
+FP8_TILES = DecodeTiles(block_n=64, num_warps=2, num_stages=6)
+"""Decode over an fp8 cache (H100, head_size 128, bf16 queries): 64-token tiles, 2 warps, 6
+stages read 89-93% of copy bandwidth from 64x4k to 32x64k unsplit (the 16-bit rule's 128/4/3:
+76-84% with fp16 dots), and 85% split at 8x64k (32/4/5: 63%). 128/2/3 reads up to 96% with
+enough sequences but 64% at 32x64k (256 programs); tiles may not depend on the batch."""
 
 
 BALANCE_TOLERANCE = 0.02
@@ -154,6 +164,13 @@ class DecodePlan:
     split_reason: str         # "forced", "enough programs", "heuristic"
     heuristic_splits: int | None = None    # FlashAttention's choice, before balance_splits
     heuristic_kv_tiles: int | None = None  # the num_n_blocks it was given (split tiles)
+    kv_dtype: torch.dtype | None = None    # the cache's dtype when not the query's (fp8)
+
+    @property
+    def fp16_dots(self) -> bool:
+        """An fp8 cache with 16-bit queries: the dots run in fp16 (see the decode module)."""
+        return (self.kv_dtype is not None and self.kv_dtype.itemsize == 1
+                and self.dtype in (torch.float16, torch.bfloat16))
 
     @property
     def group_size(self) -> int:
@@ -202,6 +219,8 @@ class DecodePlan:
 
     def __str__(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
+        if self.kv_dtype is not None:
+            dtype += f" queries over a {str(self.kv_dtype).replace('torch.', '')} cache"
         g = self.group_size
         heads = (f"{self.num_q_heads} q heads / {self.num_kv_heads} kv heads"
                  + (f" (GQA {g}:1)" if g > 1 else " (MHA)"))
@@ -242,12 +261,14 @@ class DecodePlan:
 def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: int,
                 max_context_len: int, block_size: int, dtype: torch.dtype, num_sms: int,
                 num_splits: int | None = None, max_splits: int = MAX_SPLITS,
-                on_gpu: bool = True, tiles: DecodeTiles | None = None) -> DecodePlan:
+                on_gpu: bool = True, tiles: DecodeTiles | None = None,
+                kv_dtype: torch.dtype | None = None) -> DecodePlan:
     """Plan one decode launch (pure; cached). The single place tiles and splits are chosen.
 
     num_splits: forced split count (1..MAX_SPLITS), or None for the heuristic.
     max_splits: cap for the heuristic (a caller's workspace may hold fewer splits).
     on_gpu: pick GPU tiles (else small interpreter tiles); ``tiles`` overrides either.
+    kv_dtype: the cache's dtype when it differs from the query's (an fp8 cache), else None.
     """
     if num_splits is not None and not (is_int(num_splits) and 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits: expected an int in 1..{MAX_SPLITS} or None, "
@@ -260,7 +281,7 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
     else:
         # Count KV tiles with the tiles a split launch would use; keep them if it splits.
         split_tiles = tiles or default_tiles(head_size, dtype, on_gpu, True,
-                                             block_size=block_size)
+                                             block_size=block_size, kv_dtype=kv_dtype)
         n_tiles = max(1, cdiv(max_context_len, split_tiles.block_n))
         cap = max(1, min(max_splits, MAX_SPLITS, n_tiles))
         chosen = splits = num_splits_heuristic(max(units, 1), slots, n_tiles, cap)
@@ -268,9 +289,11 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
         reason = "enough programs" if units >= 0.8 * slots else "heuristic"
         if splits > 1:
             splits = balance_splits(splits, max(units, 1), slots, n_tiles, cap)
-    tiles = tiles or default_tiles(head_size, dtype, on_gpu, splits > 1, block_size=block_size)
+    tiles = tiles or default_tiles(head_size, dtype, on_gpu, splits > 1, block_size=block_size,
+                                   kv_dtype=kv_dtype)
     return DecodePlan(num_seqs, num_q_heads, num_kv_heads, head_size, block_size, dtype,
-                      max_context_len, tiles, num_sms, splits, reason, chosen, n_tiles)
+                      max_context_len, tiles, num_sms, splits, reason, chosen, n_tiles,
+                      kv_dtype)
 
 
 def explain_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: int,

@@ -299,3 +299,17 @@ def test_scale_on_another_device_raises():
                                         block_size=4, device="cuda"), None, None, torch.float16)
     with pytest.raises(ValueError, match="^k_scale: expected a tensor on cuda"):
         paged_decode(*batch.decode_args, k_scale=torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("num_seqs", [1, 256])
+def test_fp8_cache_plans_its_own_tiles_and_fp16_dots(num_seqs):
+    from mini_paged_attn.ops.explain import FP8_TILES, plan_decode
+
+    args = (num_seqs, 32, 8, 128, 16384, 16, torch.bfloat16, 132)
+    fp8 = plan_decode(*args, kv_dtype=FP8_DTYPE)
+    bf16 = plan_decode(*args)
+    assert fp8.tiles == FP8_TILES != bf16.tiles
+    assert fp8.fp16_dots and not bf16.fp16_dots
+    assert "float8_e4m3fn cache" in str(fp8)
+    # fp32 queries over an fp8 cache keep fp32 dots (fp16 would round them).
+    assert not plan_decode(*args[:6], torch.float32, 132, kv_dtype=FP8_DTYPE).fp16_dots
