@@ -62,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parity-requests", type=int, default=32)
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                        help="the engine's KV cache: the model dtype (auto) or fp8 (e4m3)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--profile", action="store_true",
                         help="also profile steady decode steps (kernels per step, GPU busy share)")
@@ -131,7 +133,8 @@ def hf_generate(model, prompts: list[list[int]], max_tokens: list[int], *, batch
 def engine_llm(path: Path, args, **overrides):
     from mini_paged_attn.engine import LLM
     options = dict(dtype="bfloat16", max_model_len=4096, enforce_eager=args.enforce_eager,
-                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   kv_cache_dtype=args.kv_cache_dtype)
     options.update(overrides)
     return LLM(str(path), **options)
 
