@@ -206,6 +206,10 @@ PREFILL_CASES = [
     pytest.param([8, 4], [3, 30], 16, False, (5, 2), id="noncausal-left5-right2"),
     pytest.param([7, 5], [0, 9], 5, False, (-1, 3), id="noncausal-right-only"),
     pytest.param([4, 15], [17, 1], 16, True, (-1, -1), id="causal-full"),
+    # Windows wider than a query tile: masked head tiles, unmasked middle tiles, masked tail.
+    pytest.param([20, 3], [60, 45], 16, True, (30, -1), id="causal-left30-tiles"),
+    pytest.param([19, 2], [50, 33], 5, True, (21, -1), id="causal-left21-bs5"),
+    pytest.param([12, 9], [40, 3], 16, False, (25, 18), id="noncausal-left25-right18"),
 ]
 
 
