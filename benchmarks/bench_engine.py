@@ -150,7 +150,8 @@ def timed_generate(llm, prompts, params):
 
 def profile_decode(llm, prompts: list[list[int]], max_tokens: int, steps: int = 5) -> dict:
     """Steady decode steps of ``prompts``: wall time per step, GPU kernel time per step (so the
-    share the GPU is busy), kernels per step, and the kernels that take the most time."""
+    share the GPU is busy), kernels per step, the kernels that take the most time, and the KV
+    blocks the requests hold then."""
     from torch.profiler import ProfilerActivity, profile
 
     from mini_paged_attn.engine import SamplingParams
@@ -178,6 +179,7 @@ def profile_decode(llm, prompts: list[list[int]], max_tokens: int, steps: int = 
 
     total_us = sum(device_us(e) for e in kernels)
     top = sorted(kernels, key=device_us, reverse=True)[:12]
+    stats = llm.stats()
     for request_id in ids:
         engine.abort_request(request_id)
     while engine.has_unfinished_requests():
@@ -185,6 +187,7 @@ def profile_decode(llm, prompts: list[list[int]], max_tokens: int, steps: int = 
     return {"batch": len(prompts), "wall_ms_per_step": wall_ms,
             "gpu_ms_per_step": total_us / steps / 1e3,
             "kernels_per_step": sum(e.count for e in kernels) / steps,
+            "kv_blocks_free": stats.kv_blocks_free, "kv_blocks_cached": stats.kv_blocks_cached,
             "top_kernels": [{"name": e.key[:80], "count_per_step": e.count / steps,
                              "ms_per_step": device_us(e) / steps / 1e3} for e in top]}
 
