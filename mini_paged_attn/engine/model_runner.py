@@ -96,7 +96,7 @@ class ModelRunner:
             num_kv_heads=self.layout.num_kv_heads, max_blocks_per_seq=self.table_width,
             num_layers=model_config.num_layers,
             enable_prefix_caching=config.enable_prefix_caching,
-            sliding_window=getattr(model_config, "uniform_sliding_window", None))
+            sliding_window=model_config.uniform_sliding_window)
         self.kv_caches = self.cache.layer_caches
         # A decode graph pads the batch to its bucket: room for max_num_seqs tokens at least.
         max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
