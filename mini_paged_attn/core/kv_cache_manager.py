@@ -19,6 +19,7 @@ window, so a prompt many times the pool's size still runs.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -87,9 +88,10 @@ class KVCacheManager:
     def chunk_limit(self, num_computed_tokens: int) -> int:
         """The most new tokens a sequence with ``num_computed_tokens`` tokens in the cache can
         compute in one step with the whole pool to itself (its window's blocks plus the new
-        ones). Without a window it is unbounded (admission made the whole sequence fit)."""
+        ones). Without a window it is unbounded, ``sys.maxsize`` (admission made the whole
+        sequence fit)."""
         if self.sliding_window is None:
-            return 1 << 62
+            return sys.maxsize
         first = first_needed_block(num_computed_tokens, self.sliding_window, self.block_size)
         return (self.num_blocks + first) * self.block_size - num_computed_tokens
 
