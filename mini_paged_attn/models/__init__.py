@@ -9,7 +9,8 @@
 
 from .attention import AttentionMetadata
 from .config import ModelConfig, RopeConfig, resolve_dtype
-from .llama import CausalLM, init_empty_model
+from .llama import CausalLM
+from .registry import init_empty_model
 from .loader import load_model
 from .tiny import tiny_llama, write_tiny_llama
 from .tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer

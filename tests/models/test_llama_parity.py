@@ -2,7 +2,10 @@
 
 Every variant is a tiny random checkpoint written by transformers: Llama (plain and with llama3
 rope scaling), Qwen2 (tied and untied embeddings, qkv bias), Qwen3 (q/k norm, head_dim 32,
-sharded). Caches are NaN-poisoned and blocks come out of a shuffled free list.
+sharded), Phi-3 (fused checkpoint projections; longrope), Mistral (sliding window), Gemma 2
+(sandwich norms, GeGLU, soft-caps, alternating windows, tied) and Gemma 3 (q/k norms, local rope
+base). Windows are shorter than the longer prompts. Caches are NaN-poisoned and blocks come out
+of a shuffled free list.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.paged_batch import PagedBatchBuilder
-from helpers.tiny_models import LLAMA3_ROPE_SCALING, hf_reference_model
+from helpers.tiny_models import LLAMA3_ROPE_SCALING, PHI3_LONGROPE, hf_reference_model
 
 from mini_paged_attn.models.loader import load_model
 
@@ -20,10 +23,12 @@ VARIANTS = {
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen2-untied": ("qwen2", {}),
     "qwen3-sharded": ("qwen3", {"max_shard_size": "100KB"}),
+    "phi3": ("phi3", {}),
+    "phi3-longrope": ("phi3", {"rope_scaling": PHI3_LONGROPE, "original_max_position_embeddings": 64}),
 }
 ATOL = 1e-4
 BLOCK_SIZE = 4
-PROMPT_LENS = (1, 3, BLOCK_SIZE, BLOCK_SIZE + 1, 11)
+PROMPT_LENS = (1, 3, BLOCK_SIZE, BLOCK_SIZE + 1, 11, 17)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
