@@ -25,6 +25,9 @@ VARIANTS = {
     "qwen3-sharded": ("qwen3", {"max_shard_size": "100KB"}),
     "phi3": ("phi3", {}),
     "phi3-longrope": ("phi3", {"rope_scaling": PHI3_LONGROPE, "original_max_position_embeddings": 64}),
+    "mistral-window": ("mistral", {}),
+    "gemma2-tied": ("gemma2", {"tie_word_embeddings": True}),
+    "gemma3": ("gemma3", {}),
 }
 ATOL = 1e-4
 BLOCK_SIZE = 4
