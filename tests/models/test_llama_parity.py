@@ -120,7 +120,7 @@ def test_padding_rows_are_inert(models):
         torch.testing.assert_close(v1, v0, atol=1e-5, rtol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
 @torch.inference_mode()
 def test_bf16_error_is_within_transformers_bf16_noise(tiny_model_factory, arch):
     """bf16 cannot match fp32 exactly; it must be as close to it as transformers' own bf16 is."""
