@@ -281,10 +281,13 @@ class KVCacheManager:
         """Drop the sequence's share of each of its blocks; it then holds none.
 
         Blocks are released last-first, so a prompt's tail is evicted before its head (a later
-        request is likelier to share a head). Blocks it dropped already are not released again.
+        request is likelier to share a head). Blocks it dropped already are not released again,
+        but those still cached go back behind the tail in the eviction order.
         """
         for b in reversed(seq.block_ids[seq.num_dropped_blocks:]):
             self._release(b)
+        if seq.num_dropped_blocks and self.enable_prefix_caching:
+            self._refresh_dropped(seq)
         seq.block_ids = []
         seq.num_dropped_blocks = 0
         seq.num_computed_tokens = 0
@@ -313,6 +316,17 @@ class KVCacheManager:
         # The block-table row then holds the pad too (never read: it is left of the window).
         seq.blocks_changed_from = min(seq.blocks_changed_from, start)
         return stop - start
+
+    def _refresh_dropped(self, seq: Sequence) -> None:
+        """Move the sequence's dropped blocks that are still evictable to the end of the
+        eviction order, the first block last. They were given back head first, so they would
+        be evicted first, and a prefix hit needs the whole chain from its head: evicting a head
+        first would make the rest of the chain unfindable."""
+        cache, hashes = self.prefix_cache, seq.block_hashes
+        for i in reversed(range(min(seq.num_dropped_blocks, len(hashes)))):
+            block = cache.block_of(hashes[i])
+            if block is not None and cache.is_evictable(block):
+                cache.refresh(block)
 
     def _release(self, block: int) -> None:
         """Drop one sequence's reference; the cache keeps a cached block nobody else holds."""

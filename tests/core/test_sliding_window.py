@@ -231,6 +231,21 @@ def test_a_dropped_cached_block_becomes_evictable_and_a_hit_takes_only_its_windo
     assert_all_free(sched)
 
 
+def test_a_finished_windowed_prompt_is_evicted_tail_first():
+    # Dropped blocks were given back head first; a hit needs the chain from its head, so on
+    # finishing they move behind the tail in the eviction order.
+    kv = KVCacheManager(BlockManager(8), 2, sliding_window=4)
+    prompt = list(range(1, 12))
+    seq = Sequence(0, Request("a", prompt, 2), 0, prompt)
+    assert kv.allocate_slots(seq, 11) == []
+    logical = list(seq.block_ids)
+    seq.num_computed_tokens = 11
+    kv.drop_out_of_window(seq)
+    assert kv.prefix_cache.evictable_blocks() == logical[:4]      # head first: evicted first
+    kv.free(seq)
+    assert kv.prefix_cache.evictable_blocks() == logical[4::-1]   # block 5 is partial: freed
+
+
 def test_a_hit_that_needs_more_than_the_free_blocks_fails_and_changes_nothing():
     kv = KVCacheManager(BlockManager(6), 2, sliding_window=4)
     prompt = list(range(1, 12))
