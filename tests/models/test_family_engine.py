@@ -45,7 +45,7 @@ def hf_greedy(model_dir, prompts) -> list[list[int]]:
     return outputs
 
 
-def check_engine(llm: LLM, model_dir) -> None:
+def check_engine(llm: LLM, model_dir, *, expect_hits: bool = True) -> None:
     prompts = make_prompts(llm.engine.model_config.vocab_size)
     expected = hf_greedy(model_dir, prompts)
     for _ in range(2):          # the second round hits the prefix cache
@@ -53,18 +53,23 @@ def check_engine(llm: LLM, model_dir) -> None:
         assert [o.outputs[0].token_ids for o in outputs] == expected
     stats = llm.stats()
     assert stats.num_preemptions > 0
-    assert stats.prefix_cache_hit_rate > 0
+    assert stats.prefix_cache_hit_rate > 0 or not expect_hits
     assert_pool_whole(llm.engine)
 
 
-@pytest.mark.parametrize("arch, overrides", [("mistral", {}),
-                                             ("gemma2", {"tie_word_embeddings": True})])
+# Mistral's sequences give back the blocks left of their window (3 blocks each at most), so
+# preemption needs a smaller pool, one where a prompt's chain of cached blocks does not survive
+# to be hit (tests/engine/test_sliding_window_memory.py has a windowed prefix hit); Gemma 2's
+# full layers keep every block.
+@pytest.mark.parametrize("arch, overrides, num_kv_blocks",
+                         [("mistral", {}, 6), ("gemma2", {"tie_word_embeddings": True}, 12)])
 def test_windowed_families_match_transformers_through_the_engine(tiny_model_factory, arch,
-                                                                 overrides):
+                                                                 overrides, num_kv_blocks):
     model_dir = tiny_model_factory(arch, **overrides)
-    llm = LLM(model_dir, dtype="float32", device="cpu", **ENGINE)
+    llm = LLM(model_dir, dtype="float32", device="cpu",
+              **dict(ENGINE, num_kv_blocks=num_kv_blocks))
     assert llm.engine.model_config.sliding_window == TINY_WINDOW
-    check_engine(llm, model_dir)
+    check_engine(llm, model_dir, expect_hits=arch != "mistral")
 
 
 class _FakeGroup:
@@ -97,9 +102,10 @@ def test_phi3_fused_tensors_split_by_heads_and_rows(tiny_model_factory):
 
 def test_windowed_phi3_at_tensor_parallel_size_2(tiny_model_factory):
     model_dir = tiny_model_factory("phi3", sliding_window=TINY_WINDOW)
-    llm = LLM(model_dir, dtype="float32", device="cpu", tensor_parallel_size=2, **ENGINE)
+    llm = LLM(model_dir, dtype="float32", device="cpu", tensor_parallel_size=2,
+              **dict(ENGINE, num_kv_blocks=6))    # as Mistral's: every layer windowed
     try:
         assert llm.engine.model_config.uniform_sliding_window == TINY_WINDOW
-        check_engine(llm, model_dir)
+        check_engine(llm, model_dir, expect_hits=False)
     finally:
         llm.shutdown()
