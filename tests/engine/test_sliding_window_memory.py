@@ -1,44 +1,43 @@
-"""A model whose every layer has a sliding window runs a prompt of many windows on a pool
-smaller than the prompt: blocks left of the window go back to the pool, and the greedy tokens
-are those of a run that keeps every block.
+"""A model whose every layer has a sliding window (a tiny random Mistral) runs prompts of many
+windows on a pool smaller than one prompt: blocks left of the window go back to the pool, and
+the tokens are those of a run that keeps every block.
 
-The tiny Llama stands in for a Mistral-style model: its attention layers get the window
-(``Attention.window_size``), and the engine is told about it through ``ModelConfig``'s
-``sliding_window`` (the decoder itself refuses windowed configs until the windowed families are
-implemented, so the window is set on the built layers).
+The run that keeps every block uses the same model with an engine told that one layer is a full
+one (``ModelConfig.layer_types``), so its KV cache frees nothing.
 """
 
 import dataclasses
 
 import pytest
 import torch
+from helpers.tiny_models import TINY_WINDOW
 
-from mini_paged_attn.core.sliding_window import window_blocks
+from mini_paged_attn.core.args import cdiv
+from mini_paged_attn.core.sliding_window import first_needed_block, window_blocks
 from mini_paged_attn.engine import LLMEngine
 from mini_paged_attn.engine.admission import Admission
 from mini_paged_attn.engine.config import EngineConfig
+from mini_paged_attn.engine.llm_engine import load_model_and_tokenizer
 from mini_paged_attn.engine.sampling_params import SamplingParams
-from mini_paged_attn.models.tiny import tiny_llama
 
-WINDOW = 8
+WINDOW = TINY_WINDOW
 BLOCK = 4
+VOCAB = 200     # under the tiny models' vocabulary
 
 
 @pytest.fixture(scope="module")
-def windowed_tiny():
-    """``(model, config without a window, config with it, tokenizer)``; the model's layers
-    attend to their last WINDOW keys."""
-    model, config, tokenizer = tiny_llama(dtype=torch.float32, seed=3)
-    for layer in model.layers:
-        layer.self_attn.window_size = (WINDOW - 1, 0)
-    windowed = dataclasses.replace(config, sliding_window=WINDOW, layer_types=())
-    assert windowed.uniform_sliding_window == WINDOW and config.uniform_sliding_window is None
-    return model, config, windowed, tokenizer
+def windowed_tiny(tiny_model_factory):
+    """``(model, config that keeps every block, its own config, tokenizer)``."""
+    model, config, tokenizer = load_model_and_tokenizer(tiny_model_factory("mistral"),
+                                                        dtype="float32", device="cpu")
+    keeps = dataclasses.replace(config, layer_types=("full_attention",) + config.layer_types[1:])
+    assert config.uniform_sliding_window == WINDOW and keeps.uniform_sliding_window is None
+    return model, keeps, config, tokenizer
 
 
 def make(windowed_tiny, *, window: bool, num_kv_blocks: int, **config) -> LLMEngine:
-    model, plain, windowed, tokenizer = windowed_tiny
-    engine = LLMEngine(model, tokenizer, windowed if window else plain,
+    model, keeps, windowed, tokenizer = windowed_tiny
+    engine = LLMEngine(model, tokenizer, windowed if window else keeps,
                        EngineConfig(block_size=BLOCK, num_kv_blocks=num_kv_blocks,
                                     enforce_eager=True, **config))
     engine.cache.pool.fill_(float("nan"))     # a read of a slot nothing wrote shows
@@ -64,24 +63,28 @@ def held_blocks(engine: LLMEngine) -> list[int]:
 
 def test_many_windows_on_a_small_pool_match_a_run_that_keeps_every_block(windowed_tiny):
     gen = torch.Generator().manual_seed(0)
-    shared = torch.randint(0, 256, (30,), generator=gen).tolist()
-    prompts = [shared + torch.randint(0, 256, (27,), generator=gen).tolist(),   # 57 tokens
-               shared + torch.randint(0, 256, (9,), generator=gen).tolist(),    # a prefix hit
-               torch.randint(0, 256, (41,), generator=gen).tolist()]
+    shared = torch.randint(3, VOCAB, (30,), generator=gen).tolist()
+    prompts = [shared + torch.randint(3, VOCAB, (27,), generator=gen).tolist(),   # 57 tokens
+               shared + torch.randint(3, VOCAB, (9,), generator=gen).tolist(),    # a prefix hit
+               torch.randint(3, VOCAB, (41,), generator=gen).tolist()]
     max_tokens = 12
     full = make(windowed_tiny, window=False, num_kv_blocks=64, max_num_batched_tokens=16)
     expected = run(full, prompts, max_tokens)
 
     # 6 blocks of 4 hold 24 tokens: less than any prompt. A sequence needs 3 (one window).
     pool = 6
-    assert window_blocks(WINDOW, BLOCK) == 3
+    assert window_blocks(WINDOW, BLOCK) == 3 and WINDOW < 24
     small = make(windowed_tiny, window=True, num_kv_blocks=pool, max_num_batched_tokens=16)
     most = []
 
     def watch(engine):
         held = held_blocks(engine)
         most.append(max(held, default=0))
-        assert all(h <= window_blocks(WINDOW, BLOCK) for h in held), held
+        for seq, h in zip(engine.scheduler.running, held):
+            # Exactly the blocks from the next query's window on: cdiv(W - 1, bs) + 1 at most.
+            p = seq.num_computed_tokens
+            assert h == cdiv(p, BLOCK) - first_needed_block(p, WINDOW, BLOCK), seq
+            assert h <= window_blocks(WINDOW, BLOCK)
         # The map and the stats see the freeing: used blocks are held or cached ones.
         memory = engine.memory_map()
         stats = engine.stats()
@@ -92,7 +95,7 @@ def test_many_windows_on_a_small_pool_match_a_run_that_keeps_every_block(windowe
 
     got = run(small, prompts, max_tokens, watch)
     assert got == expected
-    assert max(most) == window_blocks(WINDOW, BLOCK)
+    assert 0 < max(most) <= window_blocks(WINDOW, BLOCK) and small.scheduler.num_preemptions
     kv = small.kv_manager
     assert kv.num_free_blocks() == kv.num_blocks               # drained: the pool is whole
     kv.reset_prefix_cache()
@@ -102,7 +105,7 @@ def test_many_windows_on_a_small_pool_match_a_run_that_keeps_every_block(windowe
 
 def test_n2_samples_and_a_prefix_hit_that_takes_only_its_window(windowed_tiny):
     gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, 256, (33,), generator=gen).tolist()
+    prompt = torch.randint(3, VOCAB, (33,), generator=gen).tolist()
     params = SamplingParams(temperature=1.0, n=2, max_tokens=10, ignore_eos=True, seed=5)
     outputs = {}
     for window, blocks in ((False, 64), (True, 16)):
