@@ -25,11 +25,13 @@ BLOCK = 4
 VOCAB = 200     # under the tiny models' vocabulary
 
 
-@pytest.fixture(scope="module")
-def windowed_tiny(tiny_model_factory):
-    """``(model, config that keeps every block, its own config, tokenizer)``."""
+@pytest.fixture(scope="module",
+                params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def windowed_tiny(tiny_model_factory, request):
+    """``(model, config that keeps every block, its own config, tokenizer)``; on CUDA the
+    Triton kernels and decode CUDA graphs run."""
     model, config, tokenizer = load_model_and_tokenizer(tiny_model_factory("mistral"),
-                                                        dtype="float32", device="cpu")
+                                                        dtype="float32", device=request.param)
     keeps = dataclasses.replace(config, layer_types=("full_attention",) + config.layer_types[1:])
     assert config.uniform_sliding_window == WINDOW and keeps.uniform_sliding_window is None
     return model, keeps, config, tokenizer
@@ -39,7 +41,8 @@ def make(windowed_tiny, *, window: bool, num_kv_blocks: int, **config) -> LLMEng
     model, keeps, windowed, tokenizer = windowed_tiny
     engine = LLMEngine(model, tokenizer, windowed if window else keeps,
                        EngineConfig(block_size=BLOCK, num_kv_blocks=num_kv_blocks,
-                                    enforce_eager=True, **config))
+                                    enforce_eager=next(model.parameters()).device.type == "cpu",
+                                    **config))
     engine.cache.pool.fill_(float("nan"))     # a read of a slot nothing wrote shows
     return engine
 
