@@ -3,7 +3,9 @@
 Row ``r`` lists one sequence's physical blocks in logical order (int32). The rows live on the
 host (numpy), where the engine reads them to build each step's compact table, and are mirrored
 into a device tensor on :meth:`BlockTable.sync`, which is what the seed API hands the kernels.
-Entries past a sequence's last block are stale and never read.
+Entries past a sequence's last block are stale and never read. Under a sliding window the
+entries of the blocks a sequence gave back hold ``core.sliding_window.PAD_BLOCK_ID`` (in range,
+and never read either: they lie left of every later query's window).
 
 Rows are bound to sequence ids: the seed API binds row ``seq_id`` (its ids are
 ``0 .. num_rows - 1``); the engine, whose ids only grow, takes any free row.

@@ -94,13 +94,16 @@ class PagedAttentionManager:
         num_layers: layers whose K/V the pool holds (a block id names the same block in each).
         enable_prefix_caching: let ``kv_manager`` look up and register full blocks by content
             (the engine's scheduler uses it; the seed API never does).
+        sliding_window: the model's window when every layer has one (else None): the engine's
+            scheduler then gives back blocks left of it (``kv_manager.drop_out_of_window``);
+            the seed API keeps every block.
     """
 
     def __init__(self, num_sequences: int, num_heads: int, head_size: int, block_size: int,
                  num_blocks: int, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float16, num_kv_heads: int | None = None,
                  max_blocks_per_seq: int | None = None, *, num_layers: int = 1,
-                 enable_prefix_caching: bool = False) -> None:
+                 enable_prefix_caching: bool = False, sliding_window: int | None = None) -> None:
         cfg = CacheConfig(num_sequences, num_heads, head_size, block_size, num_blocks,
                           num_heads if num_kv_heads is None else num_kv_heads,
                           num_blocks if max_blocks_per_seq is None else max_blocks_per_seq,
@@ -114,7 +117,7 @@ class PagedAttentionManager:
         self.num_layers = cfg.num_layers
 
         self.kv_manager = KVCacheManager(BlockManager(cfg.num_blocks), cfg.block_size,
-                                         enable_prefix_caching)
+                                         enable_prefix_caching, sliding_window)
         self.block_manager = self.kv_manager.block_manager
         # Zeroed rather than empty: unwritten slots then hold no garbage (cheap, done once).
         self.pool = torch.zeros((cfg.num_layers, cfg.num_blocks, cfg.block_size, 2,

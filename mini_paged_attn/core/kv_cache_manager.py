@@ -8,10 +8,18 @@ Copy-on-write: after :meth:`KVCacheManager.fork`, parent and child share every b
 are only ever read. The first of them to write into a shared, partly filled last block gets a
 fresh copy of it; :meth:`allocate_slots` returns the ``(src, dst)`` block pairs that the model
 runner must copy on the device before the step writes any K/V.
+
+Sliding window (a model whose every layer attends to the last ``W`` positions only): after each
+step, :meth:`KVCacheManager.drop_out_of_window` gives back the blocks wholly left of the next
+query's window (see ``sliding_window``), so a long sequence holds about one window of blocks.
+A prefix hit takes only the hit blocks its first query's window reaches, and
+:meth:`KVCacheManager.chunk_limit` caps a prompt chunk at what the pool can hold next to the
+window, so a prompt many times the pool's size still runs.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -20,6 +28,7 @@ from .args import cdiv, positive_int
 from .block_manager import BlockManager
 from .prefix_cache import ROOT_HASH, PrefixCache, hash_block
 from .request import Sequence
+from .sliding_window import PAD_BLOCK_ID, check_sliding_window, first_needed_block
 
 
 @dataclass(frozen=True)
@@ -41,12 +50,20 @@ class KVCacheManager:
         block_manager: the pool (its reference counts are the single source of truth).
         block_size: tokens per block.
         enable_prefix_caching: look up and register full blocks by content.
+        sliding_window: ``W`` when every layer of the model attends only to the last ``W``
+            positions (Hugging Face's ``sliding_window``): blocks left of the window are given
+            back as sequences advance. None (full attention): a sequence keeps all its blocks.
+
+    Raises:
+        ValueError: ``block_size`` or ``sliding_window`` not a positive int (None allowed for
+            the window).
     """
 
     def __init__(self, block_manager: BlockManager, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, sliding_window: int | None = None) -> None:
         self.block_manager = block_manager
         self.block_size = positive_int("block_size", block_size)
+        self.sliding_window = check_sliding_window(sliding_window)
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache = PrefixCache()
         # Prompt tokens looked up in the cache, and those found (for the hit rate).
@@ -67,6 +84,16 @@ class KVCacheManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
+
+    def chunk_limit(self, num_computed_tokens: int) -> int:
+        """The most new tokens a sequence with ``num_computed_tokens`` tokens in the cache can
+        compute in one step with the whole pool to itself (its window's blocks plus the new
+        ones). Without a window it is unbounded, ``sys.maxsize`` (admission made the whole
+        sequence fit)."""
+        if self.sliding_window is None:
+            return sys.maxsize
+        first = first_needed_block(num_computed_tokens, self.sliding_window, self.block_size)
+        return (self.num_blocks + first) * self.block_size - num_computed_tokens
 
     @property
     def hit_rate(self) -> float:
@@ -116,7 +143,8 @@ class KVCacheManager:
 
         With a ``hit`` (from :meth:`find_cached_prefix`, for a sequence holding no blocks), the
         hit's blocks are attached first and ``seq.num_computed_tokens`` is set to the hit's token
-        count; the new tokens follow them.
+        count; the new tokens follow them. Under a sliding window only the hit blocks the first
+        new token's window reaches are taken; the earlier ones are recorded as dropped.
 
         Returns:
             The copy-on-write ``(src, dst)`` block pairs to copy on the device before the step
@@ -134,7 +162,8 @@ class KVCacheManager:
                and num_computed // bs < held
                and self.block_manager.get_ref_count(seq.block_ids[num_computed // bs]) > 1)
         if num_new_blocks or cow or hit.block_ids:
-            revived = sum(1 for b in hit.block_ids if self.prefix_cache.is_evictable(b))
+            revived = sum(1 for b in self._hit_blocks_taken(hit)
+                          if self.prefix_cache.is_evictable(b))
             if num_new_blocks + cow > self.num_free_blocks() - revived:
                 return None
         elif not self.enable_prefix_caching or (num_computed + num_new_tokens) // bs == num_computed // bs:
@@ -179,14 +208,23 @@ class KVCacheManager:
             pairs.append((src, dst))
         return pairs
 
+    def _hit_blocks_taken(self, hit: CacheHit) -> tuple[int, ...]:
+        """The hit's blocks that its first new token's window reaches (all without a window)."""
+        return hit.block_ids[first_needed_block(hit.num_tokens, self.sliding_window,
+                                                self.block_size):]
+
     def _take_hit(self, seq: Sequence, hit: CacheHit) -> None:
         assert not seq.block_ids, seq
-        for b in hit.block_ids:
+        taken = self._hit_blocks_taken(hit)
+        for b in taken:
             if self.prefix_cache.is_evictable(b):
                 self.prefix_cache.take(b)      # the cache's reference becomes the sequence's
             else:
                 self.block_manager.increase_ref_count(b)
-        seq.block_ids.extend(hit.block_ids)
+        dropped = len(hit.block_ids) - len(taken)
+        seq.block_ids.extend([PAD_BLOCK_ID] * dropped)
+        seq.block_ids.extend(taken)
+        seq.num_dropped_blocks = dropped
         seq.num_computed_tokens = hit.num_tokens
         seq.num_cached_tokens = hit.num_tokens
 
@@ -231,9 +269,10 @@ class KVCacheManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent`` (nothing is copied now)."""
         assert not child.block_ids, child
-        for b in parent.block_ids:
+        for b in parent.block_ids[parent.num_dropped_blocks:]:
             self.block_manager.increase_ref_count(b)
         child.block_ids = list(parent.block_ids)
+        child.num_dropped_blocks = parent.num_dropped_blocks
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
         child.blocks_changed_from = 0
@@ -242,16 +281,59 @@ class KVCacheManager:
         """Drop the sequence's share of each of its blocks; it then holds none.
 
         Blocks are released last-first, so a prompt's tail is evicted before its head (a later
-        request is likelier to share a head).
+        request is likelier to share a head). Blocks it dropped already are not released again,
+        but those still cached go back behind the tail in the eviction order.
         """
-        for b in reversed(seq.block_ids):
-            if self.block_manager.get_ref_count(b) == 1 and self.prefix_cache.is_cached(b):
-                self.prefix_cache.make_evictable(b)
-            else:
-                self.block_manager.free(b)
+        for b in reversed(seq.block_ids[seq.num_dropped_blocks:]):
+            self._release(b)
+        if seq.num_dropped_blocks and self.enable_prefix_caching:
+            self._refresh_dropped(seq)
         seq.block_ids = []
+        seq.num_dropped_blocks = 0
         seq.num_computed_tokens = 0
         seq.blocks_changed_from = 0
+
+    def drop_out_of_window(self, seq: Sequence) -> int:
+        """Give back the blocks of a running sequence that lie wholly left of the window of its
+        next query (at position ``seq.num_computed_tokens``; with chunked prefill, the next
+        chunk's first token). Call it once a step's K/V is written. A block shared with other
+        sequences stays theirs; a cached block nobody holds becomes evictable, as in
+        :meth:`free`. Their entries in ``seq.block_ids`` become ``PAD_BLOCK_ID``.
+
+        Returns:
+            How many blocks were given back (always 0 without a window).
+        """
+        start = seq.num_dropped_blocks
+        stop = first_needed_block(seq.num_computed_tokens, self.sliding_window, self.block_size)
+        if stop <= start:
+            return 0
+        assert stop <= len(seq.block_ids), seq
+        blocks = seq.block_ids
+        for i in range(start, stop):
+            self._release(blocks[i])
+            blocks[i] = PAD_BLOCK_ID
+        seq.num_dropped_blocks = stop
+        # The block-table row then holds the pad too (never read: it is left of the window).
+        seq.blocks_changed_from = min(seq.blocks_changed_from, start)
+        return stop - start
+
+    def _refresh_dropped(self, seq: Sequence) -> None:
+        """Move the sequence's dropped blocks that are still evictable to the end of the
+        eviction order, the first block last. They were given back head first, so they would
+        be evicted first, and a prefix hit needs the whole chain from its head: evicting a head
+        first would make the rest of the chain unfindable."""
+        cache, hashes = self.prefix_cache, seq.block_hashes
+        for i in reversed(range(min(seq.num_dropped_blocks, len(hashes)))):
+            block = cache.block_of(hashes[i])
+            if block is not None and cache.is_evictable(block):
+                cache.refresh(block)
+
+    def _release(self, block: int) -> None:
+        """Drop one sequence's reference; the cache keeps a cached block nobody else holds."""
+        if self.block_manager.get_ref_count(block) == 1 and self.prefix_cache.is_cached(block):
+            self.prefix_cache.make_evictable(block)
+        else:
+            self.block_manager.free(block)
 
     def reset_prefix_cache(self) -> int:
         """Evict every evictable block back to the pool; returns how many were freed."""

@@ -63,6 +63,11 @@ class PrefixCache:
             return None
         return entry.block_id
 
+    def block_of(self, block_hash: int) -> int | None:
+        """The block cached under ``block_hash``, or None."""
+        entry = self._by_hash.get(block_hash)
+        return None if entry is None else entry.block_id
+
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._hash_of_block
 
@@ -95,6 +100,10 @@ class PrefixCache:
         """The last sequence let go of a cached block; the cache now holds its reference."""
         assert block_id in self._hash_of_block and block_id not in self._evictable, block_id
         self._evictable[block_id] = None
+
+    def refresh(self, block_id: int) -> None:
+        """An evictable block counts as freed just now: it is evicted last."""
+        self._evictable.move_to_end(block_id)
 
     def take(self, block_id: int) -> None:
         """A sequence takes over an evictable block (a cache hit); it stays cached."""

@@ -32,7 +32,10 @@ class Sequence:
 
     ``token_ids`` are the prompt then the generated tokens. ``num_computed_tokens`` of them have
     their K/V in the cache (the last sampled token never has: it is the next step's input).
-    ``block_ids[i]`` holds tokens ``i*block_size .. (i+1)*block_size - 1``.
+    ``block_ids[i]`` holds tokens ``i*block_size .. (i+1)*block_size - 1``. Under a sliding
+    window the first ``num_dropped_blocks`` entries lie wholly left of every later query's
+    window: they were given back and hold a pad id (see ``sliding_window``); the sequence owns
+    ``block_ids[num_dropped_blocks:]``.
 
     ``token_ids`` and ``logprobs`` are only ever appended to, never shrunk or replaced (not even
     by preemption): the engine's streamed outputs are views into them (``GrowingListView``).
@@ -44,6 +47,7 @@ class Sequence:
     token_ids: list[int]
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    num_dropped_blocks: int = 0
     # Chained hashes of the first len(block_hashes) full blocks of token_ids (a function of the
     # tokens only, so it survives preemption); extended lazily by the KV cache manager.
     block_hashes: list[int] = field(default_factory=list)
@@ -79,9 +83,10 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def __repr__(self) -> str:
+        dropped = f"dropped={self.num_dropped_blocks}, " if self.num_dropped_blocks else ""
         return (f"Sequence(seq_id={self.seq_id}, request={self.request.request_id!r}, "
                 f"index={self.index}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={self.block_ids}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_ids}, {dropped}"
                 f"status={self.status.value})")
 
 

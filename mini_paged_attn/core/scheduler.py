@@ -9,6 +9,10 @@ When a running sequence cannot get a block, the newest running sequence is preem
 are freed (full blocks stay in the prefix cache, so its recompute is mostly hits) and it goes to
 the front of the waiting queue. The oldest running sequence can always proceed, since every
 request fits the pool alone (checked at submission), so the scheduler never deadlocks.
+
+Under a sliding window (``KVCacheManager.sliding_window``) a sequence gives back the blocks left
+of its window after every step, and "fits the pool alone" means one window: a prompt chunk is
+then also capped at what the pool holds next to the window (``KVCacheManager.chunk_limit``).
 """
 
 from __future__ import annotations
@@ -159,10 +163,13 @@ class Scheduler:
 
         # 1. Running sequences, oldest first; preempt from the newest end when blocks run out.
         running = self.running
+        windowed = kv.sliding_window is not None
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if windowed:
+                n = min(n, kv.chunk_limit(seq.num_computed_tokens))
             assert n > 0, seq
             copies = kv.allocate_slots(seq, n)
             while copies is None:
@@ -190,7 +197,7 @@ class Scheduler:
             if seats + self._seats(seq) > self.config.max_num_seqs:
                 break
             hit = kv.find_cached_prefix(seq)
-            n = min(seq.num_tokens - hit.num_tokens, budget)
+            n = min(seq.num_tokens - hit.num_tokens, budget, kv.chunk_limit(hit.num_tokens))
             copies = kv.allocate_slots(seq, n, hit)
             if copies is None:
                 break
@@ -267,10 +274,15 @@ class Scheduler:
         now = time.time()
         grew: list[Sequence] = []
         max_model_len = self.config.max_model_len
+        windowed = self.kv.sliding_window is not None
         for i, seq in enumerate(out.seqs):
             seq.num_computed_tokens += out.num_new_tokens[i]
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            if windowed:    # before a fork, so the children share only the window
+                self.kv.drop_out_of_window(seq)
             tokens = sampled[i]
-            if not tokens or seq.status is SequenceStatus.FINISHED:
+            if not tokens:
                 continue
             request = seq.request
             if request.first_token_time is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.args import cdiv
+from ..core.sliding_window import check_sliding_window, min_blocks_to_run
 from .sampling_params import SamplingParams
 
 
@@ -16,8 +16,11 @@ class Admission:
 
     vocab_size: token ids of a prompt and of a logit_bias must lie in ``[0, vocab_size)``.
     max_model_len: prompt + max_tokens may not exceed it.
-    num_blocks, block_size: the KV pool; prompt + max_tokens - 1 tokens must fit in it whole.
+    num_blocks, block_size: the KV pool; prompt + max_tokens - 1 tokens must fit in it whole,
+        or, under a sliding window, one window of them (older blocks are given back as the
+        sequence advances).
     max_num_seqs: ``n`` samples run side by side, so ``n`` may not exceed it.
+    sliding_window: the model's window when every layer has one, else None.
     """
 
     vocab_size: int
@@ -25,6 +28,10 @@ class Admission:
     num_blocks: int
     block_size: int
     max_num_seqs: int
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sliding_window", check_sliding_window(self.sliding_window))
 
     def prompt_ids(self, prompt: Any, tokenizer: Any) -> tuple[str | None, list[int]]:
         """``(text or None, token ids)`` of a prompt given as a str or a list of token ids."""
@@ -60,7 +67,7 @@ class Admission:
             raise ValueError(f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
                              f"= {need} exceeds max_model_len={self.max_model_len}")
         # The last sampled token's K/V is never computed.
-        blocks = cdiv(need - 1, self.block_size)
+        blocks = min_blocks_to_run(need - 1, self.block_size, self.sliding_window)
         if blocks > self.num_blocks:
             raise ValueError(f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
                              f"need {blocks} KV blocks, more than the whole pool "

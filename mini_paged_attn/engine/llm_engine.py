@@ -83,7 +83,8 @@ class LLMEngine:
             self.kv_manager)
         self.output_processor = OutputProcessor(tokenizer)
         self.admission = Admission(model_config.vocab_size, max_len, self.kv_manager.num_blocks,
-                                   config.block_size, config.max_num_seqs)
+                                   config.block_size, config.max_num_seqs,
+                                   self.kv_manager.sliding_window)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
         self._lock = threading.Lock()
         # Held for the whole of step(): two threads stepping at once would corrupt the scheduler
@@ -306,9 +307,13 @@ class LLMEngine:
     def memory_map(self) -> MemoryMap:
         """A snapshot of the live pool (``str()`` it to read): the running sequences' blocks,
         what they share (prefix hits, n > 1 samples) and what the prefix cache keeps. Call it
-        between steps, from the stepping thread."""
-        return self.cache.memory_map({seq.seq_id: (seq.block_ids, seq.num_computed_tokens)
-                                      for seq in self.scheduler.running})
+        between steps, from the stepping thread. Under a sliding window a sequence lists the
+        blocks it holds (those left of its window are back in the pool) and their tokens."""
+        bs = self.kv_manager.block_size
+        return self.cache.memory_map({
+            seq.seq_id: (seq.block_ids[seq.num_dropped_blocks:],
+                         seq.num_computed_tokens - seq.num_dropped_blocks * bs)
+            for seq in self.scheduler.running})
 
     # ---- statistics ---------------------------------------------------------------------------
     def _count(self, out, num_generated: int, start: float) -> None:

@@ -95,7 +95,8 @@ class ModelRunner:
             self.num_blocks, device=device, dtype=self.kv_dtype,
             num_kv_heads=self.layout.num_kv_heads, max_blocks_per_seq=self.table_width,
             num_layers=model_config.num_layers,
-            enable_prefix_caching=config.enable_prefix_caching)
+            enable_prefix_caching=config.enable_prefix_caching,
+            sliding_window=model_config.uniform_sliding_window)
         self.kv_caches = self.cache.layer_caches
         # A decode graph pads the batch to its bucket: room for max_num_seqs tokens at least.
         max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)

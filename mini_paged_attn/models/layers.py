@@ -1,4 +1,4 @@
-"""Building blocks of the decoder: RMSNorm, rotary embedding (with llama3 scaling), gated MLP.
+"""Building blocks of the decoder: RMSNorm, rotary embedding (see ``rope.py``), gated MLP.
 
 Tokens are flattened: activations are ``[num_tokens, ...]`` with no batch dim and no padding.
 The arithmetic follows Hugging Face's Llama/Qwen modules op for op (norm statistics in float32,
@@ -9,14 +9,13 @@ rope tables computed in float32 then cast to the model dtype), so bf16 results m
 
 from __future__ import annotations
 
-import math
-
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.group import TPGroup
 from ..ops.fused import rms_norm, rotate_half_reference, silu_and_mul
-from .config import RopeConfig
+from .rope import RopeConfig, rope_inv_freq, rope_table  # noqa: F401  (re-exported)
 from .parallel_layers import RowParallelLinear
 
 
@@ -35,25 +34,6 @@ class RMSNorm(nn.Module):
         x 2-D): normalise ``x + residual`` and return ``(normed, x + residual)``, one kernel
         on the Triton backend (see :func:`~mini_paged_attn.ops.fused.rms_norm`)."""
         return rms_norm(x, self.weight, self.eps, residual=residual, backend=backend)
-
-
-def rope_inv_freq(head_size: int, rope: RopeConfig,
-                  device: torch.device | str | None = None) -> torch.Tensor:
-    """Inverse frequency of each rotary pair: float32 ``[head_size // 2]``."""
-    exponents = torch.arange(0, head_size, 2, dtype=torch.int64, device=device).float() / head_size
-    inv_freq = 1.0 / (rope.theta ** exponents)
-    if rope.rope_type == "linear":
-        inv_freq = inv_freq / rope.factor
-    elif rope.rope_type == "llama3":
-        # How many turns each pair makes over the original context decides its treatment:
-        # pairs turning often (>= high_freq_factor) carry local order and stay as they are;
-        # pairs turning rarely (<= low_freq_factor) are stretched by `factor` to reach the longer
-        # context; in between, a linear blend in the number of turns.
-        turns = rope.original_max_position_embeddings * inv_freq / (2 * math.pi)
-        blend = ((turns - rope.low_freq_factor)
-                 / (rope.high_freq_factor - rope.low_freq_factor)).clamp(0.0, 1.0)
-        inv_freq = (1 - blend) * inv_freq / rope.factor + blend * inv_freq
-    return inv_freq
 
 
 class RotaryEmbedding(nn.Module):
@@ -78,10 +58,8 @@ class RotaryEmbedding(nn.Module):
         device = torch.device(device) if device is not None else torch.get_default_device()
         if device.type == "meta":
             return torch.empty(self.max_positions, self.head_size, dtype=self.dtype, device=device)
-        inv_freq = rope_inv_freq(self.head_size, self.rope, device)
-        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
-        angles = torch.outer(positions, inv_freq)                 # [max_positions, head_size/2]
-        return torch.cat([angles.cos(), angles.sin()], dim=-1).to(self.dtype)
+        return rope_table(self.head_size, self.max_positions, self.rope, dtype=self.dtype,
+                          device=device)
 
     def reset_parameters(self) -> None:
         """Recompute the table on the buffer's current device (after ``to_empty``)."""
@@ -106,8 +84,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotate_half_reference(x, cos, sin)
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` (Gemma's GeGLU) for the fused gate/up output ``[n, 2 * I]``
+    -> ``[n, I]``, x's dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul.
+    """``down(act(gate(x)) * up(x))`` with gate and up fused into one matmul; ``act`` is SiLU
+    (SwiGLU: Llama, Qwen, Mistral, Phi-3) or tanh-approximated GELU (GeGLU: Gemma).
 
     ``gate_up_proj.weight`` is ``[2 * intermediate_size, hidden_size]``: the gate rows, then the
     up rows (the loader fills both halves from the checkpoint's gate_proj / up_proj). Under
@@ -117,9 +103,12 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool,
                  dtype: torch.dtype, device: torch.device | str | None = None,
-                 tp: TPGroup | None = None):
+                 tp: TPGroup | None = None, act: str = "silu"):
         super().__init__()
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"act: expected 'silu' or 'gelu_pytorch_tanh', got {act!r}")
         tp = tp or TPGroup.single(device or "cpu")
+        self.act = act
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias,
                                       dtype=dtype, device=device)
@@ -128,4 +117,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
         """x: ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``, same dtype."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), backend=backend))
+        gate_up = self.gate_up_proj(x)
+        if self.act == "silu":
+            return self.down_proj(silu_and_mul(gate_up, backend=backend))
+        return self.down_proj(gelu_tanh_and_mul(gate_up))

@@ -271,10 +271,16 @@ def test_free_unknown_is_a_noop():
     (dict(num_sequences=0), "num_sequences"), (dict(block_size=0), "block_size"),
     (dict(num_blocks=-2), "num_blocks"), (dict(head_size=0), "head_size"),
     (dict(num_heads=4, num_kv_heads=3), "num_kv_heads"),
-    (dict(max_blocks_per_seq=0), "max_blocks_per_seq"), (dict(dtype=torch.int32), "dtype")])
+    (dict(max_blocks_per_seq=0), "max_blocks_per_seq"), (dict(dtype=torch.int32), "dtype"),
+    (dict(sliding_window=0), "sliding_window"), (dict(sliding_window=True), "sliding_window")])
 def test_bad_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         make(**kwargs)
+
+
+def test_sliding_window_reaches_the_block_logic():
+    assert make(sliding_window=7).kv_manager.sliding_window == 7
+    assert make().kv_manager.sliding_window is None
 
 
 # -- memory map ------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face model directories for tests (Llama, Qwen2, Qwen3).
+"""Tiny random Hugging Face model directories for tests (Llama, Qwen2, Qwen3, Mistral, Phi-3,
+Gemma 2, Gemma 3).
 
 ``make_tiny_model_dir(path, arch)`` writes what a real checkpoint directory holds, through
 ``transformers`` itself: config.json, model.safetensors (or shards + index),
@@ -26,7 +27,9 @@ import torch
 
 from mini_paged_attn.models.tiny import CHAT_TEMPLATE, ENDOFTEXT, IM_END, SPECIAL_TOKENS, write_tokenizer_files
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")
+# Windows shorter than the test prompts, not a multiple of the test block sizes.
+TINY_WINDOW = 6
 
 TOKENIZER_VOCAB_SIZE = 300
 
@@ -69,6 +72,7 @@ def tiny_tokenizer():
 
 
 def _hf_config(arch: str, vocab_size: int, special_ids: dict[str, int], **overrides):
+    import transformers as tf
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -87,7 +91,31 @@ def _hf_config(arch: str, vocab_size: int, special_ids: dict[str, int], **overri
         common.update(rope_theta=1000000.0, head_dim=32)   # head_dim != hidden / heads, as in Qwen3
         common.update(overrides)
         return Qwen3Config(**common)
+    if arch in _NEW_FAMILIES:
+        cls, defaults = _NEW_FAMILIES[arch]
+        return getattr(tf, cls)(**{**common, **defaults, **overrides})
     raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
+
+
+# arch -> (transformers config class, its tiny fields): windows shorter than the test prompts,
+# soft-caps small enough that tanh bends the scores / logits, Gemma 3 mixing sliding and full
+# layers with different rope bases.
+_NEW_FAMILIES = {
+    "mistral": ("MistralConfig", dict(rope_theta=10000.0, sliding_window=TINY_WINDOW)),
+    "phi3": ("Phi3Config", dict(rope_theta=10000.0, pad_token_id=None,
+                                original_max_position_embeddings=512)),
+    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=TINY_WINDOW,
+                                    attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                    pad_token_id=None)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=24,
+                                        sliding_window=TINY_WINDOW, num_hidden_layers=3,
+                                        layer_types=["sliding_attention", "full_attention",
+                                                     "sliding_attention"],
+                                        rope_theta=10000.0, rope_local_base_freq=100.0,
+                                        pad_token_id=None)),
+}
+PHI3_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                 "long_factor": [2.0 + 0.5 * i for i in range(8)]}
 
 
 def _randomize(model: torch.nn.Module, seed: int, std: float) -> None:
