@@ -49,6 +49,7 @@ MODEL_TYPES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
+
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -226,7 +227,8 @@ class ModelConfig:
             layer_types=layer_types,
             sliding_rope=sliding_rope,
             query_pre_attn_scalar=(float(raw["query_pre_attn_scalar"])
-                                   if family in GEMMA_FAMILIES else None),
+                                   if family in GEMMA_FAMILIES and raw.get("query_pre_attn_scalar")
+                                   else None),
             attn_logit_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
             final_logit_softcap=float(raw.get("final_logit_softcapping") or 0.0),
         )

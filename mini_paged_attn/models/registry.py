@@ -24,6 +24,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "gemma3": GemmaForCausalLM,
 }
 assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES.values())
+assert all(family in cls.families for family, cls in MODEL_CLASSES.items())
 
 
 def model_class(config: ModelConfig) -> type[CausalLM]:
