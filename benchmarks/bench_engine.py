@@ -252,6 +252,32 @@ def workload_b(args, root: Path, results: dict) -> None:
     torch.cuda.empty_cache()
 
 
+def greedy_parity(ours: list[list[int]], theirs: list[list[int]],
+                  logits: list[list[torch.Tensor]]) -> dict:
+    """Compare greedy token lists with transformers' (``logits``: its per-step logits of each
+    request): identical requests, the mean share of tokens before the first difference, and at
+    each first difference transformers' logit gap between its token and ours, also in units of
+    bf16's spacing at the top logit."""
+    identical, gaps, prefix = 0, [], []
+    for mine, ref, steps_logits in zip(ours, theirs, logits):
+        if mine == ref:
+            identical += 1
+            prefix.append(1.0)
+            continue
+        t = next(i for i, (a, b) in enumerate(zip(mine, ref)) if a != b)
+        prefix.append(t / len(ref))
+        row = steps_logits[t]
+        top = row.topk(2).values
+        gap = float(row[ref[t]] - row[mine[t]])
+        # bf16 keeps 8 significant bits: the spacing of representable logits near the top one.
+        spacing = 2.0 ** (math.floor(math.log2(abs(float(top[0])) or 1.0)) - 7)
+        gaps.append({"step": t, "gap": gap, "top2_gap": float(top[0] - top[1]),
+                     "bf16_spacing": spacing, "gap_in_bf16_steps": gap / spacing})
+    return {"requests": len(ours), "identical": identical,
+            "identical_share": identical / max(len(ours), 1),
+            "agreeing_prefix_share": sum(prefix) / max(len(prefix), 1), "differing": gaps}
+
+
 def workload_parity(args, root: Path, results: dict) -> None:
     from mini_paged_attn.engine import SamplingParams
     path = random_model_dir("qwen3-0.6b", root, seed=1)
@@ -267,21 +293,7 @@ def workload_parity(args, root: Path, results: dict) -> None:
     hf = hf_model(path)
     _, theirs, logits = hf_generate(hf, prompts, [steps] * len(prompts), batch=len(prompts),
                                     temperature=0.0, scores=True)
-    identical, gaps = 0, []
-    for mine, ref, steps_logits in zip(ours, theirs, logits):
-        if mine == ref:
-            identical += 1
-            continue
-        t = next(i for i, (a, b) in enumerate(zip(mine, ref)) if a != b)
-        row = steps_logits[t]
-        top = row.topk(2).values
-        gap = float(row[ref[t]] - row[mine[t]])
-        # bf16 keeps 8 significant bits: the spacing of representable logits near the top one.
-        spacing = 2.0 ** (math.floor(math.log2(abs(float(top[0])) or 1.0)) - 7)
-        gaps.append({"step": t, "gap": gap, "top2_gap": float(top[0] - top[1]),
-                     "bf16_spacing": spacing, "gap_in_bf16_steps": gap / spacing})
-    results["parity"] = {"requests": len(prompts), "identical": identical,
-                         "identical_share": identical / len(prompts), "differing": gaps}
+    results["parity"] = greedy_parity(ours, theirs, logits)
     del hf
     torch.cuda.empty_cache()
 

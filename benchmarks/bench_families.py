@@ -1,0 +1,155 @@
+"""Every model family on the GPU (bf16, CUDA graphs): greedy parity with transformers, and speed.
+
+For each family, a small model with random bf16 weights (transformers' own init, std 0.02;
+1024 hidden, 6 layers, 16 query / 4 KV heads; windowed layers see 256 keys, so most prompts
+outrun the window; MoE layers 8 experts, top 2) is saved like a checkpoint and loaded by the
+engine (decode under CUDA graphs) and by transformers (its default attention). Both decode
+``--requests`` prompts of 16..600 tokens greedily for ``--steps`` tokens:
+
+- identical: requests whose tokens are all the same;
+- agreeing prefix: the mean share of tokens before the first difference;
+- worst gap: at each first difference, transformers' logit of its own token minus its logit of
+  ours, in units of bf16's spacing at the top logit (a few steps: a near tie rounded apart);
+- the engine's output tokens/s on the same batch (warm).
+
+    python -m benchmarks.bench_families --out /tmp/bench_families
+    python -m benchmarks.bench_families --families mistral gemma2 --requests 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("benchmarks.bench_families")
+
+WINDOW = 256
+COMMON = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=6,
+              num_attention_heads=16, num_key_value_heads=4, vocab_size=32064,
+              max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
+              pad_token_id=2, tie_word_embeddings=False)
+MOE = dict(num_experts_per_tok=2)
+# family -> (transformers config class, fields beyond COMMON)
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", dict(head_dim=64)),
+    "mistral": ("MistralConfig", dict(sliding_window=WINDOW)),
+    "phi3": ("Phi3Config", {}),
+    "gemma2": ("Gemma2Config", dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=64, query_pre_attn_scalar=64,
+                                        sliding_window=WINDOW)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=64, num_experts=8, moe_intermediate_size=512,
+                                         **MOE)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, sliding_window=WINDOW, **MOE)),
+    "gpt_oss": ("GptOssConfig", dict(head_dim=64, num_local_experts=8, sliding_window=128,
+                                     **MOE)),
+}
+
+
+def model_dir(family: str, root: Path, seed: int = 0) -> Path:
+    import transformers
+
+    from mini_paged_attn.models.tiny import byte_level_hf_tokenizer, write_tokenizer_files
+    cls, fields = FAMILIES[family]
+    config = getattr(transformers, cls)(**{**COMMON, **fields})
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    path = root / family
+    model.save_pretrained(path)
+    write_tokenizer_files(byte_level_hf_tokenizer(), path)
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+def family_row(family: str, root: Path, args: argparse.Namespace) -> dict:
+    from benchmarks.bench_engine import greedy_parity, hf_generate
+    from mini_paged_attn.engine import LLM, SamplingParams
+
+    path = model_dir(family, root)
+    rng = random.Random(2)
+    prompts = [[rng.randint(3, 30000) for _ in range(rng.randint(16, 600))]
+               for _ in range(args.requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=1024, max_num_seqs=args.requests)
+    graphs = llm.engine.runner.graphs is not None
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)     # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    del llm
+    torch.cuda.empty_cache()
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    hf = hf.to("cuda").eval()
+    _, theirs, logits = hf_generate(hf, prompts, [args.steps] * len(prompts),
+                                    batch=len(prompts), temperature=0.0, scores=True)
+    del hf
+    torch.cuda.empty_cache()
+    parity = greedy_parity(ours, theirs, logits)
+    worst = max((abs(g["gap_in_bf16_steps"]) for g in parity["differing"]), default=0.0)
+    return {"family": family, "cuda_graphs": graphs, "requests": len(prompts),
+            "identical": parity["identical"], "agreeing_prefix": parity["agreeing_prefix_share"],
+            "worst_gap_bf16_steps": worst,
+            "tok_per_s": len(prompts) * args.steps / seconds}
+
+
+def run(args: argparse.Namespace) -> int:
+    from benchmarks.common import environment, print_table
+    if not torch.cuda.is_available():
+        logger.error("bench_families needs a CUDA device")
+        return 2
+    env = environment()
+    root = Path(tempfile.mkdtemp())
+    rows = []
+    for family in args.families:
+        try:
+            rows.append(family_row(family, root, args))
+        except Exception as exc:  # noqa: BLE001 - one family's failure is a row, not the end
+            logger.exception("family %s failed", family)
+            rows.append({"family": family, "error": f"{type(exc).__name__}: {exc}"[:200]})
+        logger.info("%s", rows[-1])
+    import transformers
+    env["transformers"] = transformers.__version__
+    print(f"device: {env['device']}  torch {env['torch']}  transformers "
+          f"{env['transformers']}  date {env['date']}")
+    print_table(rows, ["family", "cuda_graphs", "requests", "identical", "agreeing_prefix",
+                       "worst_gap_bf16_steps", "tok_per_s", "error"])
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=32, help="greedy tokens per request")
+    parser.add_argument("--out", default=None, help="directory for results.json")
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
