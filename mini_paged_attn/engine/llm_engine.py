@@ -29,6 +29,7 @@ from .model_runner import ModelRunner
 from .output_processor import OutputProcessor, RequestState
 from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
+from .structured import Advance, GrammarCompiler, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,10 @@ class LLMEngine:
         self.admission = Admission(model_config.vocab_size, max_len, self.kv_manager.num_blocks,
                                    config.block_size, config.max_num_seqs)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
+        # Grammar matchers of structured outputs (llguidance is imported on first use).
+        self.structured = StructuredOutputs(
+            GrammarCompiler(getattr(tokenizer, "hf", None), model_config.vocab_size,
+                            sorted(self.eos_token_ids)), self.runner.device)
         self._lock = threading.Lock()
         # Held for the whole of step(): two threads stepping at once would corrupt the scheduler
         # and overwrite each other's staging buffers mid-forward, so the second one raises.
@@ -150,12 +155,15 @@ class LLMEngine:
         turns ids into text itself, off the stepping thread (the server's engine process).
 
         Raises:
-            ValueError: a bad prompt or params, a request id in use, or a request that can
-                never fit (prompt + max_tokens over max_model_len or over the whole KV pool).
+            ValueError: a bad prompt or params, a request id in use, a request that can
+                never fit (prompt + max_tokens over max_model_len or over the whole KV pool),
+                or structured outputs that do not compile (or llguidance missing).
         """
         if not isinstance(detokenize, bool):
             raise ValueError(f"detokenize: expected a bool, got {detokenize!r}")
         params, text, ids = self.admission.check(prompt, params, self.tokenizer)
+        if params.structured_outputs is not None:
+            self.structured.compiler.compile(params.structured_outputs)  # cached for the step
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -243,7 +251,7 @@ class LLMEngine:
                 self.runner.release(seq_id)
         else:
             try:
-                result = self.runner.execute(out, overlap)
+                result = self.runner.execute(out, overlap, lambda: self.structured.masks(out))
             except BaseException:
                 # Requeue the step's sequences and drop the prefix-cache entries it registered
                 # (their K/V were never written), so the engine stays usable. Requests aborted
@@ -266,6 +274,8 @@ class LLMEngine:
                 sampled = [[] for _ in out.seqs]
             grew = self.scheduler.update(out, sampled, logprobs)
             for seq in grew:
+                if seq.request.params.structured_outputs is not None and not seq.is_finished:
+                    self._advance_grammar(seq)
                 state = self._states[seq.request.request_id]
                 if self.output_processor.process(state, seq):
                     self.scheduler.finish_sequence(seq, FinishReason.STOP)
@@ -287,6 +297,15 @@ class LLMEngine:
         self._maybe_log()
         return outputs
 
+    def _advance_grammar(self, seq) -> None:
+        """Feed the sample's new token to its grammar: a complete grammar ends the sample
+        (reason "stop"), a token the grammar rejects ends it with reason "error"."""
+        advanced = self.structured.advance(seq)
+        if advanced is Advance.COMPLETE:
+            self.scheduler.finish_sequence(seq, FinishReason.STOP)
+        elif advanced is Advance.REJECTED:
+            self.scheduler.finish_sequence(seq, FinishReason.ERROR)
+
     def _retire(self, finished_ids: list[str]) -> None:
         """Forget finished requests: their ids are free again."""
         if not finished_ids:
@@ -301,6 +320,7 @@ class LLMEngine:
         for request_id in finished_ids:
             del self._states[request_id]
             self.runner.sampler.release(request_id)
+            self.structured.release(request_id)
         self._finished += len(finished_ids)
 
     def memory_map(self) -> MemoryMap:
