@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 TINY_MODEL = "tiny"
 # Seconds of recent steps over which generation_tokens_per_s is measured.
 RATE_WINDOW_S = 10.0
+# A sample's grammar sees its new token unless the token ended it (a stop token: the grammar
+# allowed it only once complete) or it was aborted.
+_GRAMMAR_GOES_ON = (None, FinishReason.LENGTH)
 
 
 def load_model_and_tokenizer(model: str | Path, *, dtype="auto", device=None):
@@ -90,6 +93,7 @@ class LLMEngine:
         self.structured = StructuredOutputs(
             GrammarCompiler(getattr(tokenizer, "hf", None), model_config.vocab_size,
                             sorted(self.eos_token_ids)), self.runner.device)
+        self._num_structured = 0      # live requests with structured outputs (stepping thread)
         self._lock = threading.Lock()
         # Held for the whole of step(): two threads stepping at once would corrupt the scheduler
         # and overwrite each other's staging buffers mid-forward, so the second one raises.
@@ -240,6 +244,7 @@ class LLMEngine:
         for state in adds:
             self._states[state.request.request_id] = state
             self.scheduler.add_request(state.request)
+            self._num_structured += state.request.params.structured_outputs is not None
         for request_id in aborts:
             if self.scheduler.abort_request(request_id) is not None:
                 touched[request_id] = self._states[request_id]
@@ -251,7 +256,11 @@ class LLMEngine:
                 self.runner.release(seq_id)
         else:
             try:
-                result = self.runner.execute(out, overlap, lambda: self.structured.masks(out))
+                if self._num_structured:
+                    result = self.runner.execute(out, overlap,
+                                                 lambda: self.structured.masks(out))
+                else:
+                    result = self.runner.execute(out, overlap)
             except BaseException:
                 # Requeue the step's sequences and drop the prefix-cache entries it registered
                 # (their K/V were never written), so the engine stays usable. Requests aborted
@@ -274,7 +283,8 @@ class LLMEngine:
                 sampled = [[] for _ in out.seqs]
             grew = self.scheduler.update(out, sampled, logprobs)
             for seq in grew:
-                if seq.request.params.structured_outputs is not None and not seq.is_finished:
+                if (seq.request.params.structured_outputs is not None
+                        and seq.finish_reason in _GRAMMAR_GOES_ON):
                     self._advance_grammar(seq)
                 state = self._states[seq.request.request_id]
                 if self.output_processor.process(state, seq):
@@ -299,9 +309,12 @@ class LLMEngine:
 
     def _advance_grammar(self, seq) -> None:
         """Feed the sample's new token to its grammar: a complete grammar ends the sample
-        (reason "stop"), a token the grammar rejects ends it with reason "error"."""
+        (reason "stop", also when the token was its last by max_tokens: the output is whole),
+        a token the grammar rejects ends it with reason "error"."""
         advanced = self.structured.advance(seq)
         if advanced is Advance.COMPLETE:
+            if seq.is_finished:
+                seq.finish_reason = FinishReason.STOP
             self.scheduler.finish_sequence(seq, FinishReason.STOP)
         elif advanced is Advance.REJECTED:
             self.scheduler.finish_sequence(seq, FinishReason.ERROR)
@@ -318,9 +331,11 @@ class LLMEngine:
                 done = set(finished_ids)
                 self._pending_aborts = [r for r in self._pending_aborts if r not in done]
         for request_id in finished_ids:
-            del self._states[request_id]
+            state = self._states.pop(request_id)
             self.runner.sampler.release(request_id)
-            self.structured.release(request_id)
+            if state.request.params.structured_outputs is not None:
+                self._num_structured -= 1
+                self.structured.release(request_id)
         self._finished += len(finished_ids)
 
     def memory_map(self) -> MemoryMap:
