@@ -308,16 +308,17 @@ class LLMEngine:
         return outputs
 
     def _advance_grammar(self, seq) -> None:
-        """Feed the sample's new token to its grammar: a complete grammar ends the sample
-        (reason "stop", also when the token was its last by max_tokens: the output is whole),
-        a token the grammar rejects ends it with reason "error"."""
+        """Feed the sample's new token to its grammar. The end-of-sequence token its complete
+        grammar forced ends it (reason "stop", even under ignore_eos); a token the grammar
+        rejects ends it with reason "error" (also on its max_tokens-th token: the output is
+        not valid)."""
         advanced = self.structured.advance(seq)
-        if advanced is Advance.COMPLETE:
+        if advanced is Advance.REJECTED:
             if seq.is_finished:
-                seq.finish_reason = FinishReason.STOP
-            self.scheduler.finish_sequence(seq, FinishReason.STOP)
-        elif advanced is Advance.REJECTED:
+                seq.finish_reason = FinishReason.ERROR
             self.scheduler.finish_sequence(seq, FinishReason.ERROR)
+        elif advanced is Advance.COMPLETE:
+            self.scheduler.finish_sequence(seq, FinishReason.STOP)
 
     def _retire(self, finished_ids: list[str]) -> None:
         """Forget finished requests: their ids are free again."""

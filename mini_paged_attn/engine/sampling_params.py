@@ -53,8 +53,9 @@ class SamplingParams:
         structured_outputs: None, or a :class:`StructuredOutputsParams` every sample's output
             must satisfy (JSON schema, JSON object, regex, choice or grammar; needs llguidance:
             ``pip install -e ".[structured]"``). The grammar masks the logits after the
-            penalties and logit_bias, before temperature and filtering; a sample ends as soon
-            as its grammar is complete.
+            penalties and logit_bias, before temperature and filtering; a complete grammar
+            allows only the end-of-sequence tokens (the sample then ends, even with
+            ignore_eos). A min_tokens the grammar cannot reach ends the sample with "error".
 
     Raises:
         ValueError: naming the field, the expected range and the value given.

@@ -27,7 +27,7 @@ SCHEMA = {"type": "object",
                          "age": {"type": "integer", "minimum": 0, "maximum": 99},
                          "pet": {"enum": ["cat", "dog"]}},
           "required": ["name", "age", "pet"], "additionalProperties": False}
-MAX_TOKENS = 48
+MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +61,8 @@ def test_json_schema_every_sample_parses_and_validates(engine):
             assert c.finish_reason == "stop", c
             value = assert_valid(c.text, SCHEMA)
             assert list(value) == ["name", "age", "pet"]      # the schema's order
-            # Ended by the grammar: the last token closes the object, no EOS needed.
-            assert c.token_ids[-1] == ord("}")
+            # The complete grammar forced an end-of-sequence token right after the object.
+            assert c.token_ids[-2] == ord("}") and c.token_ids[-1] in engine.eos_token_ids
     assert len(set(texts)) > 1      # samples differ: each has its own matcher and noise
 
 
@@ -109,6 +109,13 @@ def test_greedy_penalised_rows_follow_the_grammar(engine):
     out = _run(engine, [("p", params)])[0].outputs[0]
     assert out.finish_reason == "stop"
     assert_valid(out.text, SCHEMA)
+
+
+def test_a_complete_grammar_ends_the_sample_under_ignore_eos(engine):
+    params = _sampled(S(choice=["yes", "no"]), ignore_eos=True, max_tokens=20)
+    out = _run(engine, [("x", params)])[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text in ("yes", "no")
+    assert out.token_ids[-1] in engine.eos_token_ids and len(out.token_ids) == len(out.text) + 1
 
 
 def test_cut_by_max_tokens_is_a_length_finish(engine):

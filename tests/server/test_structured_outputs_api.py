@@ -152,3 +152,23 @@ def test_without_llguidance_the_400_says_how_to_install(server, monkeypatch):
             **CHAT_GOOD, "response_format": {"type": "json_object"}}), 400, "response_format")
     assert 'pip install -e ".[structured]"' in err["message"]
     assert _adds(server) == before
+
+
+def test_engine_in_a_child_process(model_dir):
+    """The constraint travels to the engine's process, which compiles it for its own copy of
+    the tokenizer."""
+    from mini_paged_attn.engine import MPEngineClient
+
+    core = MPEngineClient(str(model_dir), dict(device="cpu", block_size=16, num_kv_blocks=64,
+                                               max_num_seqs=8, max_model_len=256, seed=0),
+                          start_timeout=120)
+    try:
+        with served(core, api_key=API_KEY) as server, server.client() as c:
+            r = c.post("/v1/chat/completions", json={
+                **CHAT_GOOD, "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": 9, "n": 2,
+                "response_format": JSON_SCHEMA_FORMAT}).json()
+            for choice in r["choices"]:
+                assert choice["finish_reason"] == "stop"
+                assert_valid(choice["message"]["content"], SCHEMA)
+    finally:
+        core.shutdown()

@@ -27,7 +27,7 @@ class Advance(Enum):
     """What a token did to its sample's grammar."""
 
     GOING = "going"          # accepted; more may follow
-    COMPLETE = "complete"    # accepted, and the grammar allows nothing more: the sample ends
+    COMPLETE = "complete"    # the end-of-sequence token, which a complete grammar forces
     REJECTED = "rejected"    # not allowed (the sample cannot go on)
 
 
@@ -46,6 +46,7 @@ class StructuredOutputs:
         self._bitmask = self._allocate(8)
         self._matchers: dict[str, dict[int, object]] = {}
         self._executor = None
+        self._eos = frozenset(compiler.eos_token_ids)
 
     def _allocate(self, rows: int) -> torch.Tensor:
         return torch.zeros((rows, self.words), dtype=torch.int32, pin_memory=self._pin)
@@ -106,7 +107,9 @@ class StructuredOutputs:
                            seq.request.request_id, seq.index, token,
                            matcher.get_error().splitlines()[0] if matcher.get_error() else "")
             return Advance.REJECTED
-        return Advance.COMPLETE if matcher.is_stopped() else Advance.GOING
+        # Once the grammar is complete its mask allows only end-of-sequence tokens, so the
+        # sample ends on one like any other (the token is not part of the text).
+        return Advance.COMPLETE if token in self._eos else Advance.GOING
 
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request's matchers."""
