@@ -37,9 +37,6 @@ logger = logging.getLogger(__name__)
 TINY_MODEL = "tiny"
 # Seconds of recent steps over which generation_tokens_per_s is measured.
 RATE_WINDOW_S = 10.0
-# A sample's grammar sees its new token unless the token ended it (a stop token: the grammar
-# allowed it only once complete) or it was aborted.
-_GRAMMAR_GOES_ON = (None, FinishReason.LENGTH)
 
 
 def load_model_and_tokenizer(model: str | Path, *, dtype="auto", device=None):
@@ -283,8 +280,7 @@ class LLMEngine:
                 sampled = [[] for _ in out.seqs]
             grew = self.scheduler.update(out, sampled, logprobs)
             for seq in grew:
-                if (seq.request.params.structured_outputs is not None
-                        and seq.finish_reason in _GRAMMAR_GOES_ON):
+                if seq.request.params.structured_outputs is not None:
                     self._advance_grammar(seq)
                 state = self._states[seq.request.request_id]
                 if self.output_processor.process(state, seq):
@@ -310,15 +306,16 @@ class LLMEngine:
     def _advance_grammar(self, seq) -> None:
         """Feed the sample's new token to its grammar. The end-of-sequence token its complete
         grammar forced ends it (reason "stop", even under ignore_eos); a token the grammar
-        rejects ends it with reason "error" (also on its max_tokens-th token: the output is
-        not valid)."""
+        rejects ends it with reason "error", also when that token ended it anyway (a stop
+        token sampled from a row the grammar and min_tokens masked whole, its max_tokens-th
+        token): its output is not valid."""
         advanced = self.structured.advance(seq)
         if advanced is Advance.REJECTED:
             if seq.is_finished:
                 seq.finish_reason = FinishReason.ERROR
             self.scheduler.finish_sequence(seq, FinishReason.ERROR)
         elif advanced is Advance.COMPLETE:
-            self.scheduler.finish_sequence(seq, FinishReason.STOP)
+            self.scheduler.finish_sequence(seq, FinishReason.STOP)   # no-op if it is done
 
     def _retire(self, finished_ids: list[str]) -> None:
         """Forget finished requests: their ids are free again."""

@@ -217,3 +217,24 @@ def test_apply_token_masks_against_a_loop(vocab):
     want = every.masked_fill(~allowed, float("-inf"))
     apply_token_masks(every, TokenMasks([0, 1, 2], bitmask))
     torch.testing.assert_close(every, want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_outputs_validate_and_the_mask_matches_the_cpu():
+    gpu = LLMEngine.from_model("tiny", dtype="float32", device="cuda", config=EngineConfig(
+        block_size=16, num_kv_blocks=64, max_num_seqs=16, max_model_len=128))
+    outs = _run(gpu, [("hi", _sampled(S(json=SCHEMA), seed=s, n=2)) for s in range(4)]
+                + [([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))])
+    for out in outs[:-1]:
+        for c in out.outputs:
+            assert c.finish_reason == "stop"
+            assert_valid(c.text, SCHEMA)
+    assert len(outs[-1].outputs[0].token_ids) == 8
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 259, generator=gen)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 9), generator=gen, dtype=torch.int64).to(
+        torch.int32)
+    on_gpu = logits.cuda()
+    apply_token_masks(logits, TokenMasks([0, 3, 5], bitmask))
+    apply_token_masks(on_gpu, TokenMasks([0, 3, 5], bitmask.pin_memory()))
+    torch.testing.assert_close(on_gpu.cpu(), logits, rtol=0, atol=0)
