@@ -95,3 +95,31 @@ def test_call_ids_are_unique_and_openai_shaped():
 ])
 def test_parser_for_template(template, name):
     assert parser_for_template(template) == name
+
+
+def test_serve_flag_and_build_app_check_the_parser_name():
+    from mini_paged_attn.cli import build_parser
+    from mini_paged_attn.server.app import build_app
+
+    assert build_parser().parse_args(["serve", "--model", "tiny"]).tool_call_parser is None
+    args = build_parser().parse_args(["serve", "--model", "tiny", "--tool-call-parser",
+                                      "llama3_json"])
+    assert args.tool_call_parser == "llama3_json" and args.tool_call_parser in PARSERS
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "tiny", "--tool-call-parser", "xml"])
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        build_app(object(), model_name="m", tool_call_parser="xml")
+
+
+def test_chat_template_receives_the_tools():
+    from mini_paged_attn.models.tiny import byte_level_hf_tokenizer
+    from mini_paged_attn.models.tokenizer import Tokenizer
+
+    hf = byte_level_hf_tokenizer()
+    hf.chat_template = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+                        "{% for m in messages %}{{ m.content }}{% endfor %}")
+    tok = Tokenizer(hf)
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   tools=tools) == "[get_time]hi"
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi"
