@@ -79,8 +79,9 @@ class SamplingParams:
     min_tokens: int = 0
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
-    # Whether the sampler must look at the sample's tokens (penalties, min_tokens) or add a
-    # bias: derived, so the common request costs the sampler one attribute read per row.
+    # Whether the sampler must look at the sample's tokens (penalties, min_tokens), add a bias
+    # or mask by a grammar: derived, so the common request costs the sampler one attribute read
+    # per row.
     uses_history: bool = field(init=False, repr=False, compare=False, default=False)
     uses_logit_bias: bool = field(init=False, repr=False, compare=False, default=False)
     uses_processors: bool = field(init=False, repr=False, compare=False, default=False)
