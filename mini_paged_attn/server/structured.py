@@ -31,6 +31,9 @@ def _checked(make: Any, param: str) -> StructuredOutputsParams:
         if INSTALL_HINT in message:
             message = f"{param}: structured outputs need llguidance on the server ({INSTALL_HINT})"
         elif not message.startswith(param):
+            # The engine names its own field (structured_outputs.json: ...): name the request's.
+            if message.startswith("structured_outputs"):
+                message = message.split(": ", 1)[-1]
             message = f"{param}: {message}"
         raise bad_request(message, param=param) from None
     return params
