@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--engine-process", choices=("auto", "on", "off"), default="auto",
                       help="run the engine in a process of its own, so HTTP work does not slow "
                            "its steps (auto, the default: on when it runs on a GPU)")
+    http.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                      help="the format of tool calls in the model's output, read when a chat "
+                           "request has tools and tool_choice auto (default: the one the chat "
+                           "template shows; hermes if it shows none)")
     add_engine_arguments(parser, serving=True)
 
 
@@ -168,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
         name = args.served_model_name or Path(args.model).resolve().name
         app = build_app(engine, model_name=name, api_key=args.api_key,
                         max_queue=args.max_queue, limits=server_limits(args),
-                        allowed_hosts=allowed_hosts(args.host, args.allowed_host))
+                        allowed_hosts=allowed_hosts(args.host, args.allowed_host),
+                        tool_call_parser=args.tool_call_parser)
         banner = (f"serving {name!r} on http://{args.host}:{args.port}/v1, engine in {where} "
                   f"({engine.stats().summary()})")
         if args.api_key is None and not _is_loopback(args.host):

@@ -24,6 +24,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"           # a stop token or stop string
     LENGTH = "length"       # max_tokens or max_model_len
     ABORT = "abort"         # aborted by the caller
+    ERROR = "error"         # the engine could not go on with it (e.g. its grammar failed)
 
 
 @dataclass(eq=False)

@@ -14,7 +14,8 @@ from .llm_engine import LLMEngine
 from .mp_engine_client import MPEngineClient
 from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
+from .structured import StructuredOutputsParams
 
 __all__ = ["CompletionOutput", "EngineClient", "EngineConfig", "EngineDeadError", "EngineStats",
            "InprocEngineClient", "LLM", "LLMEngine", "MPEngineClient", "RequestMetrics",
-           "RequestOutput", "SamplingParams"]
+           "RequestOutput", "SamplingParams", "StructuredOutputsParams"]

@@ -29,6 +29,7 @@ from .model_runner import ModelRunner
 from .output_processor import OutputProcessor, RequestState
 from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
+from .structured import Advance, GrammarCompiler, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,11 @@ class LLMEngine:
                                    config.block_size, config.max_num_seqs,
                                    self.kv_manager.sliding_window)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
+        # Grammar matchers of structured outputs (llguidance is imported on first use).
+        self.structured = StructuredOutputs(
+            GrammarCompiler(getattr(tokenizer, "hf", None), model_config.vocab_size,
+                            sorted(self.eos_token_ids)), self.runner.device)
+        self._num_structured = 0      # live requests with structured outputs (stepping thread)
         self._lock = threading.Lock()
         # Held for the whole of step(): two threads stepping at once would corrupt the scheduler
         # and overwrite each other's staging buffers mid-forward, so the second one raises.
@@ -151,12 +157,15 @@ class LLMEngine:
         turns ids into text itself, off the stepping thread (the server's engine process).
 
         Raises:
-            ValueError: a bad prompt or params, a request id in use, or a request that can
-                never fit (prompt + max_tokens over max_model_len or over the whole KV pool).
+            ValueError: a bad prompt or params, a request id in use, a request that can
+                never fit (prompt + max_tokens over max_model_len or over the whole KV pool),
+                or structured outputs that do not compile (or llguidance missing).
         """
         if not isinstance(detokenize, bool):
             raise ValueError(f"detokenize: expected a bool, got {detokenize!r}")
         params, text, ids = self.admission.check(prompt, params, self.tokenizer)
+        if params.structured_outputs is not None:
+            self.structured.compiler.compile(params.structured_outputs)  # cached for the step
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -233,6 +242,7 @@ class LLMEngine:
         for state in adds:
             self._states[state.request.request_id] = state
             self.scheduler.add_request(state.request)
+            self._num_structured += state.request.params.structured_outputs is not None
         for request_id in aborts:
             if self.scheduler.abort_request(request_id) is not None:
                 touched[request_id] = self._states[request_id]
@@ -244,7 +254,11 @@ class LLMEngine:
                 self.runner.release(seq_id)
         else:
             try:
-                result = self.runner.execute(out, overlap)
+                if self._num_structured:
+                    result = self.runner.execute(out, overlap,
+                                                 lambda: self.structured.masks(out))
+                else:
+                    result = self.runner.execute(out, overlap)
             except BaseException:
                 # Requeue the step's sequences and drop the prefix-cache entries it registered
                 # (their K/V were never written), so the engine stays usable. Requests aborted
@@ -267,6 +281,8 @@ class LLMEngine:
                 sampled = [[] for _ in out.seqs]
             grew = self.scheduler.update(out, sampled, logprobs)
             for seq in grew:
+                if seq.request.params.structured_outputs is not None:
+                    self._advance_grammar(seq)
                 state = self._states[seq.request.request_id]
                 if self.output_processor.process(state, seq):
                     self.scheduler.finish_sequence(seq, FinishReason.STOP)
@@ -288,6 +304,20 @@ class LLMEngine:
         self._maybe_log()
         return outputs
 
+    def _advance_grammar(self, seq) -> None:
+        """Feed the sample's new token to its grammar. The end-of-sequence token its complete
+        grammar forced ends it (reason "stop", even under ignore_eos); a token the grammar
+        rejects ends it with reason "error", also when that token ended it anyway (a stop
+        token sampled from a row the grammar and min_tokens masked whole, its max_tokens-th
+        token): its output is not valid."""
+        advanced = self.structured.advance(seq)
+        if advanced is Advance.REJECTED:
+            if seq.is_finished:
+                seq.finish_reason = FinishReason.ERROR
+            self.scheduler.finish_sequence(seq, FinishReason.ERROR)
+        elif advanced is Advance.COMPLETE:
+            self.scheduler.finish_sequence(seq, FinishReason.STOP)   # no-op if it is done
+
     def _retire(self, finished_ids: list[str]) -> None:
         """Forget finished requests: their ids are free again."""
         if not finished_ids:
@@ -300,8 +330,11 @@ class LLMEngine:
                 done = set(finished_ids)
                 self._pending_aborts = [r for r in self._pending_aborts if r not in done]
         for request_id in finished_ids:
-            del self._states[request_id]
+            state = self._states.pop(request_id)
             self.runner.sampler.release(request_id)
+            if state.request.params.structured_outputs is not None:
+                self._num_structured -= 1
+                self.structured.release(request_id)
         self._finished += len(finished_ids)
 
     def memory_map(self) -> MemoryMap:

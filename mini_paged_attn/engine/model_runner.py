@@ -32,6 +32,7 @@ from .input_batch import InputBuilder, dummy_inputs, table_width
 from .sampler import SampleRow, Sampler
 from .sampling_params import SamplingParams
 from .step_message import StepMessage
+from .structured.bitmask import TokenMasks
 
 logger = logging.getLogger(__name__)
 
@@ -213,12 +214,15 @@ class ModelRunner:
         self.cache.tables.release(seq_id)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, overlap: Callable[[], None] | None = None):
+    def execute(self, out: SchedulerOutput, overlap: Callable[[], None] | None = None,
+                masks: Callable[[], TokenMasks | None] | None = None):
         """Run one scheduled step; returns the :class:`~.sampler.SamplerOutput` of its sample
         rows (``sum(out.num_samples)`` of them, in batch order), or None if none samples.
 
         ``overlap`` is called once the step's device work is enqueued, before the host waits
-        for its sampled tokens; not at all if no row samples.
+        for its sampled tokens; not at all if no row samples. ``masks``: the grammar bitmask
+        of the sample rows with structured outputs (called by the sampler, after the forward
+        is enqueued, only if some row has them).
         """
         for seq_id in out.released_seq_ids:
             self.release(seq_id)
@@ -251,7 +255,7 @@ class ModelRunner:
                 seeds.append(None if p.seed is None else
                              (seq.request.request_id, seq.index if k == 1 else j))
         # Made only if some row uses penalties or min_tokens.
-        return self.sampler(logits, params, seeds, overlap, lambda: _sample_rows(out))
+        return self.sampler(logits, params, seeds, overlap, lambda: _sample_rows(out), masks)
 
     @torch.inference_mode()
     def execute_message(self, message: StepMessage) -> None:

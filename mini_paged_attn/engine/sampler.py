@@ -1,5 +1,6 @@
 """Sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs,
-and before them (see ``penalties``) min_tokens, logit_bias and the penalties.
+and before them (see ``penalties``) min_tokens, logit_bias and the penalties, then the grammars
+of structured outputs (see ``structured``).
 
 Every row is sampled in vocabulary order with the exponential-race trick: with
 ``q ~ Exp(1)`` drawn per token, ``argmax(p / q)`` is a sample from ``p``. Filtering (top-k,
@@ -20,6 +21,7 @@ import torch
 from .penalties import TokenHistory, add_logit_bias, apply_penalties, mask_tokens
 from .penalties import upload as _upload
 from .sampling_params import SamplingParams
+from .structured.bitmask import TokenMasks, apply_token_masks
 
 _USES_PROCESSORS = attrgetter("uses_processors")
 
@@ -81,7 +83,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  seeds: list[tuple[int, int] | None],
                  overlap: Callable[[], None] | None = None,
-                 rows: Callable[[], list[SampleRow]] | None = None) -> SamplerOutput:
+                 rows: Callable[[], list[SampleRow]] | None = None,
+                 masks: Callable[[], TokenMasks | None] | None = None) -> SamplerOutput:
         """Sample one token per row.
 
         Args:
@@ -93,6 +96,8 @@ class Sampler:
                 for it (host work that then runs in the device's shadow).
             rows: makes the list of each row's :class:`SampleRow`; called (once) only when
                 some row's params ``uses_history`` (the entries of the other rows are not read).
+            masks: makes the grammar bitmask of the rows whose params have
+                ``structured_outputs``; called (once) only when some row has them.
 
         Returns:
             :class:`SamplerOutput` (one host sync: the sampled ids).
@@ -105,7 +110,7 @@ class Sampler:
         # A batch that uses none of them costs one scan of ``params``, nothing on the device.
         counted = None
         if any(map(_USES_PROCESSORS, params)):
-            logits, counted = self._process(logits, params, rows)
+            logits, counted = self._process(logits, params, rows, masks)
 
         greedy = [p.greedy for p in params]
         if all(greedy):
@@ -125,10 +130,12 @@ class Sampler:
         return SamplerOutput(token_ids, self._logprobs(raw_logprobs, sampled, want_logprobs))
 
     def _process(self, logits: torch.Tensor, params: list[SamplingParams],
-                 rows: Callable[[], list[SampleRow]] | None
+                 rows: Callable[[], list[SampleRow]] | None,
+                 masks: Callable[[], TokenMasks | None] | None = None
                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None] | None]:
-        """min_tokens' masks, the penalties and logit_bias (host loops over the rows that use
-        them only; one batched operation each on the device).
+        """min_tokens' masks, the penalties, logit_bias, then the grammars (host loops over the
+        rows that use them only; one batched operation each on the device). The grammar comes
+        last: no bias can bring back a token it forbids.
 
         Returns the logits (a new tensor when penalised) and, when some row is penalised,
         ``(its TokenHistory rows, the batch rows they are at or None for all)``, for counting
@@ -142,6 +149,12 @@ class Sampler:
         if any(p.uses_logit_bias for p in params):
             biased = [i for i, p in enumerate(params) if p.uses_logit_bias]
             add_logit_bias(logits, biased, [params[i].logit_bias for i in biased])
+        if any(p.structured_outputs is not None for p in params):
+            if masks is None:
+                raise ValueError("masks: required when a row's params have structured_outputs")
+            token_masks = masks()
+            if token_masks is not None:
+                apply_token_masks(logits, token_masks)
         return logits, counted
 
     def _apply_history(self, logits: torch.Tensor, params: list[SamplingParams],

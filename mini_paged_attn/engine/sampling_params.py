@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..core.args import check_bool, is_int, is_number, positive_int
+from .structured.params import StructuredOutputsParams
 
 # Top logprobs a request may ask for per token (the sampler gathers them for the whole batch).
 MAX_LOGPROBS = 20
@@ -49,6 +50,12 @@ class SamplingParams:
         min_tokens: >= 0 and <= max_tokens; the end-of-sequence and stop_token_ids tokens cannot
             be sampled before this many tokens have been generated (stop strings still apply).
         prompt_logprobs: None only (per-prompt-token logprobs are not computed).
+        structured_outputs: None, or a :class:`StructuredOutputsParams` every sample's output
+            must satisfy (JSON schema, JSON object, regex, choice or grammar; needs llguidance:
+            ``pip install -e ".[structured]"``). The grammar masks the logits after the
+            penalties and logit_bias, before temperature and filtering; a complete grammar
+            allows only the end-of-sequence tokens (the sample then ends, even with
+            ignore_eos). A min_tokens the grammar cannot reach ends the sample with "error".
 
     Raises:
         ValueError: naming the field, the expected range and the value given.
@@ -71,8 +78,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     prompt_logprobs: int | None = None
-    # Whether the sampler must look at the sample's tokens (penalties, min_tokens) or add a
-    # bias: derived, so the common request costs the sampler one attribute read per row.
+    structured_outputs: StructuredOutputsParams | None = None
+    # Whether the sampler must look at the sample's tokens (penalties, min_tokens), add a bias
+    # or mask by a grammar: derived, so the common request costs the sampler one attribute read
+    # per row.
     uses_history: bool = field(init=False, repr=False, compare=False, default=False)
     uses_logit_bias: bool = field(init=False, repr=False, compare=False, default=False)
     uses_processors: bool = field(init=False, repr=False, compare=False, default=False)
@@ -134,7 +143,11 @@ class SamplingParams:
         self.repetition_penalty = float(self.repetition_penalty)
         self.uses_history = (self.uses_penalties or self.min_tokens > 0)
         self.uses_logit_bias = self.logit_bias is not None
-        self.uses_processors = self.uses_history or self.uses_logit_bias
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise fail("structured_outputs", "None or a StructuredOutputsParams")
+        self.uses_processors = (self.uses_history or self.uses_logit_bias
+                                or self.structured_outputs is not None)
 
     @property
     def uses_penalties(self) -> bool:
@@ -146,4 +159,5 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
-__all__ = ["GREEDY_TEMPERATURE", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "MAX_PENALTY", "SamplingParams"]
+__all__ = ["GREEDY_TEMPERATURE", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "MAX_PENALTY", "SamplingParams",
+           "StructuredOutputsParams"]

@@ -83,11 +83,14 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
                             add_generation_prompt: bool = True, tokenize: bool = True,
+                            tools: list[dict[str, Any]] | None = None,
                             **template_kwargs: Any) -> list[int] | str:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the chat template.
 
         Returns the token ids (``tokenize=True``) or the rendered text. The text is encoded
-        without adding special tokens: the template writes them itself.
+        without adding special tokens: the template writes them itself. ``tools``: OpenAI-style
+        ``[{"type": "function", "function": {"name", "description", "parameters"}}]``, which
+        templates that support tool use render into the prompt (others ignore them).
 
         Raises:
             ValueError: the tokenizer has no chat template, or ``messages`` is malformed.
@@ -99,6 +102,8 @@ class Tokenizer:
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError("messages: expected a list of {'role': ..., 'content': ...} dicts, "
                              f"got {messages!r:.200}")
+        if tools is not None:
+            template_kwargs["tools"] = tools
         text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                            tokenize=False, **template_kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text

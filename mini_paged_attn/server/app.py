@@ -40,6 +40,7 @@ from .limits import RequestSizeLimit, ServerLimits
 from .metrics import ServerMetrics
 from .openai_api import create_chat_completion, create_completion
 from .prepare import ServedModel, model_not_found
+from .tool_parsers import PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str | None = None,
               max_queue: int | None = None, max_consecutive_failures: int | None = None,
               limits: ServerLimits | None = None,
-              allowed_hosts: Collection[str] | None = None) -> Starlette:
+              allowed_hosts: Collection[str] | None = None,
+              tool_call_parser: str | None = None) -> Starlette:
     """The server for ``engine``, served under ``model_name``.
 
     The app takes the engine's outputs from its startup (ASGI lifespan) to its shutdown;
@@ -150,12 +152,17 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str
         limits: the per-request caps (body size, stop strings, prompts, n); None: the defaults.
         allowed_hosts: if set, a request whose Host header names another host gets 400 (a
             DNS-rebinding web page); ``cross_site.LOOPBACK_HOSTS`` for a server on 127.0.0.1.
+        tool_call_parser: the tool-call format ``tool_choice`` "auto" reads
+            (``tool_parsers.PARSERS``: "hermes", "llama3_json"); None: the chat template's.
     """
     if not model_name:
         raise ValueError(f"model_name: expected a non-empty string, got {model_name!r}")
     if api_key is not None and not api_key.strip():
         raise ValueError(f"api_key: expected None or a non-blank string, got {api_key!r}")
     limits = ServerLimits() if limits is None else limits
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(f"tool_call_parser: expected one of {', '.join(PARSERS)} or None, got "
+                         f"{tool_call_parser!r}")
     if isinstance(engine, LLMEngine):
         client: EngineClient = InprocEngineClient(
             engine, max_consecutive_failures=3 if max_consecutive_failures is None
@@ -179,7 +186,8 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str
     metrics = ServerMetrics(async_engine)
     async_engine.on_finished = metrics.observe
     workers = ThreadPoolExecutor(_REQUEST_WORKERS, thread_name_prefix="mini-paged-attn-request")
-    served = ServedModel(model_name, async_engine, workers, limits=limits, max_queue=max_queue)
+    served = ServedModel(model_name, async_engine, workers, limits=limits, max_queue=max_queue,
+                         tool_call_parser=tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

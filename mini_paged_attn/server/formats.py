@@ -3,6 +3,10 @@
 ``text_completion`` for /v1/completions, ``chat.completion`` / ``chat.completion.chunk`` for
 /v1/chat/completions. A chunk carries the text and log-probabilities of the tokens that arrived
 since the previous chunk of the same choice (``start``: the first of them).
+
+Tool calls (chat with ``tools``): a choice's text that may be a call is held back while it
+streams; once the choice finishes, one chunk carries each whole call (``delta.tool_calls``), and
+the choice's ``finish_reason`` is "tool_calls".
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from .tool_parsers import ToolCallMode
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -79,6 +85,7 @@ class ResponseFormat:
 
     ``echo`` (completions): per prompt, the text each of its choices starts with (choice ``i``
     belongs to prompt ``i // n``); None: the choices hold the completion only.
+    ``tools`` (chat with tools): how tool calls are read from a choice's text.
     """
 
     chat: bool
@@ -88,6 +95,7 @@ class ResponseFormat:
     logprobs: Logprobs | None = None
     echo: list[str] | None = None
     n: int = 1
+    tools: ToolCallMode | None = None
 
     def _echoed(self, index: int, text: str) -> str:
         return text if self.echo is None else self.echo[index // self.n] + text
@@ -118,16 +126,39 @@ class ResponseFormat:
         return self._envelope(self.chunk_object_name, [choice],
                               **({"usage": None} if usage_field else {}))
 
+    def text_end(self, comp: Any) -> int:
+        """How much of ``comp.text`` the chunks have carried once :meth:`chunk` sent it: all
+        of it, less what may be a tool call while the choice runs."""
+        if self.tools is None or comp.finish_reason is not None:
+            return len(comp.text)
+        return self.tools.content_end(comp.text)
+
+    def _tool_calls(self, comp: Any) -> tuple[str | None, list[dict[str, Any]], str | None]:
+        """``(content, tool_calls entries, finish_reason)`` of a finished chat choice."""
+        content, calls = self.tools.extract(comp.text, comp.finish_reason)
+        if not calls:
+            return comp.text, [], comp.finish_reason
+        reason = "tool_calls" if comp.finish_reason == "stop" else comp.finish_reason
+        return content, [c.to_openai() for c in calls], reason
+
     def chunk(self, index: int, comp: Any, *, text_start: int, token_start: int,
               usage_field: bool) -> dict[str, Any]:
         """The chunk for what ``comp`` gained since ``text_start`` / ``token_start``."""
-        delta = comp.text[text_start:]
+        delta = comp.text[text_start:self.text_end(comp)]
         if token_start == 0:   # the choice's first chunk
             delta = self._echoed(index, delta)
         logprobs = self._logprobs(comp, token_start, text_start)
         if self.chat:
-            choice = {"index": index, "delta": {"content": delta}, "logprobs": logprobs,
-                      "finish_reason": comp.finish_reason}
+            message: dict[str, Any] = {"content": delta}
+            reason = comp.finish_reason
+            if self.tools is not None and reason is not None:
+                _, calls, reason = self._tool_calls(comp)
+                if calls:   # the content before the calls, then the calls whole
+                    content_end = max(text_start, self.tools.content_end(comp.text))
+                    message = {"content": comp.text[text_start:content_end] or None}
+                    message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+            choice = {"index": index, "delta": message, "logprobs": logprobs,
+                      "finish_reason": reason}
         else:
             choice = {"index": index, "text": delta, "logprobs": logprobs,
                       "finish_reason": comp.finish_reason}
@@ -148,9 +179,15 @@ class ResponseFormat:
         for index, comp in choices:
             logprobs = self._logprobs(comp, 0, 0)
             if self.chat:
-                out.append({"index": index,
-                            "message": {"role": "assistant", "content": comp.text},
-                            "logprobs": logprobs, "finish_reason": comp.finish_reason})
+                message: dict[str, Any] = {"role": "assistant", "content": comp.text}
+                reason = comp.finish_reason
+                if self.tools is not None:
+                    content, calls, reason = self._tool_calls(comp)
+                    message["content"] = content
+                    if calls:
+                        message["tool_calls"] = calls
+                out.append({"index": index, "message": message, "logprobs": logprobs,
+                            "finish_reason": reason})
             else:
                 out.append({"index": index, "text": self._echoed(index, comp.text),
                             "logprobs": logprobs,

@@ -71,6 +71,8 @@ async def _serve(request: Request, submission: Submission, fmt: ResponseFormat, 
             async for index, out in submission:
                 final[index] = out
             choices = [(i * n + c.index, c) for i in sorted(final) for c in final[i].outputs]
+            if any(c.finish_reason == "error" for _, c in choices):
+                raise _output_failed()
             return JSONResponse(fmt.response(choices, _usage_of(final)))
         first = await anext(submission)
         streaming = True
@@ -87,6 +89,16 @@ async def _serve(request: Request, submission: Submission, fmt: ResponseFormat, 
         if not streaming:  # otherwise the stream owns them
             watcher.cancel()
             submission.abort()
+
+
+class _OutputFailed(Exception):
+    """A choice finished with reason "error" (its grammar rejected a token)."""
+
+
+def _output_failed() -> APIError:
+    return APIError(500, "The engine could not finish an output of this request within its "
+                         "grammar; the server's log has the details", type="server_error",
+                    code="internal_error")
 
 
 def _usage_of(last: dict[int, Any]) -> dict[str, int]:
@@ -114,14 +126,20 @@ class _StreamState:
         for comp in out.outputs:
             index = prompt_index * self.n + comp.index
             token_start = self.tokens_sent.get(index, 0)
-            if index in self.finished or (len(comp.token_ids) == token_start
-                                          and comp.finish_reason is None):
+            text_start = self.text_sent.get(index, 0)
+            if index in self.finished:
                 continue
-            events.append(_sse(self.fmt.chunk(index, comp,
-                                              text_start=self.text_sent.get(index, 0),
+            if comp.finish_reason is None and (
+                    len(comp.token_ids) == token_start
+                    # Text held back as a possible tool call: nothing to send yet.
+                    or (self.fmt.tools is not None and self.fmt.text_end(comp) <= text_start)):
+                continue
+            if comp.finish_reason == "error":
+                raise _OutputFailed
+            events.append(_sse(self.fmt.chunk(index, comp, text_start=text_start,
                                               token_start=token_start,
                                               usage_field=self.include_usage)))
-            self.text_sent[index] = len(comp.text)
+            self.text_sent[index] = self.fmt.text_end(comp)
             self.tokens_sent[index] = len(comp.token_ids)
             if comp.finish_reason is not None:
                 self.finished.add(index)
@@ -151,6 +169,8 @@ async def _stream(submission: Submission, first: tuple[int, Any], fmt: ResponseF
         # The status line is long gone: report it the way OpenAI streams report errors.
         yield _sse(APIError(500, ENGINE_FAILED, type="server_error",
                             code="internal_error").body())
+    except _OutputFailed:
+        yield _sse(_output_failed().body())
     except ClientGoneError:
         pass
     finally:

@@ -21,6 +21,8 @@ from .limits import ServerLimits, check_request
 from .errors import APIError, bad_request
 from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
                        parse_request, to_sampling_params)
+from .structured import chat_constraint, completion_constraint
+from .tool_parsers import parser_for_template
 
 T = TypeVar("T")
 
@@ -32,7 +34,8 @@ class ServedModel:
 
     ``workers`` runs the CPU-heavy part of a request (JSON, validation, tokenizer and chat
     template) off the event loop; ``max_queue`` is the engine's queue limit, for requests that
-    could never be admitted.
+    could never be admitted. ``tool_call_parser``: the format of tool calls ``tool_choice``
+    "auto" looks for (a ``tool_parsers.PARSERS`` key); None: the one the chat template shows.
     """
 
     name: str
@@ -40,6 +43,7 @@ class ServedModel:
     workers: ThreadPoolExecutor
     limits: ServerLimits = field(default_factory=ServerLimits)
     max_queue: int | None = None
+    tool_call_parser: str | None = None
 
     @property
     def engine(self) -> Any:
@@ -131,6 +135,7 @@ def prepare_completion(served: ServedModel, raw: bytes) -> Prepared:
                           "server does not compute; drop one of them", param="echo")
     items = req.prompts()
     _check_sampling(served, req, len(items))
+    constraint = completion_constraint(req)
     tokenizer = served.engine.tokenizer
     prompts = []
     for i, p in enumerate(items):
@@ -139,7 +144,8 @@ def prepare_completion(served: ServedModel, raw: bytes) -> Prepared:
         prompts.append(_check_prompt_ids(served, ids, param))
     max_tokens = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
     _check_fits(served, prompts, max_tokens, "max_tokens")
-    params = to_sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+    params = to_sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
+                                structured_outputs=constraint)
     echo = None
     if req.echo:   # a prompt given as token ids echoes as their text
         echo = [p if isinstance(p, str) else tokenizer.decode(ids)
@@ -157,9 +163,13 @@ def prepare_chat(served: ServedModel, raw: bytes) -> Prepared:
         raise bad_request("give max_tokens or max_completion_tokens, not both",
                           param="max_completion_tokens")
     _check_sampling(served, req, 1)
+    tokenizer = served.engine.tokenizer
+    parser = served.tool_call_parser or parser_for_template(
+        getattr(getattr(tokenizer, "hf", None), "chat_template", None))
+    constraint, tools = chat_constraint(req, parser)
     try:
-        ids = served.engine.tokenizer.apply_chat_template(req.template_messages(),
-                                                          add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=True,
+                                            tools=req.template_tools())
     except Exception as exc:  # jinja templates raise on what they do not accept (roles, order)
         raise bad_request(f"messages: the chat template rejected them: {exc}",
                           param="messages") from None
@@ -174,7 +184,8 @@ def prepare_chat(served: ServedModel, raw: bytes) -> Prepared:
     _check_fits(served, [ids], max_tokens,
                 "max_tokens" if req.max_tokens is not None else "max_completion_tokens")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = to_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    params = to_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
+                                structured_outputs=constraint)
     fmt = ResponseFormat(True, f"chatcmpl-{uuid.uuid4().hex}", served.name, int(time.time()),
-                         _logprobs_format(served, logprobs))
+                         _logprobs_format(served, logprobs), tools=tools)
     return Prepared([ids], params, fmt, req.n, req.stream, req.include_usage)

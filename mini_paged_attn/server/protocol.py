@@ -8,12 +8,15 @@ body ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from ..engine import SamplingParams
 from ..engine.sampling_params import MAX_LOGIT_BIAS, MAX_PENALTY
+from ..engine.structured.params import StructuredOutputsParams
 from .errors import bad_request
 from .json_body import MAX_INT_DIGITS, HugeInt, parse_json, preview
 
@@ -30,6 +33,40 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaSpec(_Strict):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    name: str
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute.
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: plain text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema: give it exactly when type is "json_schema"')
+        return self
+
+
+class StructuredOutputsField(_Strict):
+    """``structured_outputs`` (an extension, vLLM's name): exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _SamplingFields(_Strict):
@@ -56,6 +93,8 @@ class _SamplingFields(_Strict):
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     @field_validator("top_k")
     @classmethod
@@ -126,10 +165,25 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallParam(_Strict):
+    """A tool call of an earlier assistant message, as the client sends it back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -137,6 +191,27 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionSpec(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -147,10 +222,42 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The messages as the chat template wants them: role and plain text content."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template wants them: role and plain text content, and the
+        tool calls of assistant messages with their arguments decoded (templates write them
+        with ``tojson``) and the ``tool_call_id`` of tool results."""
+        out = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.name is not None:
+                message["name"] = m.name
+            if m.tool_calls:
+                message["tool_calls"] = [
+                    {"id": c.id, "type": "function",
+                     "function": {"name": c.function.name,
+                                  "arguments": _decoded(c.function.arguments)}}
+                    for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
+        return out
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """``tools`` as the chat template wants them (OpenAI's shape), or None."""
+        if not self.tools:
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+
+def _decoded(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:       # not JSON: the template gets the text
+        return arguments
 
 
 # What a field of several accepted shapes takes, for errors (pydantic would name one shape).
@@ -158,6 +265,8 @@ _UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
     "stop": "a string or a list of strings",
     "content": "a string or a list of text parts",
+    "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+    "json": "a JSON schema object or its text",
 }
 _NOT_A_FIELD = ("str", "int", "float", "bool", "none", "function-after", "function-before")
 
@@ -204,13 +313,17 @@ def parse_request(raw: bytes, model_cls: type[RequestT]) -> RequestT:
                           param=param) from None
 
 
-def to_sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def to_sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | None,
+                       structured_outputs: StructuredOutputsParams | None = None
+                       ) -> SamplingParams:
     """The engine's SamplingParams for a validated request.
 
     Args:
         req: the parsed request.
         max_tokens: resolved by the caller (defaults differ between completions and chat).
         logprobs: number of top log-probabilities per token, or None.
+        structured_outputs: the constraint ``response_format``, ``structured_outputs`` or
+            ``tool_choice`` asked for (see ``server/structured.py``), or None.
     """
     try:
         return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -220,7 +333,8 @@ def to_sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int |
                               frequency_penalty=req.frequency_penalty,
                               repetition_penalty=req.repetition_penalty,
                               logit_bias=req.token_biases(), min_tokens=req.min_tokens,
-                              stop_token_ids=req.stop_token_ids)
+                              stop_token_ids=req.stop_token_ids,
+                              structured_outputs=structured_outputs)
     except ValueError as exc:  # the engine's checks say "<field>: expected ..., got ..."
         field_name = str(exc).split(":", 1)[0]
         raise bad_request(str(exc), param=field_name if field_name.isidentifier() else None

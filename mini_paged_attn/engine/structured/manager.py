@@ -1,0 +1,123 @@
+"""StructuredOutputs: one grammar matcher per sample of each constrained request.
+
+Per step, on the stepping thread: :meth:`StructuredOutputs.masks` fills the bitmask of the
+step's constrained sample rows (the sampler calls it once the forward is enqueued, so the host
+work runs in the device's shadow) and :meth:`StructuredOutputs.advance` feeds each matcher the
+token its sample got, once the step's tokens are known. A step's tokens are always known before
+the next step is built (the sampler waits for them), so the mask of step t sees the token of
+step t - 1.
+"""
+
+from __future__ import annotations
+
+import logging
+from enum import Enum
+
+import torch
+
+from ...core.request import Sequence
+from ...core.scheduler import SchedulerOutput
+from .bitmask import TokenMasks, bitmask_words
+from .grammar import GrammarCompiler
+
+logger = logging.getLogger(__name__)
+
+
+class Advance(Enum):
+    """What a token did to its sample's grammar."""
+
+    GOING = "going"          # accepted; more may follow
+    COMPLETE = "complete"    # the end-of-sequence token, which a complete grammar forces
+    REJECTED = "rejected"    # not allowed (the sample cannot go on)
+
+
+class StructuredOutputs:
+    """The matchers of the running constrained samples, keyed by ``(request id, sample index)``.
+
+    Args:
+        compiler: compiles each request's constraint (cached by constraint).
+        device: where the logits live (the host bitmask is pinned there for CUDA).
+    """
+
+    def __init__(self, compiler: GrammarCompiler, device: torch.device) -> None:
+        self.compiler = compiler
+        self.words = bitmask_words(compiler.vocab_size)
+        self._pin = device.type == "cuda"
+        self._bitmask = self._allocate(8)
+        self._matchers: dict[str, dict[int, object]] = {}
+        self._executor = None
+        self._eos = frozenset(compiler.eos_token_ids)
+
+    def _allocate(self, rows: int) -> torch.Tensor:
+        return torch.zeros((rows, self.words), dtype=torch.int32, pin_memory=self._pin)
+
+    def _matcher(self, request, index: int):
+        per_request = self._matchers.setdefault(request.request_id, {})
+        matcher = per_request.get(index)
+        if matcher is None:
+            matcher = per_request[index] = self.compiler.compile(
+                request.params.structured_outputs)
+        return matcher
+
+    def masks(self, out: SchedulerOutput) -> TokenMasks | None:
+        """The bitmask of ``out``'s sample rows that have a grammar (None if none has).
+
+        Rows follow the sampler's order: per scheduled sequence, ``out.num_samples[i]`` rows
+        (a request about to fork samples all ``n`` of its samples from sequence 0's row).
+        """
+        rows: list[int] = []
+        matchers = []
+        at = 0
+        for seq, k in zip(out.seqs, out.num_samples):
+            request = seq.request
+            if k and request.params.structured_outputs is not None:
+                for j in range(k):
+                    rows.append(at + j)
+                    matchers.append(self._matcher(request, seq.index if k == 1 else j))
+            at += k
+        if not rows:
+            return None
+        if len(rows) > len(self._bitmask):
+            self._bitmask = self._allocate(max(len(rows), 2 * len(self._bitmask)))
+        # The sampler waited for the previous step's upload of this buffer (its sampled ids).
+        bitmask = self._bitmask[:len(rows)]
+        self._fill(matchers, bitmask)
+        return TokenMasks(rows, bitmask)
+
+    def _fill(self, matchers: list, bitmask: torch.Tensor) -> None:
+        import llguidance.torch as llt
+
+        if len(matchers) == 1:
+            llt.fill_next_token_bitmask(matchers[0], bitmask, 0)
+            return
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
+        # Rows computed in parallel by llguidance's threads.
+        llt.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)],
+                                        bitmask)
+
+    def advance(self, seq: Sequence) -> Advance:
+        """Feed ``seq``'s newest token to its grammar."""
+        matcher = self._matcher(seq.request, seq.index)
+        token = seq.token_ids[-1]
+        if not matcher.consume_token(token):
+            logger.warning("request %s sample %d: token %d is not allowed by its grammar: %s",
+                           seq.request.request_id, seq.index, token,
+                           matcher.get_error().splitlines()[0] if matcher.get_error() else "")
+            return Advance.REJECTED
+        # Once the grammar is complete its mask allows only end-of-sequence tokens, so the
+        # sample ends on one like any other (the token is not part of the text).
+        return Advance.COMPLETE if token in self._eos else Advance.GOING
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished or aborted request's matchers."""
+        self._matchers.pop(request_id, None)
+
+    def __len__(self) -> int:
+        """Requests with matchers."""
+        return len(self._matchers)
+
+
+__all__ = ["Advance", "StructuredOutputs"]
