@@ -255,8 +255,7 @@ class LLMEngine:
         else:
             try:
                 if self._num_structured:
-                    result = self.runner.execute(out, overlap,
-                                                 lambda: self.structured.masks(out))
+                    result = self.runner.execute(out, overlap, self.structured.start(out))
                 else:
                     result = self.runner.execute(out, overlap)
             except BaseException:
