@@ -19,12 +19,16 @@ import torch
 
 from ..core.args import positive_int
 from ..errors import ModelLoadError
+from .moe_config import MoeConfig, parse_moe_config
 
 # architecture name in config.json -> the family whose flags apply
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # mixture-of-experts families (models/moe_config.py)
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -92,6 +96,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     dtype: torch.dtype = torch.float32
+    moe: MoeConfig | None = None  # the sparse feed-forward of an MoE family, None when dense
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -112,7 +117,7 @@ class ModelConfig:
 
     @property
     def family(self) -> str:
-        """"llama" | "qwen2" | "qwen3"."""
+        """"llama" | "qwen2" | "qwen3" | "qwen3_moe" | "mixtral"."""
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
     @property
@@ -174,11 +179,12 @@ class ModelConfig:
             qkv_bias=attention_bias or family == "qwen2",
             o_bias=attention_bias and family != "qwen2",
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             eos_token_ids=eos,
             bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
             dtype=parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32",
                               f"{source}: dtype"),
+            moe=parse_moe_config(raw, family, int(need("num_hidden_layers")), source),
         )
 
     @classmethod

@@ -21,7 +21,8 @@ from ..distributed.group import TPGroup
 from ..distributed.sharding import ShardLayout
 from .attention import Attention, AttentionMetadata, KVCache
 from .config import ModelConfig
-from .layers import GatedMLP, RMSNorm, RotaryEmbedding
+from .layers import RMSNorm, RotaryEmbedding
+from .moe import SparseMoeBlock, make_mlp
 from .parallel_layers import VocabParallelEmbedding, parallel_logits
 
 # Where a checkpoint tensor goes: the parameter rows it fills, and the index of the part of the
@@ -35,14 +36,15 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device, tp: TPGroup,
-                 layout: ShardLayout):
+                 layout: ShardLayout, layer_idx: int = 0):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
         self.self_attn = Attention(config, dtype=dtype, device=device, tp=tp, layout=layout)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.mlp = GatedMLP(config.hidden_size, layout.intermediate_size, bias=config.mlp_bias,
-                            dtype=dtype, device=device, tp=tp)
+        # A GatedMLP, or in a sparse layer of an MoE family its expert block.
+        self.mlp = make_mlp(config, layer_idx, layout.intermediate_size, dtype=dtype,
+                            device=device, tp=tp)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: KVCache,
@@ -93,8 +95,8 @@ class CausalLM(nn.Module):
                                                    vocab_start=layout.vocab_start, tp=tp,
                                                    dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype=dtype, device=device, tp=tp, layout=layout)
-            for _ in range(config.num_layers))
+            DecoderLayer(config, dtype=dtype, device=device, tp=tp, layout=layout, layer_idx=i)
+            for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.lm_head = (None if config.tie_word_embeddings else
                         nn.Linear(config.hidden_size, layout.vocab_rows, bias=False, dtype=dtype,
@@ -207,9 +209,12 @@ class CausalLM(nn.Module):
             if attn.q_norm is not None:
                 shards[f"{prefix}self_attn.q_norm.weight"] = (attn.q_norm.weight, None)
                 shards[f"{prefix}self_attn.k_norm.weight"] = (attn.k_norm.weight, None)
-            for name, (rows, rows_part) in mlp_rows.items():
-                add_linear(f"{prefix}mlp.{name}", mlp.gate_up_proj, rows, rows_part)
-            add_row_parallel(f"{prefix}mlp.down_proj", mlp.down_proj, "down_proj")
+            if isinstance(mlp, SparseMoeBlock):
+                shards.update(mlp.checkpoint_shards(prefix))
+            else:
+                for name, (rows, rows_part) in mlp_rows.items():
+                    add_linear(f"{prefix}mlp.{name}", mlp.gate_up_proj, rows, rows_part)
+                add_row_parallel(f"{prefix}mlp.down_proj", mlp.down_proj, "down_proj")
             shards[f"{prefix}input_layernorm.weight"] = (layer.input_layernorm.weight, None)
             shards[f"{prefix}post_attention_layernorm.weight"] = (
                 layer.post_attention_layernorm.weight, None)

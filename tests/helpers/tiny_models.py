@@ -26,7 +26,7 @@ import torch
 
 from mini_paged_attn.models.tiny import CHAT_TEMPLATE, ENDOFTEXT, IM_END, SPECIAL_TOKENS, write_tokenizer_files
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
 TOKENIZER_VOCAB_SIZE = 300
 
@@ -87,7 +87,28 @@ def _hf_config(arch: str, vocab_size: int, special_ids: dict[str, int], **overri
         common.update(rope_theta=1000000.0, head_dim=32)   # head_dim != hidden / heads, as in Qwen3
         common.update(overrides)
         return Qwen3Config(**common)
+    if arch in MOE_ARCHS:
+        return _hf_moe_config(arch, common, overrides)
     raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
+
+
+MOE_ARCHS = ("qwen3_moe", "mixtral")
+
+
+def _hf_moe_config(arch: str, common: dict, overrides: dict):
+    """8 experts of intermediate 32, 2 per token. Qwen3-MoE: 3 layers, layer 0 dense
+    (``mlp_only_layers``), top-k weights not renormalised; Mixtral renormalises."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    common.update(num_experts_per_tok=2)
+    if arch == "qwen3_moe":
+        common.update(rope_theta=1000000.0, head_dim=32, num_experts=8, moe_intermediate_size=32,
+                      num_hidden_layers=3, mlp_only_layers=[0], norm_topk_prob=False)
+        common.update(overrides)
+        return Qwen3MoeConfig(**common)
+    common.update(rope_theta=1000000.0, num_local_experts=8, intermediate_size=32)
+    common.update(overrides)
+    return MixtralConfig(**common)
 
 
 def _randomize(model: torch.nn.Module, seed: int, std: float) -> None:
@@ -109,7 +130,8 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", *, seed: int = 0,
 
     Args:
         arch: "llama" | "qwen2" | "qwen3" (2 layers, hidden 64, 4 q heads, 2 kv heads;
-            head_dim 16, Qwen3 32; vocab 300 = the tokenizer's).
+            head_dim 16, Qwen3 32; vocab 300 = the tokenizer's), or an MoE family
+            "qwen3_moe" | "mixtral" (see :func:`_hf_moe_config`).
         tie_word_embeddings: share lm_head with the embedding (Qwen2.5-0.5B does).
         rope_scaling: e.g. :data:`LLAMA3_ROPE_SCALING`.
         max_shard_size: e.g. "20KB" to get several shards and model.safetensors.index.json.
