@@ -1,15 +1,21 @@
 """ModelConfig: the decoder's shape and flags, read from a Hugging Face config.json.
 
-One decoder implementation serves Llama 2/3.x, Qwen2/2.5 and Qwen3; what differs between them is
-a handful of flags (qkv bias, q/k RMSNorm, tied embeddings, rope scaling) that this module reads
-from config.json as transformers 4.4x through 5.x write it (``rope_theta`` + ``rope_scaling`` or
-``rope_parameters``; ``torch_dtype`` or ``dtype``).
+Seven dense families share one config: Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2 and
+Gemma 3 (text). What differs between them is a handful of flags and fields (qkv bias, q/k
+RMSNorm, tied embeddings, rope scaling, sliding-window layers, logit soft-caps) that this module
+reads from config.json as transformers 4.4x through 5.x write it (``rope_theta`` +
+``rope_scaling`` or ``rope_parameters``, per layer type for Gemma 3; ``torch_dtype`` or
+``dtype``). A config.json without ``architectures`` (as converters write it) is recognized by
+its ``model_type``.
+
+Sliding windows follow Hugging Face's meaning: a query at position ``p`` of a
+``sliding_window`` layer sees the keys at ``p - sliding_window + 1 .. p`` (``sliding_window``
+keys, itself included), i.e. the attention ops' ``window_size=(sliding_window - 1, 0)``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,54 +25,38 @@ import torch
 
 from ..core.args import positive_int
 from ..errors import ModelLoadError
+from .config_families import (ACTIVATIONS, FAMILY_DEFAULTS, GEMMA_FAMILIES, LAYER_TYPES,
+                              activation, attention_pattern, parse_ropes)
+from .rope import ROPE_TYPES, RopeConfig
 from .moe_config import MoeConfig, parse_moe_config
 
 # architecture name in config.json -> the family whose flags apply
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
     # mixture-of-experts families (models/moe_config.py)
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
 }
-ROPE_TYPES = ("default", "linear", "llama3")
-
+# config.json "model_type" -> architecture, for files that do not name one
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters.
-
-    ``rope_type`` "default": inverse frequencies ``theta ** (-2i / head_size)``; "linear":
-    divided by ``factor``; "llama3": Llama 3.1's banded rescaling (low frequencies divided by
-    ``factor``, high ones kept, a smooth blend between) around
-    ``original_max_position_embeddings``.
-    """
-    theta: float
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
-
-    def __post_init__(self):
-        if not (self.theta > 0 and math.isfinite(self.theta)):
-            raise ValueError(f"rope_theta: expected a finite number > 0, got {self.theta!r}")
-        if self.rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope type: expected one of {ROPE_TYPES}, got {self.rope_type!r} "
-                             "(this rope scaling is not supported)")
-        if self.rope_type != "default" and not self.factor > 0:
-            raise ValueError(f"rope factor: expected > 0, got {self.factor!r}")
-        if self.rope_type == "llama3":
-            if not self.original_max_position_embeddings:
-                raise ValueError("rope original_max_position_embeddings: required by llama3 rope "
-                                 f"scaling, got {self.original_max_position_embeddings!r}")
-            if not self.high_freq_factor > self.low_freq_factor > 0:
-                raise ValueError("rope high_freq_factor / low_freq_factor: expected "
-                                 f"high > low > 0, got {self.high_freq_factor} / {self.low_freq_factor}")
 
 
 @dataclass(frozen=True)
@@ -76,6 +66,11 @@ class ModelConfig:
     ``dtype`` is the checkpoint's dtype (what "auto" resolves to). ``eos_token_ids`` merges
     config.json's and generation_config.json's ``eos_token_id`` (Qwen instruct models stop on
     both ``<|im_end|>`` and ``<|endoftext|>``).
+
+    Attention pattern: ``layer_types[i]`` is "full_attention" or "sliding_attention" (left empty,
+    every layer is sliding when ``sliding_window`` is set, else full); a sliding layer's queries
+    see their last ``sliding_window`` keys, themselves included, and rotate with
+    ``sliding_rope`` when set (Gemma 3's local base), else with ``rope``.
     """
     architecture: str
     num_layers: int
@@ -92,10 +87,17 @@ class ModelConfig:
     qkv_bias: bool = False        # bias on q/k/v projections (Qwen2 always; attention_bias)
     o_bias: bool = False          # bias on the output projection (Llama/Qwen3 attention_bias)
     mlp_bias: bool = False        # bias on gate/up/down (Llama mlp_bias)
-    qk_norm: bool = False         # per-head RMSNorm on q and k before rope (Qwen3)
+    qk_norm: bool = False         # per-head RMSNorm on q and k before rope (Qwen3, Gemma 3)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     dtype: torch.dtype = torch.float32
+    hidden_act: str = "silu"      # the gated MLP's activation: "silu" | "gelu_pytorch_tanh"
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    sliding_rope: RopeConfig | None = None
+    query_pre_attn_scalar: float | None = None   # attention scale 1/sqrt(it) (Gemma), not head_size
+    attn_logit_softcap: float = 0.0   # scores -> cap * tanh(scores / cap) before softmax (0: off)
+    final_logit_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (0: off)
     moe: MoeConfig | None = None  # the sparse feed-forward of an MoE family, None when dense
 
     def __post_init__(self):
@@ -114,10 +116,37 @@ class ModelConfig:
             raise ValueError(f"rms_norm_eps: expected > 0, got {self.rms_norm_eps!r}")
         if self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype: expected float32, float16 or bfloat16, got {self.dtype}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act: expected one of {ACTIVATIONS}, got {self.hidden_act!r}")
+        for rope in (self.rope, self.sliding_rope):
+            if rope is not None:
+                rope.check_head_size(self.head_size)
+        self._check_attention_pattern()
+        for name in ("attn_logit_softcap", "final_logit_softcap"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: expected >= 0 (0: off), got {getattr(self, name)!r}")
+        if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
+            raise ValueError(f"query_pre_attn_scalar: expected > 0, got {self.query_pre_attn_scalar!r}")
+
+    def _check_attention_pattern(self) -> None:
+        window = self.sliding_window
+        if window is not None:
+            window = positive_int("sliding_window", window)
+            object.__setattr__(self, "sliding_window", window)
+        types = tuple(self.layer_types) or (
+            ("sliding_attention" if window else "full_attention"),) * self.num_layers
+        if len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types):
+            raise ValueError(f"layer_types: expected {self.num_layers} entries (num_layers), each "
+                             f"one of {LAYER_TYPES}, got {list(self.layer_types)}")
+        if window is None and "sliding_attention" in types:
+            raise ValueError("sliding_window: expected a window size for the sliding_attention "
+                             "layers of layer_types, got None")
+        object.__setattr__(self, "layer_types", types)
 
     @property
     def family(self) -> str:
-        """"llama" | "qwen2" | "qwen3" | "qwen3_moe" | "mixtral"."""
+        """"llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3" |
+        "qwen3_moe" | "mixtral"."""
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
     @property
@@ -128,62 +157,83 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_size
 
+    @property
+    def attn_scale(self) -> float:
+        """The factor on q.k: ``query_pre_attn_scalar ** -0.5`` when set, else ``head_size ** -0.5``."""
+        return (self.query_pre_attn_scalar or self.head_size) ** -0.5
+
+    @property
+    def uniform_sliding_window(self) -> int | None:
+        """``sliding_window`` when every layer is a sliding one (blocks wholly left of it can be
+        freed), else None."""
+        if all(t == "sliding_attention" for t in self.layer_types):
+            return self.sliding_window
+        return None
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: full attention)."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The rope parameters layer ``layer`` rotates with."""
+        if self.sliding_rope is not None and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_rope
+        return self.rope
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, generation_config: dict[str, Any] | None = None,
                   source: str = "config.json") -> ModelConfig:
         """Parse a Hugging Face config dict; ``source`` names it in error messages."""
-        architectures = raw.get("architectures") or []
-        known = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
-        if not known:
-            raise ValueError(f"{source}: architectures {architectures!r} is not supported; "
-                             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-        architecture = known[0]
+        architecture = _architecture(raw, source)
         family = SUPPORTED_ARCHITECTURES[architecture]
+        raw = {**FAMILY_DEFAULTS.get(family, {}), **raw}   # absent keys only: null stays null
 
         def need(key: str):
             if raw.get(key) is None:
                 raise ValueError(f"{source}: missing field {key!r} (needed for {architecture})")
             return raw[key]
 
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"{source}: hidden_act {act!r} is not supported (expected 'silu')")
-        if raw.get("use_sliding_window"):
-            raise ValueError(f"{source}: use_sliding_window=true is not supported "
-                             "(only full attention)")
-        layer_types = raw.get("layer_types") or []
-        if any(t != "full_attention" for t in layer_types):
-            raise ValueError(f"{source}: layer_types {sorted(set(layer_types))} are not supported "
-                             "(only 'full_attention')")
         hidden_size = int(need("hidden_size"))
         num_q_heads = int(need("num_attention_heads"))
         num_kv_heads = int(raw.get("num_key_value_heads") or num_q_heads)
         # num_attention_heads 0 is refused (by name) in __post_init__, not as a ZeroDivisionError.
         head_size = raw.get("head_dim") or (hidden_size // num_q_heads if num_q_heads > 0 else 0)
+        num_layers = int(need("num_hidden_layers"))
+        max_positions = int(need("max_position_embeddings"))
         attention_bias = bool(raw.get("attention_bias", False))
         eos = _merge_ids(raw.get("eos_token_id"),
                          (generation_config or {}).get("eos_token_id"))
+        window, layer_types = attention_pattern(raw, family, num_layers, source)
+        rope, sliding_rope = parse_ropes(raw, family, max_positions, source)
         return cls(
             architecture=architecture,
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=num_layers,
             hidden_size=hidden_size,
             intermediate_size=int(need("intermediate_size")),
             num_q_heads=num_q_heads,
             num_kv_heads=num_kv_heads,
             head_size=int(head_size),
             vocab_size=int(need("vocab_size")),
-            max_position_embeddings=int(need("max_position_embeddings")),
+            max_position_embeddings=max_positions,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope=_parse_rope(raw, source),
+            rope=rope,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=attention_bias or family == "qwen2",
             o_bias=attention_bias and family != "qwen2",
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
             eos_token_ids=eos,
             bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
             dtype=parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32",
                               f"{source}: dtype"),
+            hidden_act=activation(raw, family, source),
+            sliding_window=window,
+            layer_types=layer_types,
+            sliding_rope=sliding_rope,
+            query_pre_attn_scalar=(float(raw["query_pre_attn_scalar"])
+                                   if family in GEMMA_FAMILIES else None),
+            attn_logit_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
+            final_logit_softcap=float(raw.get("final_logit_softcapping") or 0.0),
             moe=parse_moe_config(raw, family, int(need("num_hidden_layers")), source),
         )
 
@@ -260,20 +310,21 @@ def _merge_ids(*values) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
-    # transformers 5 writes rope_parameters (theta inside); 4.x writes rope_theta + rope_scaling.
-    params = dict(raw.get("rope_parameters") or {})
-    scaling = dict(raw.get("rope_scaling") or {})
-    merged = {**scaling, **params}
-    theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = merged.get("rope_type") or merged.get("type") or "default"
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"{source}: rope type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
-    if merged.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"{source}: partial_rotary_factor {merged['partial_rotary_factor']} is not "
-                         "supported (rotary on the whole head only)")
-    return RopeConfig(
-        theta=float(theta), rope_type=rope_type, factor=float(merged.get("factor", 1.0)),
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=merged.get("original_max_position_embeddings"))
+def _architecture(raw: dict[str, Any], source: str) -> str:
+    architectures = raw.get("architectures") or []
+    known = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
+    if known:
+        return known[0]
+    model_type = raw.get("model_type")
+    if not architectures and model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    if architectures:
+        raise ValueError(f"{source}: architectures {architectures!r} is not supported; "
+                         f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+    raise ValueError(f"{source}: no architectures and model_type {model_type!r} is not supported; "
+                     f"expected architectures (one of {sorted(SUPPORTED_ARCHITECTURES)}) or "
+                     f"model_type (one of {sorted(MODEL_TYPES)})")
+
+
+__all__ = ["ModelConfig", "RopeConfig", "ROPE_TYPES", "SUPPORTED_ARCHITECTURES", "MODEL_TYPES",
+           "LAYER_TYPES", "check_model_dir", "parse_dtype", "read_json", "resolve_dtype"]

@@ -9,14 +9,12 @@ rope tables computed in float32 then cast to the model dtype), so bf16 results m
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from ..distributed.group import TPGroup
 from ..ops.fused import rms_norm, rotate_half_reference, silu_and_mul
-from .config import RopeConfig
+from .rope import RopeConfig, rope_inv_freq, rope_table  # noqa: F401  (re-exported)
 from .parallel_layers import RowParallelLinear
 
 
@@ -35,25 +33,6 @@ class RMSNorm(nn.Module):
         x 2-D): normalise ``x + residual`` and return ``(normed, x + residual)``, one kernel
         on the Triton backend (see :func:`~mini_paged_attn.ops.fused.rms_norm`)."""
         return rms_norm(x, self.weight, self.eps, residual=residual, backend=backend)
-
-
-def rope_inv_freq(head_size: int, rope: RopeConfig,
-                  device: torch.device | str | None = None) -> torch.Tensor:
-    """Inverse frequency of each rotary pair: float32 ``[head_size // 2]``."""
-    exponents = torch.arange(0, head_size, 2, dtype=torch.int64, device=device).float() / head_size
-    inv_freq = 1.0 / (rope.theta ** exponents)
-    if rope.rope_type == "linear":
-        inv_freq = inv_freq / rope.factor
-    elif rope.rope_type == "llama3":
-        # How many turns each pair makes over the original context decides its treatment:
-        # pairs turning often (>= high_freq_factor) carry local order and stay as they are;
-        # pairs turning rarely (<= low_freq_factor) are stretched by `factor` to reach the longer
-        # context; in between, a linear blend in the number of turns.
-        turns = rope.original_max_position_embeddings * inv_freq / (2 * math.pi)
-        blend = ((turns - rope.low_freq_factor)
-                 / (rope.high_freq_factor - rope.low_freq_factor)).clamp(0.0, 1.0)
-        inv_freq = (1 - blend) * inv_freq / rope.factor + blend * inv_freq
-    return inv_freq
 
 
 class RotaryEmbedding(nn.Module):
@@ -78,10 +57,8 @@ class RotaryEmbedding(nn.Module):
         device = torch.device(device) if device is not None else torch.get_default_device()
         if device.type == "meta":
             return torch.empty(self.max_positions, self.head_size, dtype=self.dtype, device=device)
-        inv_freq = rope_inv_freq(self.head_size, self.rope, device)
-        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
-        angles = torch.outer(positions, inv_freq)                 # [max_positions, head_size/2]
-        return torch.cat([angles.cos(), angles.sin()], dim=-1).to(self.dtype)
+        return rope_table(self.head_size, self.max_positions, self.rope, dtype=self.dtype,
+                          device=device)
 
     def reset_parameters(self) -> None:
         """Recompute the table on the buffer's current device (after ``to_empty``)."""

@@ -87,6 +87,10 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, tp: TPGroup | None = None):
         super().__init__()
+        if (config.family not in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+                or config.sliding_window is not None):
+            raise ValueError(f"config: the {config.architecture} decoder (sliding window "
+                             f"{config.sliding_window}) is not implemented yet")
         self.config = config
         self.dtype = dtype = dtype or config.dtype
         self.tp = tp = tp or TPGroup.single(device or "cpu")

@@ -1,0 +1,93 @@
+"""How each family's config.json spells what the families differ in: the attention pattern
+(which layers slide, over how many keys), the rope of full and sliding layers, the activation,
+and transformers' class defaults for the fields a file leaves out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .rope import RopeConfig, parse_rope
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+GEMMA_FAMILIES = ("gemma2", "gemma3")
+
+# transformers' class defaults for fields a family's config.json may leave out
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": 4096},
+    "phi3": {"rms_norm_eps": 1e-5},
+    "gemma2": {"tie_word_embeddings": True, "head_dim": 256, "query_pre_attn_scalar": 256,
+               "sliding_window": 4096, "final_logit_softcapping": 30.0,
+               "attn_logit_softcapping": 50.0, "hidden_activation": "gelu_pytorch_tanh"},
+    "gemma3": {"tie_word_embeddings": True, "head_dim": 256, "query_pre_attn_scalar": 256,
+               "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh",
+               "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+               "sliding_window_pattern": 6},
+}
+
+
+def activation(raw: dict[str, Any], family: str, source: str) -> str:
+    if family in GEMMA_FAMILIES:
+        # Gemma configs name it hidden_activation (hidden_act is a leftover of Gemma 1); both
+        # families compute the tanh approximation whatever the spelling.
+        act = raw.get("hidden_activation") or raw.get("hidden_act")
+        act = "gelu_pytorch_tanh" if act in ("gelu", "gelu_pytorch_tanh") else act
+    else:
+        act = raw.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{source}: hidden_act {act!r} is not supported (expected one of "
+                         f"{ACTIVATIONS})")
+    return act
+
+
+def attention_pattern(raw: dict[str, Any], family: str, num_layers: int,
+                       source: str) -> tuple[int | None, tuple[str, ...]]:
+    """``(sliding_window, layer_types)`` as transformers builds them for ``family``."""
+    window = raw.get("sliding_window")
+    if family == "llama":
+        window = None                              # Llama has no sliding window
+    elif family in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window"):
+        window = None                              # the window field is there, but off
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError(f"{source}: use_bidirectional_attention=true is not supported "
+                         "(causal decoders only)")
+    if window is None:
+        return None, ("full_attention",) * num_layers
+    if family in ("mistral", "phi3", "mixtral"):  # the window applies on every layer
+        types = ("sliding_attention",) * num_layers
+    elif raw.get("layer_types"):
+        types = tuple(raw["layer_types"])
+    elif family in ("qwen2", "qwen3", "qwen3_moe"):
+        first = int(raw.get("max_window_layers", 28))   # layers from here on slide
+        types = tuple("sliding_attention" if i >= first else "full_attention"
+                      for i in range(num_layers))
+    else:                                          # Gemma: every n-th layer is a full one
+        every = int(raw.get("sliding_window_pattern") or 2)
+        types = tuple("full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                      for i in range(num_layers))
+    if len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
+        raise ValueError(f"{source}: layer_types: expected {num_layers} entries, each one of "
+                         f"{LAYER_TYPES}, got {list(types)}")
+    return int(window), types
+
+
+def parse_ropes(raw: dict[str, Any], family: str, max_positions: int,
+                 source: str) -> tuple[RopeConfig, RopeConfig | None]:
+    """``(rope, sliding_rope)``: transformers 5 writes ``rope_parameters`` (theta inside; per
+    layer type for Gemma 3); 4.x writes ``rope_theta`` + ``rope_scaling`` (Gemma 3 adds
+    ``rope_local_base_freq``, the sliding layers' theta, its scaling applying to the full ones)."""
+    params = dict(raw.get("rope_parameters") or {})
+    original = raw.get("original_max_position_embeddings") if family == "phi3" else None
+    parse = lambda p, theta: parse_rope(  # noqa: E731
+        p, default_theta=theta, max_position_embeddings=max_positions,
+        original_max_position_embeddings=original, source=source)
+    if any(t in params for t in LAYER_TYPES):
+        full = parse(params.get("full_attention") or {}, raw.get("rope_theta", 10000.0))
+        local = params.get("sliding_attention")
+        sliding = parse(local, raw.get("rope_local_base_freq", 10000.0)) if local else None
+        return full, sliding
+    merged = {**dict(raw.get("rope_scaling") or {}), **params}
+    full = parse(merged, raw.get("rope_theta", 10000.0))
+    if family == "gemma3":
+        return full, parse({}, raw["rope_local_base_freq"])
+    return full, None

@@ -1,0 +1,164 @@
+"""ModelConfig of the families beyond Llama/Qwen: sliding-window layers, Gemma fields, files
+recognized by model_type, compared with what transformers' own config classes decide."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mini_paged_attn.models.config import ModelConfig, RopeConfig
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=300, max_position_embeddings=512)
+
+# The fields that matter of published configs (transformers 4.4x spellings).
+GEMMA3_1B = {"architectures": ["Gemma3ForCausalLM"], "attention_bias": False,
+             "attn_logit_softcapping": None, "final_logit_softcapping": None, "head_dim": 256,
+             "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+             "intermediate_size": 6912, "max_position_embeddings": 32768,
+             "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26,
+             "num_key_value_heads": 1, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+             "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000,
+             "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
+             "vocab_size": 262144, "eos_token_id": [1, 106], "bos_token_id": 2}
+GEMMA2_2B = {"architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": 50.0,
+             "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+             "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304,
+             "intermediate_size": 9216, "max_position_embeddings": 8192,
+             "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4,
+             "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+             "sliding_window": 4096, "cache_implementation": "hybrid", "torch_dtype": "float32",
+             "vocab_size": 256000}
+MISTRAL_7B_V01 = {"architectures": ["MistralForCausalLM"], "hidden_act": "silu",
+                  "hidden_size": 4096, "intermediate_size": 14336,
+                  "max_position_embeddings": 32768, "num_attention_heads": 32,
+                  "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+                  "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False,
+                  "torch_dtype": "bfloat16", "vocab_size": 32000}
+
+
+def hf_dict(config) -> dict:
+    """config.json as a converter writes it: no architectures, model_type says the family."""
+    raw = config.to_dict()
+    assert not raw.get("architectures")
+    return raw
+
+
+def test_gemma3_1b_published_config():
+    c = ModelConfig.from_dict(GEMMA3_1B)
+    assert (c.family, c.head_size, c.attn_scale) == ("gemma3", 256, 256 ** -0.5)
+    assert c.qk_norm and c.tie_word_embeddings and c.hidden_act == "gelu_pytorch_tanh"
+    assert c.sliding_window == 512 and c.uniform_sliding_window is None
+    assert [i for i, t in enumerate(c.layer_types) if t == "full_attention"] == [5, 11, 17, 23]
+    assert c.rope == RopeConfig(theta=1e6) and c.sliding_rope == RopeConfig(theta=1e4)
+    assert c.layer_rope(0) == c.sliding_rope and c.layer_rope(5) == c.rope
+    assert c.layer_window(0) == 512 and c.layer_window(5) is None
+    assert c.attn_logit_softcap == c.final_logit_softcap == 0.0
+
+
+def test_gemma2_2b_published_config():
+    c = ModelConfig.from_dict(GEMMA2_2B)
+    assert c.layer_types[:4] == ("sliding_attention", "full_attention") * 2
+    assert (c.attn_logit_softcap, c.final_logit_softcap) == (50.0, 30.0)
+    assert c.sliding_rope is None and c.layer_rope(0) == c.rope == RopeConfig(theta=1e4)
+    assert not c.qk_norm and c.tie_word_embeddings
+
+
+def test_mistral_window_on_every_layer_or_none():
+    c = ModelConfig.from_dict(MISTRAL_7B_V01)
+    assert c.uniform_sliding_window == c.sliding_window == 4096
+    assert set(c.layer_types) == {"sliding_attention"}
+    c = ModelConfig.from_dict({**MISTRAL_7B_V01, "sliding_window": None})   # v0.2 and later
+    assert c.sliding_window is None and c.uniform_sliding_window is None
+    assert set(c.layer_types) == {"full_attention"}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
+def test_model_type_only_files_match_transformers_layer_pattern(family):
+    import transformers as tf
+
+    make = {"llama": lambda: tf.LlamaConfig(**SMALL),
+            "mistral": lambda: tf.MistralConfig(**SMALL, sliding_window=16),
+            "qwen2": lambda: tf.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=16,
+                                            max_window_layers=4),
+            "qwen3": lambda: tf.Qwen3Config(**SMALL, use_sliding_window=True, sliding_window=16,
+                                            max_window_layers=2),
+            "phi3": lambda: tf.Phi3Config(**SMALL, sliding_window=16),
+            "gemma2": lambda: tf.Gemma2Config(**SMALL, sliding_window=16),
+            "gemma3": lambda: tf.Gemma3TextConfig(**SMALL, sliding_window=16)}[family]
+    hf = make()
+    c = ModelConfig.from_dict(hf_dict(hf))
+    assert c.family == family
+    if family == "llama":
+        assert c.sliding_window is None and set(c.layer_types) == {"full_attention"}
+        return
+    want = getattr(hf, "layer_types", None) or ("sliding_attention",) * hf.num_hidden_layers
+    assert c.layer_types == tuple(want) and c.sliding_window == 16
+    assert c.uniform_sliding_window == (16 if family in ("mistral", "phi3") else None)
+
+
+def test_qwen_sliding_window_is_off_unless_use_sliding_window():
+    from transformers import Qwen2Config
+
+    c = ModelConfig.from_dict(hf_dict(Qwen2Config(**SMALL, sliding_window=16)))
+    assert c.sliding_window is None and set(c.layer_types) == {"full_attention"}
+    raw = {**hf_dict(Qwen2Config(**SMALL)), "use_sliding_window": True, "sliding_window": 8,
+           "max_window_layers": 0, "layer_types": None}   # a 4.x file: no layer_types
+    c = ModelConfig.from_dict(raw)
+    assert c.uniform_sliding_window == 8
+
+
+def test_gemma3_transformers5_rope_per_layer_type_equals_4x():
+    from transformers import Gemma3TextConfig
+
+    scaling = {"rope_type": "linear", "factor": 8.0}
+    v4 = {**GEMMA3_1B, "rope_scaling": scaling}
+    v5 = hf_dict(Gemma3TextConfig(**{k: v for k, v in GEMMA3_1B.items()
+                                     if k not in ("architectures", "model_type", "torch_dtype",
+                                                  "rope_theta", "rope_local_base_freq",
+                                                  "sliding_window_pattern", "rope_scaling")},
+                                  rope_scaling=scaling, rope_theta=1e6, rope_local_base_freq=1e4))
+    assert "full_attention" in v5["rope_parameters"]
+    a, b = ModelConfig.from_dict(v4), ModelConfig.from_dict(v5)
+    assert a.rope == b.rope == RopeConfig(theta=1e6, rope_type="linear", factor=8.0)
+    assert a.sliding_rope == b.sliding_rope == RopeConfig(theta=1e4)
+    assert a.layer_types == b.layer_types
+
+
+def test_direct_construction_fills_layer_types():
+    c = ModelConfig.from_dict(MISTRAL_7B_V01)
+    kwargs = {f: getattr(c, f) for f in ("architecture", "num_layers", "hidden_size",
+                                         "intermediate_size", "num_q_heads", "num_kv_heads",
+                                         "head_size", "vocab_size", "max_position_embeddings",
+                                         "rms_norm_eps", "rope")}
+    assert ModelConfig(**kwargs).layer_types == ("full_attention",) * 32
+    assert ModelConfig(**kwargs, sliding_window=8).uniform_sliding_window == 8
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig(**kwargs, sliding_window=8, layer_types=("sliding_attention",) * 3)
+    with pytest.raises(ValueError, match="sliding_window"):
+        ModelConfig(**kwargs, layer_types=("sliding_attention",) * 32)
+    with pytest.raises(ValueError, match="sliding_window"):
+        ModelConfig(**kwargs, sliding_window=0)
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({**GEMMA3_1B, "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({**GEMMA3_1B, "hidden_activation": "relu"}, "relu"),
+    ({**GEMMA2_2B, "layer_types": ["sliding_attention"] * 3}, "layer_types"),
+    ({**GEMMA2_2B, "layer_types": ["chunked_attention"] * 26}, "chunked_attention"),
+    ({k: v for k, v in GEMMA3_1B.items() if k != "architectures"} | {"model_type": "gemma3"},
+     "model_type 'gemma3'"),
+    ({**GEMMA3_1B, "architectures": ["Gemma3ForConditionalGeneration"]},
+     "Gemma3ForConditionalGeneration"),
+])
+def test_bad_family_configs_name_the_field(raw, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_dict(raw)
+
+
+def test_dtype_and_defaults_of_gemma_files_without_them():
+    raw = {k: v for k, v in GEMMA2_2B.items()
+           if k not in ("query_pre_attn_scalar", "head_dim", "final_logit_softcapping")}
+    c = ModelConfig.from_dict(raw)
+    assert c.head_size == 256 and c.attn_scale == 256 ** -0.5 and c.final_logit_softcap == 30.0
+    assert c.dtype == torch.float32
