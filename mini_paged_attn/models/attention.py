@@ -19,7 +19,9 @@ from torch import nn
 from ..ops.dispatch import BACKENDS, paged_decode, paged_prefill, store_kv
 from ..distributed.group import TPGroup
 from ..distributed.sharding import ShardLayout
+from ..core.args import check_bool
 from ..ops.fused import apply_rotary
+from ..ops.variants import check_softcap, check_window
 from .config import ModelConfig
 from .layers import RMSNorm
 from .parallel_layers import RowParallelLinear
@@ -115,7 +117,9 @@ class AttentionMetadata:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, *,
+                    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Store the new K/V in the cache, then attend over each sequence's cached K/V.
 
     Args:
@@ -123,6 +127,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         k, v: ``[num_tokens, num_kv_heads, head_size]`` in q's dtype (any strides).
         kv_cache: (key_cache, value_cache), each ``[num_blocks, block_size, num_kv_heads,
             head_size]``, in q's dtype or fp8 (e4m3, stored and read with scale 1.0).
+        window_size, softcap, sinks: the layer's attention variant (FlashAttention's sliding
+            window, logit soft-capping, float32 ``[num_q_heads]`` sink logits), passed to the
+            ops unchanged. One step's metadata serves windowed and full layers alike: the decode
+            op plans its split-KV launch per call from the window (fewer tiles, so never more
+            splits than a full layer's, which the shared workspace already holds).
 
     Returns:
         ``[num_tokens, num_q_heads, head_size]`` in q's dtype.
@@ -136,10 +145,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         if meta.decode_workspace is not None:
             triton_args["workspace"] = meta.decode_workspace
         return paged_decode(q, key_cache, value_cache, meta.block_tables, meta.context_lens,
-                            scale=scale, backend=meta.backend, **triton_args)
+                            scale=scale, backend=meta.backend, window_size=window_size,
+                            softcap=softcap, sinks=sinks, **triton_args)
     return paged_prefill(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q,
                          meta.context_lens, scale=scale, backend=meta.backend,
-                         max_seqlen_q=meta.max_seqlen_q)
+                         max_seqlen_q=meta.max_seqlen_q, window_size=window_size,
+                         softcap=softcap, sinks=sinks)
 
 
 class Attention(nn.Module):
@@ -149,12 +160,20 @@ class Attention(nn.Module):
     q rows, then k, then v (the loader fills them from q_proj / k_proj / v_proj). Under tensor
     parallelism the head counts are this rank's (``layout``): qkv_proj is column parallel by
     heads, o_proj row parallel (all-reduced), and the KV cache holds this rank's KV heads.
+
+    ``window_size`` / ``softcap``: the layer's sliding window and logit soft-cap (see
+    ``ops.variants``; validated here). ``sinks=True`` adds ``self.sinks``, a float32
+    ``[num_q_heads]`` parameter of this rank's heads (checkpoint name ``self_attn.sinks``).
     """
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype,
                  device: torch.device | str | None = None, tp: TPGroup | None = None,
-                 layout: ShardLayout | None = None):
+                 layout: ShardLayout | None = None, window_size: tuple[int, int] = (-1, -1),
+                 softcap: float = 0.0, sinks: bool = False):
         super().__init__()
+        self.window_size = check_window(window_size)
+        self.softcap = check_softcap(softcap)
+        check_bool("sinks", sinks)
         tp = tp or TPGroup.single(device or "cpu")
         layout = layout or ShardLayout.of(config)
         self.num_q_heads = layout.num_q_heads
@@ -171,6 +190,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_size, config.rms_norm_eps, dtype=dtype, device=device)
         else:
             self.q_norm = self.k_norm = None
+        # Sink logits stay float32 whatever the model's dtype (the kernels read them so).
+        self.sinks = (nn.Parameter(torch.zeros(self.num_q_heads, dtype=torch.float32,
+                                               device=device), requires_grad=False)
+                      if sinks else None)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -185,5 +208,6 @@ class Attention(nn.Module):
         qk_norm = (None if self.q_norm is None else
                    (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps))
         q, k = apply_rotary(q, k, positions, cos_sin_cache, qk_norm=qk_norm, backend=meta.backend)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, window_size=self.window_size,
+                              softcap=self.softcap, sinks=self.sinks)
         return self.o_proj(out.view(num_tokens, self.num_q_heads * self.head_size))

@@ -260,7 +260,8 @@ class DecodeRun:
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor | None, workspace: torch.Tensor | None) -> bool:
+                 lse: torch.Tensor | None, workspace: torch.Tensor | None,
+                 sinks: torch.Tensor | None = None) -> bool:
         """Launch for tensors of the prepared shapes; False (nothing launched) if a pointer's
         alignment differs from the prepared one."""
         lse_arg = lse if lse is not None else out
@@ -284,7 +285,9 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
                         num_splits: int | None = None, workspace: torch.Tensor | None = None,
                         explain: bool = False, tiles: DecodeTiles | None = None,
                         k_scale: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None) -> DecodeRun | None:
+                        v_scale: torch.Tensor | None = None,
+                        window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                        sinks: torch.Tensor | None = None) -> DecodeRun | None:
     """Launch paged decode; arguments as :func:`~mini_paged_attn.ops.paged_decode`, validated.
 
     Writes ``out`` ``[num_seqs, num_q_heads, head_size]`` (query dtype) and, if given, ``lse``
@@ -298,6 +301,8 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         shapes without planning again (None under the interpreter or for an empty batch).
     """
     _check_supported(shapes)
+    if tuple(window_size) != (-1, -1) or softcap != 0.0 or sinks is not None:
+        raise NotImplementedError("window_size / softcap / sinks: not yet in the triton decode")
     device = query.device
     max_splits = MAX_SPLITS
     if workspace is not None:

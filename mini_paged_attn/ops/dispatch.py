@@ -25,6 +25,7 @@ from ..core.args import check_bool, non_negative_int
 from . import reference
 from .kv_quant import check_kv_scales, scale_pointers
 from .launch import LaunchCache, tensor_key
+from .variants import NO_WINDOW, check_variant
 from .checks import (FLOAT_DTYPES, PagedShapes, check_cache_pair, check_paged_decode_args,
                      check_paged_prefill_args, check_paged_values, check_tensor)
 
@@ -49,6 +50,14 @@ def _call_key(tensors: tuple, options: tuple) -> tuple | None:
     except (AttributeError, TypeError):
         return None
     return key if key[0][1] >= 0 else None
+
+
+def _variant_options(window_size: object, softcap: object) -> tuple | None:
+    """The call-key options of the attention variants, or None (no fast path) for a window
+    that is not a tuple: a list is unhashable, and a tuple keys each side with its type."""
+    if type(window_size) is not tuple or len(window_size) != 2:
+        return None
+    return (*window_size, softcap)
 
 
 @functools.lru_cache(maxsize=1)
@@ -100,7 +109,9 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                  return_lse: bool = False, backend: str = "auto",
                  num_splits: int | None = None, workspace: torch.Tensor | None = None,
                  explain: bool = False, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None):
+                 v_scale: torch.Tensor | None = None,
+                 window_size: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
+                 sinks: torch.Tensor | None = None):
     """Attention of one new query token per sequence over its paged K/V.
 
     Args:
@@ -129,6 +140,14 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
             float32 tensor of shape ``[]`` (per tensor) or ``[num_kv_heads]`` (per KV head) on
             the query's device, positive and finite (see :mod:`.kv_quant`). A cache in the
             query's dtype takes None.
+        window_size: ``(left, right)`` ints >= -1 (-1: unbounded), FlashAttention's sliding
+            window; the query sits at position ``context_len - 1`` and sees keys
+            ``context_len - 1 - left ..`` (``right`` has nothing to its right to bound).
+            Blocks wholly left of the window are never read; split-KV planning counts only
+            the window's tiles.
+        softcap: ``>= 0``; scores become ``softcap * tanh(scores / softcap)`` (0: off).
+        sinks: None or float32 ``[num_q_heads]`` on the query's device: a per-head logit in
+            the softmax denominator only; lse then includes it (see :mod:`.variants`).
 
     Query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)`` (MHA, GQA, MQA).
     Scores and the softmax accumulate in float32 (an fp8 cache too: the output is in the
@@ -143,18 +162,22 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
             lengths or block ids. Nothing is written then.
     """
     key = None
-    if backend != "torch" and explain is False:
+    variant = _variant_options(window_size, softcap)
+    if backend != "torch" and explain is False and variant is not None:
         key = _call_key((query, key_cache, value_cache, block_tables, context_lens, out,
-                         workspace, k_scale, v_scale), (scale, return_lse, backend, num_splits))
+                         workspace, k_scale, v_scale, sinks),
+                        (scale, return_lse, backend, num_splits, *variant))
         run = _DECODE_RUNS.get(key) if key is not None else None
         if run is not None:
             out_, lse = _outputs(query, out, return_lse, query.shape[0], query.shape[1])
             if run(query, key_cache, value_cache, k_scale, v_scale, block_tables, context_lens,
-                   out_, lse, workspace):
+                   out_, lse, workspace, sinks):
                 return (out_, lse) if return_lse else out_
     shapes = check_paged_decode_args(query, key_cache, value_cache, block_tables,
                                      context_lens, scale, out)
     check_kv_scales(k_scale, v_scale, key_cache.dtype, shapes.num_kv_heads, query.device)
+    window, softcap = check_variant(window_size, softcap, sinks, shapes.num_q_heads,
+                                    query.device)
     check_bool("return_lse", return_lse)
     check_bool("explain", explain)
     chosen = resolve_backend(backend, query.device)
@@ -165,14 +188,16 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         check_paged_values(shapes, block_tables, context_lens)
         out, lse = _reference_outputs(query, out, return_lse, reference.paged_decode_gather(
             query, key_cache, value_cache, block_tables, context_lens, scale=shapes.scale,
-            k_scale=k_scale, v_scale=v_scale))
+            k_scale=k_scale, v_scale=v_scale, window_size=window, softcap=softcap,
+            sinks=sinks))
     else:
         from .decode import triton_paged_decode
         out, lse = _outputs(query, out, return_lse, shapes.num_seqs, shapes.num_q_heads)
         run = triton_paged_decode(query, key_cache, value_cache, block_tables, context_lens,
                                   shapes, out=out, lse=lse, num_splits=num_splits,
                                   workspace=workspace, explain=explain, k_scale=k_scale,
-                                  v_scale=v_scale)
+                                  v_scale=v_scale, window_size=window, softcap=softcap,
+                                  sinks=sinks)
         if run is not None and key is not None:
             _DECODE_RUNS.put(key, run)
     return (out, lse) if return_lse else out
@@ -184,7 +209,9 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                   scale: float | None = None, out: torch.Tensor | None = None,
                   return_lse: bool = False, backend: str = "auto",
                   max_seqlen_q: int | None = None, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None):
+                  v_scale: torch.Tensor | None = None,
+                  window_size: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
+                  sinks: torch.Tensor | None = None):
     """Attention of a varlen batch of query tokens over their sequences' paged K/V.
 
     The ``q_len_i = cu_seqlens_q[i+1] - cu_seqlens_q[i]`` query tokens of sequence ``i`` are the
@@ -207,27 +234,36 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
             (FlashAttention-style); unused: the triton launch schedules its tiles without a
             bound on ``q_len`` and needs no host sync either way.
         k_scale, v_scale: an fp8 cache's scales, as in :func:`paged_decode` (None = 1.0).
+        window_size: ``(left, right)`` ints >= -1, FlashAttention's sliding window: query
+            token ``t`` sits at position ``p = context_lens[i] - q_len_i + t`` and sees keys
+            ``p - left .. p + right`` (-1: unbounded; ``causal`` clamps ``right`` to 0).
+            Blocks wholly left of every query's window are never read.
+        softcap, sinks: as in :func:`paged_decode`.
 
     Returns:
         ``out`` ``[total_q, num_q_heads, head_size]``, or ``(out, lse)`` when ``return_lse``.
     """
     key = None
     # max_seqlen_q is unused; checked here as the full path checks it, but not keyed on.
-    if backend != "torch" and (max_seqlen_q is None or (type(max_seqlen_q) is int
-                                                         and max_seqlen_q >= 0)):
+    variant = _variant_options(window_size, softcap)
+    if backend != "torch" and variant is not None and (
+            max_seqlen_q is None or (type(max_seqlen_q) is int and max_seqlen_q >= 0)):
         key = _call_key((query, key_cache, value_cache, block_tables, cu_seqlens_q,
-                         context_lens, out, k_scale, v_scale),
-                        (causal, scale, return_lse, backend))
+                         context_lens, out, k_scale, v_scale, sinks),
+                        (causal, scale, return_lse, backend, *variant))
         launch = _PREFILL_RUNS.get(key) if key is not None else None
         if launch is not None:
             out_, lse = _outputs(query, out, return_lse, query.shape[0], query.shape[1])
             if launch((query, key_cache, value_cache,
                        *scale_pointers(key_cache, k_scale, v_scale), out_,
-                       lse if return_lse else out_, block_tables, cu_seqlens_q, context_lens)):
+                       lse if return_lse else out_, block_tables, cu_seqlens_q, context_lens,
+                       sinks if sinks is not None else query)):
                 return (out_, lse) if return_lse else out_
     shapes = check_paged_prefill_args(query, key_cache, value_cache, block_tables,
                                       cu_seqlens_q, context_lens, scale, out)
     check_kv_scales(k_scale, v_scale, key_cache.dtype, shapes.num_kv_heads, query.device)
+    window, softcap = check_variant(window_size, softcap, sinks, shapes.num_q_heads,
+                                    query.device)
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)
     if max_seqlen_q is not None:
@@ -238,14 +274,16 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         check_paged_values(shapes, block_tables, context_lens, cu_seqlens_q, total_q)
         out, lse = _reference_outputs(query, out, return_lse, reference.paged_prefill_gather(
             query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens,
-            causal=causal, scale=shapes.scale, k_scale=k_scale, v_scale=v_scale))
+            causal=causal, scale=shapes.scale, k_scale=k_scale, v_scale=v_scale,
+            window_size=window, softcap=softcap, sinks=sinks))
     else:
         from .prefill import triton_paged_prefill
         out, lse = _outputs(query, out, return_lse, total_q, shapes.num_q_heads)
         launch = triton_paged_prefill(query, key_cache, value_cache, block_tables,
                                       cu_seqlens_q, context_lens, shapes, causal=causal,
                                       out=out, lse=lse, max_seqlen_q=max_seqlen_q,
-                                      k_scale=k_scale, v_scale=v_scale)
+                                      k_scale=k_scale, v_scale=v_scale, window_size=window,
+                                      softcap=softcap, sinks=sinks)
         if launch is not None and key is not None:
             _PREFILL_RUNS.put(key, launch)
     return (out, lse) if return_lse else out

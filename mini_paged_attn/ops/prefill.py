@@ -169,7 +169,7 @@ def _attend_q_tile(q_ptr, out_ptr, lse_ptr, k_base, v_base, table_row, kv_row0, 
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
-    block_tables_ptr, cu_seqlens_q_ptr, kv_lens_ptr,
+    block_tables_ptr, cu_seqlens_q_ptr, kv_lens_ptr, sinks_ptr,
     num_seqs, qk_scale, stride_k_scale, stride_v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
@@ -259,7 +259,7 @@ def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs:
     grid = plan.grid(total_q, num_seqs, num_kv_heads)
     launch = PreparedLaunch(_prefill_kernel, grid, (
         q, k, v, *scale_pointers(k, k_scale, v_scale),
-        out, lse_arg, block_tables, cu_seqlens_q, kv_lens,
+        out, lse_arg, block_tables, cu_seqlens_q, kv_lens, q,
         num_seqs, scale * LOG2E, scale_stride(k_scale), scale_stride(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), out.stride(2), *lse_strides,
         *(k.stride()[:3] if paged else (0, *k.stride()[:2])),
@@ -284,7 +284,9 @@ def triton_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cac
                          max_seqlen_q: int | None = None,
                          config: PrefillConfig | None = None,
                          k_scale: torch.Tensor | None = None,
-                         v_scale: torch.Tensor | None = None) -> PreparedLaunch | None:
+                         v_scale: torch.Tensor | None = None,
+                         window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                         sinks: torch.Tensor | None = None) -> PreparedLaunch | None:
     """Paged varlen prefill into ``out`` (and ``lse``); arguments already checked by dispatch.
 
     Args:
@@ -308,6 +310,8 @@ def triton_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         interpreter or for an empty batch).
     """
     del max_seqlen_q  # the flattened tile schedule makes it unnecessary
+    if tuple(window_size) != (-1, -1) or softcap != 0.0 or sinks is not None:
+        raise NotImplementedError("window_size / softcap / sinks: not yet in the triton prefill")
     return _launch(query, key_cache, value_cache, out, lse, block_tables, cu_seqlens_q, context_lens,
             num_seqs=shapes.num_seqs, num_kv_heads=shapes.num_kv_heads, scale=shapes.scale,
             causal=causal, paged=True, block_size=shapes.block_size, config=config,
@@ -318,7 +322,9 @@ def triton_varlen_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                              max_seqlen_q: int, max_seqlen_k: int, *, causal: bool,
                              scale: float, out: torch.Tensor, lse: torch.Tensor | None = None,
-                             config: PrefillConfig | None = None) -> None:
+                             config: PrefillConfig | None = None,
+                             window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                             sinks: torch.Tensor | None = None) -> None:
     """Varlen attention over contiguous K/V into ``out`` (FlashAttention's varlen semantics).
 
     Args:
@@ -333,6 +339,8 @@ def triton_varlen_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         lse: optional float32 ``[total_q, num_q_heads]`` (natural log, ``-inf`` for empty rows).
     """
     del max_seqlen_q, max_seqlen_k
+    if tuple(window_size) != (-1, -1) or softcap != 0.0 or sinks is not None:
+        raise NotImplementedError("window_size / softcap / sinks: not yet in the triton prefill")
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and q.stride(-1) == 1, "last dims contiguous"
     _launch(q, k, v, out, lse, cu_seqlens_k, cu_seqlens_q, cu_seqlens_k,
             num_seqs=cu_seqlens_q.shape[0] - 1, num_kv_heads=k.shape[1], scale=float(scale),

@@ -23,20 +23,15 @@ from ..core.args import check_bool, is_number, non_negative_int
 from . import reference
 from .checks import FLOAT_DTYPES, check_cu_seqlens, check_scale, check_tensor
 from .dispatch import paged_prefill, resolve_backend
+from .variants import check_sinks, check_softcap, check_window
 
 
-def _not_implemented(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs) -> None:
+def _not_implemented(dropout_p, alibi_slopes, return_attn_probs) -> None:
     if not is_number(dropout_p) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
     if dropout_p > 0:
         raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not implemented "
                                   "(inference only); pass dropout_p=0.0")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError(f"window_size={tuple(window_size)}: sliding-window attention "
-                                  "is not implemented; pass window_size=(-1, -1)")
-    if softcap != 0.0:
-        raise NotImplementedError(f"softcap={softcap}: softcapping is not implemented; "
-                                  "pass softcap=0.0")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes: ALiBi is not implemented; pass None")
     if return_attn_probs:
@@ -62,7 +57,8 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None, *, backend="auto"):
+                           return_attn_probs=False, block_table=None, *, sinks=None,
+                           backend="auto"):
     """Attention over a varlen batch, FlashAttention's ``flash_attn_varlen_func`` (forward only).
 
     Args:
@@ -72,23 +68,32 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             caches ``[num_blocks, block_size, num_kv_heads, head_size]``; q's dtype and device.
         cu_seqlens_q, cu_seqlens_k: int32 ``[num_seqs + 1]``, cumulative lengths from 0.
         max_seqlen_q, max_seqlen_k: ints, at least the longest q / k length (launch bounds).
-        dropout_p, window_size, softcap, alibi_slopes, return_attn_probs: only their defaults
-            (0.0, (-1, -1), 0.0, None, False) are implemented; other values raise
-            NotImplementedError naming the option.
+        dropout_p, alibi_slopes, return_attn_probs: only their defaults (0.0, None, False)
+            are implemented; other values raise NotImplementedError naming the option.
         softmax_scale: default ``head_size ** -0.5``.
         causal: bottom-right aligned causal mask.
+        window_size: ``(left, right)`` ints >= -1 (-1: unbounded): query row ``t`` of a
+            sequence sits at ``p = k_len - q_len + t`` and sees keys ``p - left .. p + right``
+            (``causal`` clamps ``right`` to 0). Paged K/V blocks wholly left of every query's
+            window are never read.
+        softcap: ``>= 0``; scores become ``softcap * tanh(scores / softcap)`` (0: off).
         deterministic: accepted and ignored (the forward pass is deterministic).
         block_table: int32 ``[num_seqs, max_blocks_per_seq]`` for paged K/V, else None.
+        sinks: keyword only; None or float32 ``[num_q_heads]`` on q's device, a per-head logit
+            that joins the softmax denominator only (see :mod:`.variants`).
         backend: "auto" | "torch" | "triton" (keyword only; see :mod:`.dispatch`).
 
     Returns:
         out ``[total_q, num_q_heads, head_size]`` in q's dtype.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices (and, for the torch backend, lengths).
+        ValueError: bad shapes, dtypes, devices, window, softcap or sinks (and, for the torch
+            backend, lengths).
         NotImplementedError: an unimplemented option.
     """
-    _not_implemented(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs)
+    _not_implemented(dropout_p, alibi_slopes, return_attn_probs)
+    window_size = check_window(window_size)
+    softcap = check_softcap(softcap)
     max_seqlen_q = non_negative_int("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = non_negative_int("max_seqlen_k", max_seqlen_k)
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
@@ -101,6 +106,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     check_bool("causal", causal)
     q = _last_dim_contiguous(q)
     scale = check_scale(softmax_scale, q.shape[-1], name="softmax_scale")
+    check_sinks(sinks, q.shape[1], q.device)
+    variant = dict(window_size=window_size, softcap=softcap, sinks=sinks)
 
     if block_table is not None:
         # Paged K/V: FlashAttention's per-sequence K length is the difference of cu_seqlens_k.
@@ -113,7 +120,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                              "max_seqlen_q", max_seqlen_q)
         context_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
         return paged_prefill(q, k, v, block_table, cu_seqlens_q, context_lens, causal=causal,
-                             scale=scale, backend=backend, max_seqlen_q=max_seqlen_q)
+                             scale=scale, backend=backend, max_seqlen_q=max_seqlen_q, **variant)
 
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=q.device)
     check_tensor("v", v, ndim=3, dtypes=(q.dtype,), device=q.device)
@@ -133,10 +140,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _check_cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "total_k", False,
                          "max_seqlen_k", max_seqlen_k)
         out, _ = reference.varlen_attention_contiguous(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                       causal=causal, scale=scale)
+                                                       causal=causal, scale=scale, **variant)
         return out.to(q.dtype)
     from .prefill import triton_varlen_contiguous
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     triton_varlen_contiguous(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             causal=causal, scale=scale, out=out)
+                             causal=causal, scale=scale, out=out, **variant)
     return out

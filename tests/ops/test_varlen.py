@@ -124,8 +124,6 @@ def test_seed_003_script_passes(capsys):
 
 @pytest.mark.parametrize("option, kwargs", [
     ("dropout_p", dict(dropout_p=0.1)),
-    ("window_size", dict(window_size=(8, 0))),
-    ("softcap", dict(softcap=30.0)),
     ("alibi_slopes", dict(alibi_slopes=torch.ones(8))),
     ("return_attn_probs", dict(return_attn_probs=True)),
 ])
