@@ -42,6 +42,7 @@ SUPPORTED_ARCHITECTURES = {
     # mixture-of-experts families (models/moe_config.py)
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # config.json "model_type" -> architecture, for files that do not name one
 MODEL_TYPES = {
@@ -54,6 +55,7 @@ MODEL_TYPES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16}
@@ -146,7 +148,7 @@ class ModelConfig:
     @property
     def family(self) -> str:
         """"llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3" |
-        "qwen3_moe" | "mixtral"."""
+        "qwen3_moe" | "mixtral" | "gpt_oss"."""
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
     @property

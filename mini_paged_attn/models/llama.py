@@ -40,7 +40,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.self_attn = Attention(config, dtype=dtype, device=device, tp=tp, layout=layout)
+        # gpt-oss: sink logits on every layer, a sliding window on its sliding layers (HF's
+        # window of W keys, the query's own included, is FlashAttention's left = W - 1).
+        window = config.layer_window(layer_idx) if config.family == "gpt_oss" else None
+        self.self_attn = Attention(config, dtype=dtype, device=device, tp=tp, layout=layout,
+                                   window_size=(-1, -1) if window is None else (window - 1, 0),
+                                   sinks=config.family == "gpt_oss")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
         # A GatedMLP, or in a sparse layer of an MoE family its expert block.
         self.mlp = make_mlp(config, layer_idx, layout.intermediate_size, dtype=dtype,
@@ -87,8 +92,8 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, tp: TPGroup | None = None):
         super().__init__()
-        if (config.family not in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
-                or config.sliding_window is not None):
+        if (config.family not in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
+                or (config.sliding_window is not None and config.family != "gpt_oss")):
             raise ValueError(f"config: the {config.architecture} decoder (sliding window "
                              f"{config.sliding_window}) is not implemented yet")
         self.config = config
@@ -210,6 +215,9 @@ class CausalLM(nn.Module):
             for name, (rows, rows_part) in qkv_rows.items():
                 add_linear(f"{prefix}self_attn.{name}", attn.qkv_proj, rows, rows_part)
             add_row_parallel(f"{prefix}self_attn.o_proj", attn.o_proj, "o_proj")
+            if attn.sinks is not None:
+                shards[f"{prefix}self_attn.sinks"] = (attn.sinks, part(lay.q_head_start,
+                                                                       lay.num_q_heads))
             if attn.q_norm is not None:
                 shards[f"{prefix}self_attn.q_norm.weight"] = (attn.q_norm.weight, None)
                 shards[f"{prefix}self_attn.k_norm.weight"] = (attn.k_norm.weight, None)

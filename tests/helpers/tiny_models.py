@@ -26,7 +26,7 @@ import torch
 
 from mini_paged_attn.models.tiny import CHAT_TEMPLATE, ENDOFTEXT, IM_END, SPECIAL_TOKENS, write_tokenizer_files
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
 
 TOKENIZER_VOCAB_SIZE = 300
 
@@ -92,13 +92,15 @@ def _hf_config(arch: str, vocab_size: int, special_ids: dict[str, int], **overri
     raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
 
 
-MOE_ARCHS = ("qwen3_moe", "mixtral")
+MOE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss")
 
 
 def _hf_moe_config(arch: str, common: dict, overrides: dict):
     """8 experts of intermediate 32, 2 per token. Qwen3-MoE: 3 layers, layer 0 dense
-    (``mlp_only_layers``), top-k weights not renormalised; Mixtral renormalises."""
-    from transformers import MixtralConfig, Qwen3MoeConfig
+    (``mlp_only_layers``), top-k weights not renormalised; Mixtral renormalises. gpt-oss:
+    sliding (window 4, shorter than the test prompts) and full layers alternating, attention
+    sinks and biases, yarn rope, expert biases, the clamped SwiGLU."""
+    from transformers import GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
     common.update(num_experts_per_tok=2)
     if arch == "qwen3_moe":
@@ -106,7 +108,13 @@ def _hf_moe_config(arch: str, common: dict, overrides: dict):
                       num_hidden_layers=3, mlp_only_layers=[0], norm_topk_prob=False)
         common.update(overrides)
         return Qwen3MoeConfig(**common)
-    common.update(rope_theta=1000000.0, num_local_experts=8, intermediate_size=32)
+    common.update(num_local_experts=8, intermediate_size=32)
+    if arch == "gpt_oss":
+        common.update(head_dim=16, sliding_window=4, layer_types=["sliding_attention",
+                                                                  "full_attention"])
+        common.update(overrides)
+        return GptOssConfig(**common)
+    common.update(rope_theta=1000000.0)
     common.update(overrides)
     return MixtralConfig(**common)
 

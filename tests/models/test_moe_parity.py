@@ -3,7 +3,9 @@
 Tiny random checkpoints written by transformers' ``save_pretrained``: Qwen3-MoE (a dense layer
 from ``mlp_only_layers`` before the sparse ones, top-k weights not renormalised; and
 renormalised with ``decoder_sparse_step=2``), Mixtral (``block_sparse_moe.experts.N.w1/w2/w3``,
-sharded). Also: the routing functions against transformers' routers, the checkpoint names,
+sharded), gpt-oss (attention sinks, a sliding window of 4 shorter than the prompts on every
+other layer, yarn rope, attention and expert biases, fused interleaved experts, the clamped
+SwiGLU). Also: the routing functions against transformers' routers, the checkpoint names,
 and the expert block's Triton path against its torch path.
 """
 
@@ -25,6 +27,7 @@ VARIANTS = {
     "qwen3_moe-norm-step2": ("qwen3_moe", {"norm_topk_prob": True, "decoder_sparse_step": 2,
                                            "mlp_only_layers": []}),
     "mixtral-sharded": ("mixtral", {"max_shard_size": "100KB"}),
+    "gpt_oss": ("gpt_oss", {}),
 }
 ATOL = 1e-4
 BLOCK_SIZE = 4
@@ -145,10 +148,15 @@ def test_config_reads_the_moe_fields(tiny_model_factory):
     mixtral = ModelConfig.from_dict(_raw(tiny_model_factory("mixtral")))
     assert mixtral.moe.sparse_layers == (0, 1) and mixtral.moe.renormalize
     assert not mixtral.qk_norm
+    oss = ModelConfig.from_dict(_raw(tiny_model_factory("gpt_oss")))
+    assert oss.moe.router == "topk_softmax" and oss.moe.router_bias and oss.moe.expert_bias
+    assert oss.moe.activation.kind == "clamped_swiglu" and oss.moe.activation.interleaved
+    assert oss.layer_types == ("sliding_attention", "full_attention") and oss.sliding_window == 4
+    assert oss.qkv_bias and oss.o_bias and oss.rope.rope_type == "yarn"
 
 
 def test_mxfp4_checkpoint_is_refused_by_name(tiny_model_factory):
-    raw = _raw(tiny_model_factory("mixtral"))
+    raw = _raw(tiny_model_factory("gpt_oss"))
     raw["quantization_config"] = {"quant_method": "mxfp4"}
     with pytest.raises(ValueError, match="mxfp4"):
         ModelConfig.from_dict(raw)

@@ -1,6 +1,7 @@
 """An MoE model split over 2 gloo ranks: each rank holds a slice of every expert's intermediate
-dim, and the engine's greedy tokens equal transformers' (Qwen3-MoE with a dense first layer,
-so dense and expert feed-forwards are all-reduced in the same step)."""
+dim, and the engine's greedy tokens equal transformers': Qwen3-MoE with a dense first layer
+(dense and expert feed-forwards all-reduced in the same step), and gpt-oss (interleaved gate/up
+columns split by pairs, expert biases added once, sinks split by query head)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _hf_greedy(model_dir, prompts) -> list[list[int]]:
     return outputs
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 def test_tp2_greedy_matches_transformers(tiny_model_factory, arch):
     model_dir = tiny_model_factory(arch)
     gen = torch.Generator().manual_seed(3)
