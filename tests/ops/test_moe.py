@@ -152,13 +152,14 @@ def test_triton_matches_reference(dtype, num_tokens, num_experts, hidden, inter,
 
 @pytest.mark.parametrize("tiles", [MoeTiles(16, 16, 16), MoeTiles(32, 32, 16)])
 def test_triton_tiles_and_top1(tiles):
-    """Other tile shapes (more padding per expert, several n and k tiles) and k = 1."""
-    for top_k in (1, 3):
+    """Other tile shapes (more padding per expert, several n and k tiles), k = 1 and 3, biases
+    with either row order."""
+    for top_k, activation in ((1, MoeActivation()), (3, MoeActivation(interleaved=True))):
         args = _problem(11, 4, top_k, 40, 24, torch.float32, seed=top_k, bias=True)
-        want = fused_moe_reference(**args, activation=MoeActivation(interleaved=True))
+        want = fused_moe_reference(**args, activation=activation)
         got = triton_fused_moe(args["hidden"], args["w13"], args["w2"], args["topk_weights"],
-                               args["topk_ids"], MoeActivation(interleaved=True),
-                               args["w13_bias"], args["w2_bias"], tiles=tiles)
+                               args["topk_ids"], activation, args["w13_bias"], args["w2_bias"],
+                               tiles=tiles)
         torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
