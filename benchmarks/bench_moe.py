@@ -10,7 +10,8 @@ gives the GPU time per call (median, L2 flushed before each call) of
 - ``torch``: the reference, one ``F.linear`` pair per expert that got a token (what
   transformers' eager expert loop does; it reads the routed experts back to the host);
 
-the experts hit, the useful TFLOP/s of each (``6 * T * k * H * I`` flops: gate/up and down), the
+the routing plan's share of the Triton time (``plan_us``, the torch ops that sort the pairs by
+expert), the experts hit, the useful TFLOP/s of each (``6 * T * k * H * I`` flops: gate/up and down), the
 Triton path's expert-weight bytes read per second as a share of this run's copy bandwidth
 (what bounds small batches), and the largest ``|triton - torch|``.
 
@@ -31,7 +32,7 @@ import torch
 logger = logging.getLogger("benchmarks.bench_moe")
 
 TOKENS = (1, 16, 128, 1024, 4096)
-COLUMNS = ("tokens", "experts_hit", "triton_us", "torch_us", "speedup", "triton_tflops",
+COLUMNS = ("tokens", "experts_hit", "triton_us", "plan_us", "torch_us", "speedup", "triton_tflops",
            "torch_tflops", "weights_pct_copy_bw", "max_abs_diff")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -59,6 +60,7 @@ def make_tokens(num_tokens: int, hidden: int, experts: int, top_k: int, seed: in
 def bench_row(layer: dict, num_tokens: int, top_k: int, copy_gbps: float) -> dict:
     from benchmarks.common import time_us
     from mini_paged_attn.ops.moe import fused_moe
+    from mini_paged_attn.ops.moe_triton import moe_routing_plan, moe_tiles
 
     experts, two_inter, hidden = layer["w13"].shape
     inter = two_inter // 2
@@ -69,10 +71,12 @@ def bench_row(layer: dict, num_tokens: int, top_k: int, copy_gbps: float) -> dic
     hit = int(torch.unique(args["topk_ids"]).numel())
     triton_us = time_us(lambda: fused_moe(**args, backend="triton"))
     torch_us = time_us(lambda: fused_moe(**args, backend="torch"))
+    block_m = moe_tiles(num_tokens * top_k, experts, hidden, inter).block_m
+    plan_us = time_us(lambda: moe_routing_plan(args["topk_ids"], experts, block_m))
     flops = 6 * num_tokens * top_k * hidden * inter
     weight_bytes = hit * 3 * hidden * inter * layer["w13"].element_size()
     return {"tokens": num_tokens, "experts_hit": hit, "triton_us": triton_us,
-            "torch_us": torch_us, "speedup": torch_us / triton_us,
+            "plan_us": plan_us, "torch_us": torch_us, "speedup": torch_us / triton_us,
             "triton_tflops": flops / (triton_us * 1e-6) / 1e12,
             "torch_tflops": flops / (torch_us * 1e-6) / 1e12,
             "weights_pct_copy_bw": 100 * weight_bytes / (triton_us * 1e-6) / 1e9 / copy_gbps,
