@@ -11,7 +11,8 @@ gives the GPU time per call (median, L2 flushed before each call) of
   transformers' eager expert loop does; it reads the routed experts back to the host);
 
 the routing plan's share of the Triton time (``plan_us``, the torch ops that sort the pairs by
-expert), the experts hit, the useful TFLOP/s of each (``6 * T * k * H * I`` flops: gate/up and down), the
+expert), the experts hit, the useful TFLOP/s of each (``6 * T * k * H * I`` flops: gate/up
+and down), the
 Triton path's expert-weight bytes read per second as a share of this run's copy bandwidth
 (what bounds small batches), and the largest ``|triton - torch|``.
 
@@ -32,8 +33,8 @@ import torch
 logger = logging.getLogger("benchmarks.bench_moe")
 
 TOKENS = (1, 16, 128, 1024, 4096)
-COLUMNS = ("tokens", "experts_hit", "triton_us", "plan_us", "torch_us", "speedup", "triton_tflops",
-           "torch_tflops", "weights_pct_copy_bw", "max_abs_diff")
+COLUMNS = ("tokens", "experts_hit", "triton_us", "plan_us", "torch_us", "speedup",
+           "triton_tflops", "torch_tflops", "weights_pct_copy_bw", "max_abs_diff")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

@@ -120,8 +120,9 @@ class SparseMoeBlock(nn.Module):
         factory = dict(dtype=dtype, device=device)
         self.w13 = nn.Parameter(torch.empty(e, 2 * inter, h, **factory))
         self.w2 = nn.Parameter(torch.empty(e, h, inter, **factory))
-        self.w13_bias = nn.Parameter(torch.zeros(e, 2 * inter, **factory)) if moe.expert_bias else None
-        self.w2_bias = nn.Parameter(torch.zeros(e, h, **factory)) if moe.expert_bias else None
+        bias = moe.expert_bias
+        self.w13_bias = nn.Parameter(torch.zeros(e, 2 * inter, **factory)) if bias else None
+        self.w2_bias = nn.Parameter(torch.zeros(e, h, **factory)) if bias else None
         if self.w13.device.type != "meta":       # models built for tests (the loader overwrites)
             nn.init.normal_(self.w13, std=h ** -0.5)
             nn.init.normal_(self.w2, std=(inter * tp.world_size) ** -0.5)
@@ -156,19 +157,21 @@ class SparseMoeBlock(nn.Module):
         # gpt-oss stores x @ W (the transpose of ours); a rank's interleaved gate/up columns
         # j in [start, start + inter) are the contiguous checkpoint columns 2 * j, 2 * j + 1.
         pair_cols = slice(2 * start, 2 * (start + inter))
-        shards: dict[str, Shard] = {
+        every = slice(None)
+
+        def part(*index: slice) -> tuple[slice, ...] | None:
+            return index if sharded else None
+
+        return {
             f"{base}router.weight": (self.router.weight, None),
             f"{base}router.bias": (self.router.bias, None),
             f"{base}experts.gate_up_proj": (self.w13.transpose(1, 2),
-                                            (slice(None), slice(None), pair_cols) if sharded else None),
-            f"{base}experts.gate_up_proj_bias": (self.w13_bias,
-                                                 (slice(None), pair_cols) if sharded else None),
+                                            part(every, every, pair_cols)),
+            f"{base}experts.gate_up_proj_bias": (self.w13_bias, part(every, pair_cols)),
             f"{base}experts.down_proj": (self.w2.transpose(1, 2),
-                                         (slice(None), slice(start, start + inter)) if sharded
-                                         else None),
+                                         part(every, slice(start, start + inter))),
             f"{base}experts.down_proj_bias": (self.w2_bias, None),
         }
-        return shards
 
 
 def make_mlp(config, layer_idx: int, intermediate_size: int, *, dtype: torch.dtype, device,

@@ -57,7 +57,8 @@ class MoeConfig:
             raise ValueError(f"num_experts_per_tok: expected <= num_experts={self.num_experts}, "
                              f"got {self.top_k}")
         if any(i < 0 for i in self.sparse_layers):
-            raise ValueError(f"sparse_layers: expected layer indices >= 0, got {self.sparse_layers}")
+            raise ValueError(f"sparse_layers: expected layer indices >= 0, "
+                             f"got {self.sparse_layers}")
 
     @property
     def router(self) -> str:

@@ -150,7 +150,7 @@ def _moe_gate_up_kernel(
         up = tl.minimum(tl.maximum(acc_up, -limit), limit)
         act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))                    # [BLOCK_M, BLOCK_N]
     else:
-        act = acc_gate * tl.sigmoid(acc_gate) * acc_up                           # [BLOCK_M, BLOCK_N]
+        act = acc_gate * tl.sigmoid(acc_gate) * acc_up                          # [BLOCK_M, BLOCK_N]
     out_mask = row_mask[:, None] & col_mask[None, :]
     tl.store(inter_ptr + pairs[:, None] * stride_inter + cols[None, :],
              act.to(inter_ptr.dtype.element_ty), mask=out_mask)

@@ -61,7 +61,8 @@ def test_prefill_then_decode_match_transformers(models):
     logits = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
     cu = meta.cu_seqlens_q.tolist()
     for i, prompt in enumerate(prompts):
-        torch.testing.assert_close(logits[cu[i]:cu[i + 1]], hf_logits(hf, prompt), atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits[cu[i]:cu[i + 1]], hf_logits(hf, prompt), atol=ATOL,
+                                   rtol=0)
     seqs = [list(p) for p in prompts]
     next_tokens = logits[[c - 1 for c in cu[1:]]].argmax(-1).tolist()
     for _ in range(3):
