@@ -1,7 +1,9 @@
-"""Llama 2/3.x, Qwen2/2.5 and Qwen3 over the paged KV cache, read from local Hugging Face dirs.
+"""Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2 and Gemma 3 (text) over the paged KV
+cache, read from local Hugging Face dirs.
 
 - :func:`load_model` (``loader.py``): config.json + safetensors -> ``(CausalLM, ModelConfig)``.
-- :class:`CausalLM` (``llama.py``): ``forward(input_ids, positions, kv_caches, meta)`` and
+- :class:`CausalLM` (``llama.py``; Gemma's in ``gemma.py``, one class per family in
+  ``registry.py``): ``forward(input_ids, positions, kv_caches, meta)`` and
   ``compute_logits(hidden)``; :class:`AttentionMetadata` (``attention.py``) is one step's input.
 - :func:`load_tokenizer` (``tokenizer.py``): :class:`Tokenizer`, :class:`IncrementalDetokenizer`.
 - :func:`tiny_llama` / :func:`write_tiny_llama` (``tiny.py``): the embedded RANDOM tiny Llama.
@@ -9,7 +11,8 @@
 
 from .attention import AttentionMetadata
 from .config import ModelConfig, RopeConfig, resolve_dtype
-from .llama import CausalLM, init_empty_model
+from .llama import CausalLM
+from .registry import init_empty_model
 from .loader import load_model
 from .tiny import tiny_llama, write_tiny_llama
 from .tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer

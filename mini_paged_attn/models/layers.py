@@ -1,4 +1,4 @@
-"""Building blocks of the decoder: RMSNorm, rotary embedding (with llama3 scaling), gated MLP.
+"""Building blocks of the decoder: RMSNorm, rotary embedding (see ``rope.py``), gated MLP.
 
 Tokens are flattened: activations are ``[num_tokens, ...]`` with no batch dim and no padding.
 The arithmetic follows Hugging Face's Llama/Qwen modules op for op (norm statistics in float32,
@@ -10,6 +10,7 @@ rope tables computed in float32 then cast to the model dtype), so bf16 results m
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.group import TPGroup
@@ -83,8 +84,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotate_half_reference(x, cos, sin)
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` (Gemma's GeGLU) for the fused gate/up output ``[n, 2 * I]``
+    -> ``[n, I]``, x's dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul.
+    """``down(act(gate(x)) * up(x))`` with gate and up fused into one matmul; ``act`` is SiLU
+    (SwiGLU: Llama, Qwen, Mistral, Phi-3) or tanh-approximated GELU (GeGLU: Gemma).
 
     ``gate_up_proj.weight`` is ``[2 * intermediate_size, hidden_size]``: the gate rows, then the
     up rows (the loader fills both halves from the checkpoint's gate_proj / up_proj). Under
@@ -94,9 +103,12 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool,
                  dtype: torch.dtype, device: torch.device | str | None = None,
-                 tp: TPGroup | None = None):
+                 tp: TPGroup | None = None, act: str = "silu"):
         super().__init__()
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"act: expected 'silu' or 'gelu_pytorch_tanh', got {act!r}")
         tp = tp or TPGroup.single(device or "cpu")
+        self.act = act
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias,
                                       dtype=dtype, device=device)
@@ -105,4 +117,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
         """x: ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``, same dtype."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), backend=backend))
+        gate_up = self.gate_up_proj(x)
+        if self.act == "silu":
+            return self.down_proj(silu_and_mul(gate_up, backend=backend))
+        return self.down_proj(gelu_tanh_and_mul(gate_up))

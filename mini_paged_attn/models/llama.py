@@ -1,11 +1,13 @@
-"""One decoder for Llama 2/3.x, Qwen2/2.5 and Qwen3, told apart by ModelConfig flags.
+"""One decoder for Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 and Phi-3, told apart by ModelConfig
+flags; the base class of the other families' models (Gemma: ``gemma.py``).
 
     embed_tokens -> N x [x + attn(input_layernorm(x)); x + mlp(post_attention_layernorm(x))] -> norm
     -> lm_head (or the embedding, tied)
 
 Differences between the families are flags: ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3, per-head
 RMSNorm on q and k before rope), ``tie_word_embeddings``, the rope scaling, ``head_size`` not
-``hidden_size // num_q_heads`` (Qwen3). Parameter names follow the Hugging Face checkpoints
+``hidden_size // num_q_heads`` (Qwen3), sliding-window layers (Mistral, Phi-3, Qwen with
+``use_sliding_window``), Phi-3's fused checkpoint tensors. Parameter names follow the Hugging Face checkpoints
 except for the fused projections (``qkv_proj``, ``gate_up_proj``);
 :meth:`CausalLM.checkpoint_shards` maps every checkpoint tensor name onto its rows, and under
 tensor parallelism onto the part of the checkpoint tensor this rank holds (see
@@ -20,36 +22,61 @@ from torch import nn
 from ..distributed.group import TPGroup
 from ..distributed.sharding import ShardLayout
 from .attention import Attention, AttentionMetadata, KVCache
+from .checkpoint import CheckpointParts, Shard
 from .config import ModelConfig
-from .layers import RMSNorm, RotaryEmbedding
-from .moe import SparseMoeBlock, make_mlp
+from .layers import GatedMLP, RMSNorm, RotaryEmbedding
 from .parallel_layers import VocabParallelEmbedding, parallel_logits
-
-# Where a checkpoint tensor goes: the parameter rows it fills, and the index of the part of the
-# checkpoint tensor that fills them (None: the whole tensor).
-Shard = tuple[torch.Tensor, tuple[slice, ...] | None]
 
 # Checkpoint tensors that carry nothing the model needs (older Llama checkpoints store the rope
 # frequencies; the model recomputes them).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def attention_variant(config: ModelConfig, layer: int) -> dict:
+    """The :class:`Attention` keyword arguments of layer ``layer`` beyond plain causal attention:
+    its sliding window (the last ``sliding_window`` keys, itself included:
+    ``window_size=(sliding_window - 1, 0)``) and the score soft-cap; empty when neither applies."""
+    kwargs = {}
+    window = config.layer_window(layer)
+    if window is not None:
+        kwargs["window_size"] = (window - 1, 0)
+    if config.attn_logit_softcap:
+        kwargs["softcap"] = config.attn_logit_softcap
+    return kwargs
+
+
+def build_mlp(config: ModelConfig, *, dtype: torch.dtype, device, tp: TPGroup,
+              layout: ShardLayout) -> nn.Module:
+    """The feed-forward block of a decoder layer (this rank's shard of it)."""
+    return GatedMLP(config.hidden_size, layout.intermediate_size, bias=config.mlp_bias,
+                    dtype=dtype, device=device, tp=tp, act=config.hidden_act)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device, tp: TPGroup,
-                 layout: ShardLayout, layer_idx: int = 0):
+    """Pre-norm layer: ``x + attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``.
+
+    Whether it slides, and which rope table it reads (``sliding_rope``), is fixed here from the
+    config: ``config.layer_window(layer)`` / ``config.layer_rope(layer)``.
+    """
+
+    NORMS = ("input_layernorm", "post_attention_layernorm")
+
+    def __init__(self, config: ModelConfig, layer: int, *, dtype: torch.dtype, device,
+                 tp: TPGroup, layout: ShardLayout):
         super().__init__()
         eps = config.rms_norm_eps
+        self.sliding_rope = config.layer_rope(layer) is not config.rope
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        # gpt-oss: sink logits on every layer, a sliding window on its sliding layers (HF's
-        # window of W keys, the query's own included, is FlashAttention's left = W - 1).
-        window = config.layer_window(layer_idx) if config.family == "gpt_oss" else None
         self.self_attn = Attention(config, dtype=dtype, device=device, tp=tp, layout=layout,
-                                   window_size=(-1, -1) if window is None else (window - 1, 0),
-                                   sinks=config.family == "gpt_oss")
+                                   **attention_variant(config, layer))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        # A GatedMLP, or in a sparse layer of an MoE family its expert block.
-        self.mlp = make_mlp(config, layer_idx, layout.intermediate_size, dtype=dtype,
-                            device=device, tp=tp)
+        self.mlp = build_mlp(config, dtype=dtype, device=device, tp=tp, layout=layout)
+
+    def checkpoint_shards(self, prefix: str, parts: CheckpointParts) -> dict[str, Shard]:
+        """This layer's checkpoint tensors (``prefix`` is ``model.layers.{i}.``)."""
+        return {**parts.attention(f"{prefix}self_attn.", self.self_attn),
+                **parts.gated_mlp(f"{prefix}mlp.", self.mlp),
+                **parts.norms(prefix, self, self.NORMS)}
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: KVCache,
@@ -81,21 +108,24 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """The decoder and its output head, for inference over the paged KV cache (no autograd).
 
-    Build it with :func:`init_empty_model` (no weight init, no double allocation) and fill it with
-    ``loader.load_model``; or call ``CausalLM(config, dtype=..., device=...)`` for a model with
-    PyTorch's default init (tests).
+    Build it with :func:`~.registry.init_empty_model` (no weight init, no double allocation, the
+    family's class) and fill it with ``loader.load_model``; or call
+    ``CausalLM(config, dtype=..., device=...)`` for a model with PyTorch's default init (tests).
 
     ``tp``: this process's rank of the tensor-parallel group (default: alone); the model then
     holds this rank's shard (``self.layout``) and its forward all-reduces inside the layers.
+
+    Families whose layers differ in shape subclass it and set ``layer_class`` / ``norm_class``
+    (Gemma), or ``fused_checkpoint`` (Phi-3 stores qkv_proj and gate_up_proj fused).
     """
+
+    layer_class: type[nn.Module] = DecoderLayer
+    norm_class: type[nn.Module] = RMSNorm
+    fused_checkpoint = False
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, tp: TPGroup | None = None):
         super().__init__()
-        if (config.family not in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
-                or (config.sliding_window is not None and config.family != "gpt_oss")):
-            raise ValueError(f"config: the {config.architecture} decoder (sliding window "
-                             f"{config.sliding_window}) is not implemented yet")
         self.config = config
         self.dtype = dtype = dtype or config.dtype
         self.tp = tp = tp or TPGroup.single(device or "cpu")
@@ -104,20 +134,35 @@ class CausalLM(nn.Module):
                                                    vocab_start=layout.vocab_start, tp=tp,
                                                    dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype=dtype, device=device, tp=tp, layout=layout, layer_idx=i)
+            self.layer_class(config, i, dtype=dtype, device=device, tp=tp, layout=layout)
             for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps, dtype=dtype,
+                                    device=device)
         self.lm_head = (None if config.tie_word_embeddings else
                         nn.Linear(config.hidden_size, layout.vocab_rows, bias=False, dtype=dtype,
                                   device=device))
         self.rotary = RotaryEmbedding(config.head_size, config.max_position_embeddings, config.rope,
                                       dtype=dtype, device=device)
+        self.sliding_rotary = (
+            None if config.sliding_rope is None else
+            RotaryEmbedding(config.head_size, config.max_position_embeddings, config.sliding_rope,
+                            dtype=dtype, device=device))
         self.requires_grad_(False)
         self.eval()
 
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """int64 ``[num_tokens]`` -> ``[num_tokens, hidden_size]``, the first layer's input."""
+        return self.embed_tokens(input_ids)
+
+    def reset_rotary(self) -> None:
+        """Recompute the rope tables on their current device (after ``to_empty``)."""
+        for rotary in (self.rotary, self.sliding_rotary):
+            if rotary is not None:
+                rotary.reset_parameters()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -138,19 +183,24 @@ class CausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: expected one (key_cache, value_cache) per layer "
                              f"({len(self.layers)}), got {len(kv_caches)}")
-        hidden, residual = self.embed_tokens(input_ids), None
-        cos_sin_cache = self.rotary.cos_sin_cache
+        hidden, residual = self.embed(input_ids), None
+        full_table = self.rotary.cos_sin_cache
+        sliding_table = full_table if self.sliding_rotary is None else self.sliding_rotary.cos_sin_cache
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, positions, cos_sin_cache, kv_cache, meta)
+            table = sliding_table if layer.sliding_rope else full_table
+            hidden, residual = layer(hidden, residual, positions, table, kv_cache, meta)
         if residual is None:                    # no layers
             return self.norm(hidden, backend=meta.backend)
         return self.norm(hidden, residual, backend=meta.backend)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: ``[n, hidden_size]`` model dtype -> float32 logits ``[n, vocab_size]``
-        (on every rank: a collective under tensor parallelism)."""
+        (on every rank: a collective under tensor parallelism); soft-capped to
+        ``(-cap, cap)`` when the config has a ``final_logit_softcap`` (Gemma 2)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return parallel_logits(hidden, weight, self.config.vocab_size, self.tp)
+        logits = parallel_logits(hidden, weight, self.config.vocab_size, self.tp)
+        cap = self.config.final_logit_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         """Hugging Face checkpoint tensor name -> the parameter (rows) it is copied into
@@ -160,76 +210,26 @@ class CausalLM(nn.Module):
     def checkpoint_shards(self) -> dict[str, Shard]:
         """Hugging Face checkpoint tensor name -> ``(rows, part)``: the parameter rows it fills
         and the index of the checkpoint tensor that fills them (None: all of it, e.g. always
-        with one rank).
+        with one rank; a list: those parts concatenated).
 
         The fused projections appear under each of their checkpoint names with a view of their
         rows: ``q_proj``/``k_proj``/``v_proj`` -> rows of ``qkv_proj``, ``gate_proj``/``up_proj``
-        -> halves of ``gate_up_proj``. With tied embeddings there is no ``lm_head.weight``.
-        Under tensor parallelism the parts are this rank's heads' rows of q/k/v (its KV head,
-        replicated, when ranks outnumber KV heads), its rows of gate/up, its input columns of
-        o_proj/down_proj (their biases whole) and its vocabulary rows.
+        -> halves of ``gate_up_proj`` (Phi-3: under its fused names). With tied embeddings there
+        is no ``lm_head.weight``. Under tensor parallelism the parts are this rank's heads' rows
+        of q/k/v (its KV head, replicated, when ranks outnumber KV heads), its rows of gate/up,
+        its input columns of o_proj/down_proj (their biases whole) and its vocabulary rows.
         """
-        c, lay = self.config, self.layout
-        hs, split = c.head_size, lay.sharded
-
-        def part(start: int, size: int, dim: int = 0) -> tuple[slice, ...] | None:
-            # The checkpoint index of `size` rows (dim 0) or columns (dim 1) from `start`.
-            if not split:
-                return None
-            return (slice(None),) * dim + (slice(start, start + size),)
-
+        lay = self.layout
+        parts = CheckpointParts(self.config, lay, fused=self.fused_checkpoint)
         vocab_rows = slice(0, lay.vocab_valid)
-        vocab = part(lay.vocab_start, lay.vocab_valid)
+        vocab = parts.part(lay.vocab_start, lay.vocab_valid)
         shards: dict[str, Shard] = {
             "model.embed_tokens.weight": (self.embed_tokens.weight[vocab_rows], vocab),
             "model.norm.weight": (self.norm.weight, None)}
         if self.lm_head is not None:
             shards["lm_head.weight"] = (self.lm_head.weight[vocab_rows], vocab)
-        q, kv, inter = lay.num_q_heads * hs, lay.num_kv_heads * hs, lay.intermediate_size
-        q_part = part(lay.q_head_start * hs, q)
-        kv_part = part(lay.kv_head_start * hs, kv)
-        inter_part = part(lay.intermediate_start, inter)
-        column_parts = {"o_proj": part(lay.q_head_start * hs, q, dim=1),
-                        "down_proj": part(lay.intermediate_start, inter, dim=1)}
-        qkv_rows = {"q_proj": (slice(0, q), q_part), "k_proj": (slice(q, q + kv), kv_part),
-                    "v_proj": (slice(q + kv, q + 2 * kv), kv_part)}
-        mlp_rows = {"gate_proj": (slice(0, inter), inter_part),
-                    "up_proj": (slice(inter, 2 * inter), inter_part)}
-
-        def add_linear(name: str, linear: nn.Linear, rows: slice = slice(None),
-                       rows_part: tuple[slice, ...] | None = None) -> None:
-            # A column-parallel checkpoint linear (weight, and bias if any) -> rows of ours.
-            shards[f"{name}.weight"] = (linear.weight[rows], rows_part)
-            if linear.bias is not None:
-                shards[f"{name}.bias"] = (linear.bias[rows], rows_part)
-
-        def add_row_parallel(name: str, linear: nn.Linear, kind: str) -> None:
-            # Input columns are split; the bias is added once, after the all-reduce: whole.
-            shards[f"{name}.weight"] = (linear.weight, column_parts[kind])
-            if linear.bias is not None:
-                shards[f"{name}.bias"] = (linear.bias, None)
-
         for i, layer in enumerate(self.layers):
-            prefix = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            for name, (rows, rows_part) in qkv_rows.items():
-                add_linear(f"{prefix}self_attn.{name}", attn.qkv_proj, rows, rows_part)
-            add_row_parallel(f"{prefix}self_attn.o_proj", attn.o_proj, "o_proj")
-            if attn.sinks is not None:
-                shards[f"{prefix}self_attn.sinks"] = (attn.sinks, part(lay.q_head_start,
-                                                                       lay.num_q_heads))
-            if attn.q_norm is not None:
-                shards[f"{prefix}self_attn.q_norm.weight"] = (attn.q_norm.weight, None)
-                shards[f"{prefix}self_attn.k_norm.weight"] = (attn.k_norm.weight, None)
-            if isinstance(mlp, SparseMoeBlock):
-                shards.update(mlp.checkpoint_shards(prefix))
-            else:
-                for name, (rows, rows_part) in mlp_rows.items():
-                    add_linear(f"{prefix}mlp.{name}", mlp.gate_up_proj, rows, rows_part)
-                add_row_parallel(f"{prefix}mlp.down_proj", mlp.down_proj, "down_proj")
-            shards[f"{prefix}input_layernorm.weight"] = (layer.input_layernorm.weight, None)
-            shards[f"{prefix}post_attention_layernorm.weight"] = (
-                layer.post_attention_layernorm.weight, None)
+            shards.update(layer.checkpoint_shards(f"model.layers.{i}.", parts))
         return shards
 
     def is_ignored_checkpoint_tensor(self, name: str) -> bool:
@@ -240,18 +240,7 @@ class CausalLM(nn.Module):
         return name == "lm_head.weight" and self.lm_head is None
 
 
-def init_empty_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str,
-                     tp: TPGroup | None = None) -> CausalLM:
-    """A :class:`CausalLM` (``tp``'s shard of it) whose weights are allocated on ``device`` in
-    ``dtype`` but not initialised (filled by the loader): built on the meta device, then
-    materialised once. The vocabulary padding rows of the last rank are zeroed (no checkpoint
-    tensor fills them)."""
-    model = CausalLM(config, dtype=dtype, device="meta", tp=tp)
-    model.to_empty(device=device)
-    model.rotary.reset_parameters()
-    valid = model.layout.vocab_valid
-    with torch.no_grad():
-        for table in (model.embed_tokens, model.lm_head):
-            if table is not None:
-                table.weight[valid:].zero_()
-    return model
+class Phi3ForCausalLM(CausalLM):
+    """Phi-3: the Llama decoder, its checkpoint storing qkv_proj and gate_up_proj fused."""
+
+    fused_checkpoint = True

@@ -17,8 +17,10 @@ import torch
 
 from ..distributed.group import TPGroup
 from ..errors import ModelLoadError
+from .checkpoint import read_part
 from .config import ModelConfig, check_model_dir, read_json, resolve_dtype
-from .llama import CausalLM, init_empty_model
+from .llama import CausalLM
+from .registry import init_empty_model
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device | str)
                             unexpected.append(name)
                         continue
                     target, part = shard
-                    tensor = f.get_tensor(name) if part is None else f.get_slice(name)[part]
+                    tensor = read_part(f, name, part)
                     if tuple(tensor.shape) != tuple(target.shape):
                         raise ValueError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                          f"the model expects {tuple(target.shape)} "

@@ -1,7 +1,7 @@
 """The sparse mixture-of-experts feed-forward: router, stacked expert weights, checkpoint names.
 
 A :class:`SparseMoeBlock` replaces ``GatedMLP`` in the sparse layers of Qwen3-MoE, Mixtral and
-gpt-oss (:func:`make_mlp` picks one per layer). Its router is replicated on every rank; under
+gpt-oss (``moe_decoder.MoeDecoderLayer``). Its router is replicated on every rank; under
 tensor parallelism each rank holds a slice of *every* expert's intermediate dim (w13 column
 parallel, w2 row parallel), so each rank runs all of the step's routed pairs on its slice and
 the partial outputs are all-reduced, as ``GatedMLP`` does.
@@ -27,7 +27,6 @@ from torch import nn
 
 from ..distributed.group import TPGroup
 from ..ops.moe import fused_moe
-from .layers import GatedMLP
 from .moe_config import MoeConfig
 
 # Where a checkpoint tensor goes (as in llama.Shard): parameter rows, and the checkpoint index.
@@ -174,16 +173,4 @@ class SparseMoeBlock(nn.Module):
         }
 
 
-def make_mlp(config, layer_idx: int, intermediate_size: int, *, dtype: torch.dtype, device,
-             tp: TPGroup) -> nn.Module:
-    """The feed-forward of layer ``layer_idx`` of ``config`` (a ModelConfig): a
-    :class:`SparseMoeBlock` for a sparse layer of an MoE model, else a ``GatedMLP`` of
-    ``intermediate_size`` (this rank's share)."""
-    moe = getattr(config, "moe", None)
-    if moe is not None and moe.is_sparse(layer_idx):
-        return SparseMoeBlock(config.hidden_size, moe, dtype=dtype, device=device, tp=tp)
-    return GatedMLP(config.hidden_size, intermediate_size, bias=config.mlp_bias, dtype=dtype,
-                    device=device, tp=tp)
-
-
-__all__ = ["SparseMoeBlock", "expert_shard", "make_mlp", "route", "softmax_topk", "topk_softmax"]
+__all__ = ["SparseMoeBlock", "expert_shard", "route", "softmax_topk", "topk_softmax"]

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .llama import CausalLM, init_empty_model
+from .llama import CausalLM
+from .registry import init_empty_model
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

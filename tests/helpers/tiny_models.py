@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face model directories for tests (Llama, Qwen2, Qwen3).
+"""Tiny random Hugging Face model directories for tests (Llama, Qwen2, Qwen3, Mistral, Phi-3,
+Gemma 2, Gemma 3).
 
 ``make_tiny_model_dir(path, arch)`` writes what a real checkpoint directory holds, through
 ``transformers`` itself: config.json, model.safetensors (or shards + index),
@@ -26,7 +27,10 @@ import torch
 
 from mini_paged_attn.models.tiny import CHAT_TEMPLATE, ENDOFTEXT, IM_END, SPECIAL_TOKENS, write_tokenizer_files
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen3_moe",
+         "mixtral", "gpt_oss")
+# Windows shorter than the test prompts, not a multiple of the test block sizes.
+TINY_WINDOW = 6
 
 TOKENIZER_VOCAB_SIZE = 300
 
@@ -69,6 +73,7 @@ def tiny_tokenizer():
 
 
 def _hf_config(arch: str, vocab_size: int, special_ids: dict[str, int], **overrides):
+    import transformers as tf
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -87,9 +92,33 @@ def _hf_config(arch: str, vocab_size: int, special_ids: dict[str, int], **overri
         common.update(rope_theta=1000000.0, head_dim=32)   # head_dim != hidden / heads, as in Qwen3
         common.update(overrides)
         return Qwen3Config(**common)
+    if arch in _NEW_FAMILIES:
+        cls, defaults = _NEW_FAMILIES[arch]
+        return getattr(tf, cls)(**{**common, **defaults, **overrides})
     if arch in MOE_ARCHS:
         return _hf_moe_config(arch, common, overrides)
     raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
+
+
+# arch -> (transformers config class, its tiny fields): windows shorter than the test prompts,
+# soft-caps small enough that tanh bends the scores / logits, Gemma 3 mixing sliding and full
+# layers with different rope bases.
+_NEW_FAMILIES = {
+    "mistral": ("MistralConfig", dict(rope_theta=10000.0, sliding_window=TINY_WINDOW)),
+    "phi3": ("Phi3Config", dict(rope_theta=10000.0, pad_token_id=None,
+                                original_max_position_embeddings=512)),
+    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=TINY_WINDOW,
+                                    attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                    pad_token_id=None)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=24,
+                                        sliding_window=TINY_WINDOW, num_hidden_layers=3,
+                                        layer_types=["sliding_attention", "full_attention",
+                                                     "sliding_attention"],
+                                        rope_theta=10000.0, rope_local_base_freq=100.0,
+                                        pad_token_id=None)),
+}
+PHI3_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                 "long_factor": [2.0 + 0.5 * i for i in range(8)]}
 
 
 MOE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss")
@@ -98,7 +127,7 @@ MOE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss")
 def _hf_moe_config(arch: str, common: dict, overrides: dict):
     """8 experts of intermediate 32, 2 per token. Qwen3-MoE: 3 layers, layer 0 dense
     (``mlp_only_layers``), top-k weights not renormalised; Mixtral renormalises. gpt-oss:
-    sliding (window 4, shorter than the test prompts) and full layers alternating, attention
+    sliding (``TINY_WINDOW``) and full layers alternating, attention
     sinks and biases, yarn rope, expert biases, the clamped SwiGLU."""
     from transformers import GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
@@ -110,7 +139,7 @@ def _hf_moe_config(arch: str, common: dict, overrides: dict):
         return Qwen3MoeConfig(**common)
     common.update(num_local_experts=8, intermediate_size=32)
     if arch == "gpt_oss":
-        common.update(head_dim=16, sliding_window=4, layer_types=["sliding_attention",
+        common.update(head_dim=16, sliding_window=TINY_WINDOW, layer_types=["sliding_attention",
                                                                   "full_attention"])
         common.update(overrides)
         return GptOssConfig(**common)

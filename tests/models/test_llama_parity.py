@@ -2,7 +2,10 @@
 
 Every variant is a tiny random checkpoint written by transformers: Llama (plain and with llama3
 rope scaling), Qwen2 (tied and untied embeddings, qkv bias), Qwen3 (q/k norm, head_dim 32,
-sharded). Caches are NaN-poisoned and blocks come out of a shuffled free list.
+sharded), Phi-3 (fused checkpoint projections; longrope), Mistral (sliding window), Gemma 2
+(sandwich norms, GeGLU, soft-caps, alternating windows, tied) and Gemma 3 (q/k norms, local rope
+base). Windows are shorter than the longer prompts. Caches are NaN-poisoned and blocks come out
+of a shuffled free list.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.paged_batch import PagedBatchBuilder
-from helpers.tiny_models import LLAMA3_ROPE_SCALING, hf_reference_model
+from helpers.tiny_models import LLAMA3_ROPE_SCALING, PHI3_LONGROPE, hf_reference_model
 
 from mini_paged_attn.models.loader import load_model
 
@@ -20,10 +23,15 @@ VARIANTS = {
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen2-untied": ("qwen2", {}),
     "qwen3-sharded": ("qwen3", {"max_shard_size": "100KB"}),
+    "phi3": ("phi3", {}),
+    "phi3-longrope": ("phi3", {"rope_scaling": PHI3_LONGROPE, "original_max_position_embeddings": 64}),
+    "mistral-window": ("mistral", {}),
+    "gemma2-tied": ("gemma2", {"tie_word_embeddings": True}),
+    "gemma3": ("gemma3", {}),
 }
 ATOL = 1e-4
 BLOCK_SIZE = 4
-PROMPT_LENS = (1, 3, BLOCK_SIZE, BLOCK_SIZE + 1, 11)
+PROMPT_LENS = (1, 3, BLOCK_SIZE, BLOCK_SIZE + 1, 11, 17)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -112,7 +120,7 @@ def test_padding_rows_are_inert(models):
         torch.testing.assert_close(v1, v0, atol=1e-5, rtol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
 @torch.inference_mode()
 def test_bf16_error_is_within_transformers_bf16_noise(tiny_model_factory, arch):
     """bf16 cannot match fp32 exactly; it must be as close to it as transformers' own bf16 is."""

@@ -3,7 +3,7 @@
 Tiny random checkpoints written by transformers' ``save_pretrained``: Qwen3-MoE (a dense layer
 from ``mlp_only_layers`` before the sparse ones, top-k weights not renormalised; and
 renormalised with ``decoder_sparse_step=2``), Mixtral (``block_sparse_moe.experts.N.w1/w2/w3``,
-sharded), gpt-oss (attention sinks, a sliding window of 4 shorter than the prompts on every
+sharded), gpt-oss (attention sinks, a sliding window shorter than the prompts on every
 other layer, yarn rope, attention and expert biases, fused interleaved experts, the clamped
 SwiGLU). Also: the routing functions against transformers' routers, the checkpoint names,
 and the expert block's Triton path against its torch path.
@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 from helpers.paged_batch import PagedBatchBuilder
-from helpers.tiny_models import hf_reference_model
+from helpers.tiny_models import TINY_WINDOW, hf_reference_model
 
 from mini_paged_attn.models.config import ModelConfig
 from mini_paged_attn.models.loader import load_model
@@ -152,7 +152,8 @@ def test_config_reads_the_moe_fields(tiny_model_factory):
     oss = ModelConfig.from_dict(_raw(tiny_model_factory("gpt_oss")))
     assert oss.moe.router == "topk_softmax" and oss.moe.router_bias and oss.moe.expert_bias
     assert oss.moe.activation.kind == "clamped_swiglu" and oss.moe.activation.interleaved
-    assert oss.layer_types == ("sliding_attention", "full_attention") and oss.sliding_window == 4
+    assert oss.layer_types == ("sliding_attention", "full_attention")
+    assert oss.sliding_window == TINY_WINDOW
     assert oss.qkv_bias and oss.o_bias and oss.rope.rope_type == "yarn"
 
 

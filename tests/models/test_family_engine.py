@@ -1,0 +1,105 @@
+"""The new families end to end: the engine's greedy outputs equal transformers' ``generate``
+for a sliding-window family (Mistral: every layer windowed) and Gemma 2 (alternating windowed
+and full layers, soft-caps), with prefix caching, chunked prefill and forced preemption in one
+engine, prompts several windows long; Phi-3's fused checkpoint tensors split over two ranks,
+and a windowed Phi-3 at tensor-parallel size 2 (gloo processes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.engines import assert_pool_whole
+from helpers.tiny_models import TINY_WINDOW, hf_reference_model
+
+from mini_paged_attn.distributed import TPGroup
+from mini_paged_attn.engine.llm import LLM
+from mini_paged_attn.engine.sampling_params import SamplingParams
+from mini_paged_attn.models.loader import load_model
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+PROMPT_LENS = (3, 13, 21, 30)
+# Blocks of 4, a pool of 12 blocks (the longest request needs 10, so others are preempted),
+# 8 tokens a step (prompts are chunked), prefix caching.
+ENGINE = dict(block_size=4, num_kv_blocks=12, max_num_seqs=4, max_num_batched_tokens=8,
+              max_model_len=64, enable_prefix_caching=True)
+
+
+def make_prompts(vocab_size: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    prompts[3][:12] = prompts[1][:12]           # a shared prefix of 3 blocks
+    return prompts
+
+
+def hf_greedy(model_dir, prompts) -> list[list[int]]:
+    hf = hf_reference_model(model_dir)
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                              dtype=torch.long), max_new_tokens=MAX_TOKENS, do_sample=False,
+                              pad_token_id=0)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def check_engine(llm: LLM, model_dir) -> None:
+    prompts = make_prompts(llm.engine.model_config.vocab_size)
+    expected = hf_greedy(model_dir, prompts)
+    for _ in range(2):          # the second round hits the prefix cache
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    stats = llm.stats()
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hit_rate > 0
+    assert_pool_whole(llm.engine)
+
+
+@pytest.mark.parametrize("arch, overrides", [("mistral", {}),
+                                             ("gemma2", {"tie_word_embeddings": True})])
+def test_windowed_families_match_transformers_through_the_engine(tiny_model_factory, arch,
+                                                                 overrides):
+    model_dir = tiny_model_factory(arch, **overrides)
+    llm = LLM(model_dir, dtype="float32", device="cpu", **ENGINE)
+    assert llm.engine.model_config.sliding_window == TINY_WINDOW
+    check_engine(llm, model_dir)
+
+
+class _FakeGroup:
+    """A process group the layout test never calls (no collective runs)."""
+
+
+def test_phi3_fused_tensors_split_by_heads_and_rows(tiny_model_factory):
+    model_dir = tiny_model_factory("phi3")
+    full, config = load_model(model_dir, dtype="float32")
+    ranks = [load_model(model_dir, dtype="float32",
+                        tp=TPGroup(r, 2, torch.device("cpu"), _FakeGroup()))[0] for r in range(2)]
+    hs, inter = config.head_size, config.intermediate_size
+    full_qkv = full.layers[1].self_attn.qkv_proj.weight
+    q_full, kv_full = config.q_size, config.kv_size
+    for r, model in enumerate(ranks):
+        attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
+        q, kv = attn.num_q_heads * hs, attn.num_kv_heads * hs
+        want_q = full_qkv[r * q:(r + 1) * q]
+        want_k = full_qkv[q_full + r * kv:q_full + (r + 1) * kv]
+        want_v = full_qkv[q_full + kv_full + r * kv:q_full + kv_full + (r + 1) * kv]
+        assert torch.equal(attn.qkv_proj.weight, torch.cat([want_q, want_k, want_v]))
+        half = inter // 2
+        full_gu = full.layers[1].mlp.gate_up_proj.weight
+        assert torch.equal(mlp.gate_up_proj.weight,
+                           torch.cat([full_gu[r * half:(r + 1) * half],
+                                      full_gu[inter + r * half:inter + (r + 1) * half]]))
+        assert torch.equal(mlp.down_proj.weight,
+                           full.layers[1].mlp.down_proj.weight[:, r * half:(r + 1) * half])
+
+
+def test_windowed_phi3_at_tensor_parallel_size_2(tiny_model_factory):
+    model_dir = tiny_model_factory("phi3", sliding_window=TINY_WINDOW)
+    llm = LLM(model_dir, dtype="float32", device="cpu", tensor_parallel_size=2, **ENGINE)
+    try:
+        assert llm.engine.model_config.uniform_sliding_window == TINY_WINDOW
+        check_engine(llm, model_dir)
+    finally:
+        llm.shutdown()
