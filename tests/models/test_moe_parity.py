@@ -85,12 +85,15 @@ def test_sparse_layers_follow_the_config(models):
 
 @torch.inference_mode()
 def test_triton_experts_match_torch_experts(tiny_model_factory):
-    """The model's expert block through the Triton kernels (interpreter on CPU)."""
-    model, config = load_model(tiny_model_factory("qwen3_moe"))
+    """The model's expert block through the Triton kernels (the interpreter on CPU; the GPU
+    when there is one)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, config = load_model(tiny_model_factory("qwen3_moe"), device=device)
     block = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock))
-    x = torch.randn(9, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(9, config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
+    tol = 1e-5 if device == "cpu" else 1e-2    # tf32 dots on the GPU
     torch.testing.assert_close(block(x, backend="triton"), block(x, backend="torch"),
-                               atol=1e-5, rtol=1e-5)
+                               atol=tol, rtol=tol)
 
 
 # ---- routing against transformers' routers ------------------------------------------------------
