@@ -98,7 +98,8 @@ class CheckpointParts:
             shards = self.column(f"{prefix}gate_up_proj", mlp.gate_up_proj, part=parts)
         else:
             shards = {}
-            for name, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
+            halves = (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter)))
+            for name, rows in halves:
                 shards.update(self.column(f"{prefix}{name}", mlp.gate_up_proj, rows,
                                           self.inter_part))
         shards.update(self.row(f"{prefix}down_proj", mlp.down_proj, self.down_cols))

@@ -176,11 +176,14 @@ class ModelConfig:
         """The sliding window of layer ``layer`` (None: full attention)."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
+    def layer_uses_sliding_rope(self, layer: int) -> bool:
+        """Whether layer ``layer`` rotates with ``sliding_rope`` (a sliding layer, when the
+        config has one) rather than ``rope``."""
+        return self.sliding_rope is not None and self.layer_types[layer] == "sliding_attention"
+
     def layer_rope(self, layer: int) -> RopeConfig:
         """The rope parameters layer ``layer`` rotates with."""
-        if self.sliding_rope is not None and self.layer_types[layer] == "sliding_attention":
-            return self.sliding_rope
-        return self.rope
+        return self.sliding_rope if self.layer_uses_sliding_rope(layer) else self.rope
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, generation_config: dict[str, Any] | None = None,

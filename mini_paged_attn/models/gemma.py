@@ -96,7 +96,7 @@ class GemmaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, *, dtype: torch.dtype, device,
                  tp: TPGroup, layout: ShardLayout):
         super().__init__()
-        self.sliding_rope = config.layer_rope(layer) is not config.rope
+        self.sliding_rope = config.layer_uses_sliding_rope(layer)
         for name in self.NORMS:
             setattr(self, name, GemmaRMSNorm(config.hidden_size, config.rms_norm_eps,
                                              dtype=dtype, device=device))

@@ -7,8 +7,8 @@ flags; the base class of the other families' models (Gemma: ``gemma.py``).
 Differences between the families are flags: ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3, per-head
 RMSNorm on q and k before rope), ``tie_word_embeddings``, the rope scaling, ``head_size`` not
 ``hidden_size // num_q_heads`` (Qwen3), sliding-window layers (Mistral, Phi-3, Qwen with
-``use_sliding_window``), Phi-3's fused checkpoint tensors. Parameter names follow the Hugging Face checkpoints
-except for the fused projections (``qkv_proj``, ``gate_up_proj``);
+``use_sliding_window``), Phi-3's fused checkpoint tensors. Parameter names follow the Hugging
+Face checkpoints except for the fused projections (``qkv_proj``, ``gate_up_proj``);
 :meth:`CausalLM.checkpoint_shards` maps every checkpoint tensor name onto its rows, and under
 tensor parallelism onto the part of the checkpoint tensor this rank holds (see
 ``distributed.sharding``).
@@ -53,10 +53,11 @@ def build_mlp(config: ModelConfig, *, dtype: torch.dtype, device, tp: TPGroup,
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm layer: ``x + attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``.
+    """Pre-norm layer: ``x + attn(input_layernorm(x))``, then
+    ``x + mlp(post_attention_layernorm(x))``.
 
     Whether it slides, and which rope table it reads (``sliding_rope``), is fixed here from the
-    config: ``config.layer_window(layer)`` / ``config.layer_rope(layer)``.
+    config (``config.layer_window(layer)``, ``config.layer_uses_sliding_rope(layer)``).
     """
 
     NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -65,7 +66,7 @@ class DecoderLayer(nn.Module):
                  tp: TPGroup, layout: ShardLayout):
         super().__init__()
         eps = config.rms_norm_eps
-        self.sliding_rope = config.layer_rope(layer) is not config.rope
+        self.sliding_rope = config.layer_uses_sliding_rope(layer)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
         self.self_attn = Attention(config, dtype=dtype, device=device, tp=tp, layout=layout,
                                    **attention_variant(config, layer))
@@ -184,11 +185,13 @@ class CausalLM(nn.Module):
             raise ValueError(f"kv_caches: expected one (key_cache, value_cache) per layer "
                              f"({len(self.layers)}), got {len(kv_caches)}")
         hidden, residual = self.embed(input_ids), None
-        full_table = self.rotary.cos_sin_cache
-        sliding_table = full_table if self.sliding_rotary is None else self.sliding_rotary.cos_sin_cache
+        # layer.sliding_rope -> its rope table (a sliding one only when the config has one)
+        tables = {False: self.rotary.cos_sin_cache}
+        if self.sliding_rotary is not None:
+            tables[True] = self.sliding_rotary.cos_sin_cache
         for layer, kv_cache in zip(self.layers, kv_caches):
-            table = sliding_table if layer.sliding_rope else full_table
-            hidden, residual = layer(hidden, residual, positions, table, kv_cache, meta)
+            hidden, residual = layer(hidden, residual, positions, tables[layer.sliding_rope],
+                                     kv_cache, meta)
         if residual is None:                    # no layers
             return self.norm(hidden, backend=meta.backend)
         return self.norm(hidden, residual, backend=meta.backend)[0]

@@ -64,8 +64,8 @@ class RopeConfig:
             raise ValueError(f"rope original_max_position_embeddings: required by {self.rope_type} "
                              f"rope scaling, got {self.original_max_position_embeddings!r}")
         if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
-            raise ValueError("rope high_freq_factor / low_freq_factor: expected "
-                             f"high > low > 0, got {self.high_freq_factor} / {self.low_freq_factor}")
+            raise ValueError("rope high_freq_factor / low_freq_factor: expected high > low > 0, "
+                             f"got {self.high_freq_factor} / {self.low_freq_factor}")
         if self.rope_type == "longrope" and not (self.short_factor and self.long_factor):
             raise ValueError("rope short_factor / long_factor: required by longrope, got "
                              f"{len(self.short_factor)} / {len(self.long_factor)} values")
@@ -98,10 +98,12 @@ def parse_rope(params: dict[str, Any], *, default_theta: float, max_position_emb
     if rope_type == "su":                     # early Phi-3 spelling
         rope_type = "longrope"
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"{source}: rope type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"{source}: partial_rotary_factor {params['partial_rotary_factor']} is not "
-                         "supported (rotary on the whole head only)")
+        raise ValueError(f"{source}: rope type {rope_type!r} is not supported; "
+                         f"supported: {ROPE_TYPES}")
+    partial = params.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor {partial} is not supported "
+                         "(rotary on the whole head only)")
     original = (original_max_position_embeddings or params.get("original_max_position_embeddings")
                 or (max_position_embeddings if rope_type in _NEEDS_ORIGINAL else None))
     factor = params.get("factor")

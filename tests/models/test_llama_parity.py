@@ -1,11 +1,12 @@
 """The paged decoder against transformers' own forward, token for token (fp32, CPU).
 
 Every variant is a tiny random checkpoint written by transformers: Llama (plain and with llama3
-rope scaling), Qwen2 (tied and untied embeddings, qkv bias), Qwen3 (q/k norm, head_dim 32,
-sharded), Phi-3 (fused checkpoint projections; longrope), Mistral (sliding window), Gemma 2
-(sandwich norms, GeGLU, soft-caps, alternating windows, tied) and Gemma 3 (q/k norms, local rope
-base). Windows are shorter than the longer prompts. Caches are NaN-poisoned and blocks come out
-of a shuffled free list.
+rope scaling), Qwen2 (tied and untied embeddings, qkv bias; windowed from layer 1 on, as
+use_sliding_window and max_window_layers say), Qwen3 (q/k norm, head_dim 32, sharded), Phi-3
+(fused checkpoint projections; longrope), Mistral (sliding window), Gemma 2 (sandwich norms,
+GeGLU, soft-caps, alternating windows, tied) and Gemma 3 (q/k norms, local rope base). Windows
+are shorter than the longer prompts. Caches are NaN-poisoned and blocks come out of a shuffled
+free list.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ VARIANTS = {
     "phi3": ("phi3", {}),
     "phi3-longrope": ("phi3", {"rope_scaling": PHI3_LONGROPE, "original_max_position_embeddings": 64}),
     "mistral-window": ("mistral", {}),
+    "qwen2-window-from-layer-1": ("qwen2", {"use_sliding_window": True, "sliding_window": 6,
+                                           "max_window_layers": 1}),
     "gemma2-tied": ("gemma2", {"tie_word_embeddings": True}),
     "gemma3": ("gemma3", {}),
 }

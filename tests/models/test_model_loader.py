@@ -45,6 +45,20 @@ def test_every_checkpoint_tensor_lands_in_its_rows(tiny_model_factory, arch, kwa
     assert not any(p.requires_grad for p in model.parameters())
 
 
+@pytest.mark.parametrize("arch, kwargs", [
+    ("mistral", {}), ("phi3", {}), ("gemma2", {"tie_word_embeddings": True}), ("gemma3", {})])
+def test_the_model_names_exactly_the_checkpoints_tensors(tiny_model_factory, arch, kwargs):
+    """Each family's mapping covers every tensor transformers saved and no other: a forgotten
+    norm or a misspelt name would fail here before any parity test."""
+    model_dir = tiny_model_factory(arch, **kwargs)
+    model, _ = load_model(model_dir)
+    checkpoint = read_checkpoint(model_dir)
+    assert set(model.checkpoint_targets()) == set(checkpoint) - {
+        n for n in checkpoint if model.is_ignored_checkpoint_tensor(n)}
+    for name, target in model.checkpoint_targets().items():
+        torch.testing.assert_close(target, checkpoint[name], atol=0, rtol=0, msg=name)
+
+
 def test_loads_in_the_requested_dtype_reading_on_the_device(tiny_model_factory, monkeypatch):
     model_dir = tiny_model_factory("qwen2")
     devices = []
