@@ -96,6 +96,23 @@ def test_triton_experts_match_torch_experts(tiny_model_factory):
                                atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_the_model_names_exactly_the_checkpoints_tensors(tiny_model_factory, arch):
+    """Every tensor transformers saved has a target holding exactly its values (gpt-oss's
+    fused experts through transposed views), and no target is left without one."""
+    from safetensors.torch import load_file
+
+    model_dir = tiny_model_factory(arch)
+    model, _ = load_model(model_dir)
+    checkpoint = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        checkpoint.update(load_file(path))
+    targets = model.checkpoint_targets()
+    assert set(targets) == {n for n in checkpoint if not model.is_ignored_checkpoint_tensor(n)}
+    for name, target in targets.items():
+        torch.testing.assert_close(target, checkpoint[name], atol=0, rtol=0, msg=name)
+
+
 # ---- routing against transformers' routers ------------------------------------------------------
 
 @pytest.mark.parametrize("renormalize", [False, True])
