@@ -17,8 +17,7 @@ from mini_paged_attn.ops.moe_triton import MoeTiles, moe_routing_plan, triton_fu
 
 # fp16: the kernel rounds the activation and each expert's output once (the reference rounds
 # the projections too), a few ulps of outputs of magnitude ~10.
-TOL = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.float16: dict(atol=3e-2, rtol=1e-2),
-       torch.bfloat16: dict(atol=6e-2, rtol=2e-2)}
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.float16: dict(atol=3e-2, rtol=1e-2)}
 CPU_DTYPES = (torch.float32, torch.float16)
 CLAMPED = MoeActivation("clamped_swiglu", interleaved=True)
 
@@ -196,20 +195,41 @@ def test_bad_activation_is_refused():
 
 # ---- GPU ----------------------------------------------------------------------------------------
 
+class _no_tf32:
+    """float32 matmuls in full precision inside the block (the exact result)."""
+
+    def __enter__(self):
+        self.saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.saved
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 16, 300])
 @pytest.mark.parametrize("activation, bias", [(MoeActivation(), False), (CLAMPED, True)],
                          ids=["swiglu", "clamped-bias"])
-def test_gpu_bf16_matches_reference(num_tokens, activation, bias):
+def test_gpu_bf16_error_is_within_the_references_bf16_noise(num_tokens, activation, bias):
+    """bf16 cannot match float32 exactly; the kernels (float32 accumulation, two roundings per
+    pair) must be as close to the float32 result as the bf16 reference is (outputs reach ~50,
+    where a bf16 ulp is 0.25, so a fixed tolerance says little)."""
     args = _problem(num_tokens, 128, 8, 2048, 768, torch.bfloat16, seed=num_tokens,
                     device="cuda", bias=bias)
-    want = fused_moe(**args, activation=activation, backend="torch")
+    exact_args = {k: v.float() if v.dtype == torch.bfloat16 else v for k, v in args.items()}
+    with _no_tf32():
+        exact = fused_moe(**exact_args, activation=activation, backend="torch")
+    ref = fused_moe(**args, activation=activation, backend="torch")
     got = fused_moe(**args, activation=activation, backend="triton")
-    torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
+    noise = (ref.float() - exact).abs().max().item()
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert (got.float() - exact).abs().max().item() <= 1.5 * noise
 
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replays_with_new_routing():
+    """Captured once, replayed after the routing changed (other experts, some with no token):
+    the same bits as an eager call on the new inputs."""
     args = _problem(8, 16, 2, 256, 128, torch.bfloat16, seed=5, device="cuda")
     fused_moe(**args)                                   # compile outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -220,4 +240,4 @@ def test_gpu_cuda_graph_replays_with_new_routing():
     for name in ("hidden", "topk_ids", "topk_weights"):
         args[name].copy_(new[name])
     graph.replay()
-    torch.testing.assert_close(out, fused_moe(**args, backend="torch"), **TOL[torch.bfloat16])
+    torch.testing.assert_close(out, fused_moe(**args), atol=0, rtol=0)
