@@ -8,7 +8,8 @@ gives the GPU time per call (median, L2 flushed before each call) of
 - ``triton``: ``fused_moe(..., backend="triton")`` (routing plan, two grouped GEMMs, the
   top-k sum);
 - ``torch``: the reference, one ``F.linear`` pair per expert that got a token (what
-  transformers' eager expert loop does; it reads the routed experts back to the host);
+  transformers' eager expert loop does; it reads the routed experts back to the host, so its
+  time includes the GPU idling while the host launches each expert's kernels);
 
 the routing plan's share of the Triton time (``plan_us``, the torch ops that sort the pairs by
 expert), the experts hit, the useful TFLOP/s of each (``6 * T * k * H * I`` flops: gate/up
