@@ -24,7 +24,7 @@ import torch
 
 from ..ops.dispatch import paged_prefill
 from ..ops.varlen import flash_attn_varlen_func
-from .hf_attention import IMPLEMENTATION_NAME, check_supported
+from .hf_attention import IMPLEMENTATION_NAME, check_supported, variant_kwargs
 
 PAGED_IMPLEMENTATION_NAME = f"paged|{IMPLEMENTATION_NAME}"
 
@@ -76,6 +76,7 @@ def mini_paged_attention_paged_forward(module: torch.nn.Module, query: torch.Ten
         raise NotImplementedError(f"{PAGED_IMPLEMENTATION_NAME}: sliding-window layers are not "
                                   "implemented")
     check_supported(module, 0, dropout, kwargs)
+    variant = variant_kwargs(module, query, kwargs)   # soft-capping and sinks
     _, num_heads, total_q, head_dim = query.shape
     cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)
     cu_k = _layer_kwarg(kwargs["cu_seq_lens_k"]).to(torch.int32)
@@ -89,7 +90,7 @@ def mini_paged_attention_paged_forward(module: torch.nn.Module, query: torch.Ten
     q = query[0].transpose(0, 1)                                   # [total_q, heads, head_dim]
     if read_index.numel() == 0:
         out = flash_attn_varlen_func(q, new_k, new_v, cu_q, cu_k, int(kwargs["max_seqlen_q"]),
-                                     max_k, softmax_scale=scaling, causal=True)
+                                     max_k, softmax_scale=scaling, causal=True, **variant)
     else:
         block_size = cache.block_size
         pages = (-1, block_size, cache.num_key_value_heads, head_dim)
@@ -97,5 +98,5 @@ def mini_paged_attention_paged_forward(module: torch.nn.Module, query: torch.Ten
         value_cache = cache.value_cache[layer_in_group].view(pages)
         tables = _block_tables(read_index, cu_k, max_k, block_size)
         out = paged_prefill(q, key_cache, value_cache, tables, cu_q, cu_k[1:] - cu_k[:-1],
-                            causal=True, scale=scaling)
+                            causal=True, scale=scaling, **variant)
     return out.view(1, total_q, num_heads, head_dim), None

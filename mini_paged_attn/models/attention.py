@@ -130,8 +130,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         window_size, softcap, sinks: the layer's attention variant (FlashAttention's sliding
             window, logit soft-capping, float32 ``[num_q_heads]`` sink logits), passed to the
             ops unchanged. One step's metadata serves windowed and full layers alike: the decode
-            op plans its split-KV launch per call from the window (fewer tiles, so never more
-            splits than a full layer's, which the shared workspace already holds).
+            op plans each call's split-KV launch for the layer's window (its tiles, not the
+            table's), capped by the splits ``meta.decode_workspace`` holds, so windowed and
+            full layers share one workspace and a CUDA graph captures both plans.
 
     Returns:
         ``[num_tokens, num_q_heads, head_size]`` in q's dtype.

@@ -5,6 +5,8 @@
   (``decode.py``, ``prefill.py``, ``kv_write.py``). The three take an fp8 (e4m3) KV cache
   with ``k_scale`` / ``v_scale`` (``kv_quant.py``).
 - :func:`flash_attn_varlen_func`: FlashAttention's function of that name (``varlen.py``).
+- Attention variants, for every attention op and backend (``variants.py``): sliding windows
+  (``window_size``), logit soft-capping (``softcap``) and attention sinks (``sinks``).
 - :func:`merge_attention_states`: the online-softmax combine of two partial results.
 - :func:`num_splits_heuristic`, :func:`explain_decode`: how decode splits the KV sequence.
 - :func:`rms_norm` (optionally fused with the residual add), :func:`apply_rotary`,

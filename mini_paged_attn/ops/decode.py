@@ -22,6 +22,13 @@ sequence's last tile load nothing and write 0 with lse ``-inf`` (weight 0 in the
 grid is fixed by the launch arguments alone (CUDA-graph friendly) and nothing is read
 uninitialised. ``num_splits == 1`` is one launch writing ``out`` directly: a sequence's result
 then depends only on its own data (batch-invariant, deterministic).
+
+Variants (:mod:`.variants`), each a constexpr switch so the default launch compiles as before:
+a left window starts each sequence's tiles at the one holding its first visible key (tiles and
+cache blocks wholly left of it are never read, so a windowed decode costs O(window), and the
+splits share out only the window's tiles); soft-capping maps the scores through
+:func:`soft_cap`; sinks start split 0's online softmax at ``m = sink, l = 1``, so the merged
+denominator holds the sink exactly once and the lse includes it.
 """
 
 from __future__ import annotations
@@ -47,10 +54,22 @@ MAX_GRID_Z = 65535
 
 
 @triton.jit
+def soft_cap(s, cap):
+    """``cap * tanh(s / cap)``, elementwise; ``s`` and ``cap`` in the same (log2) units.
+
+    tanh through exp2 (``1 - 2 / (e^2x + 1)``), which the interpreter and every GPU have;
+    the exponent is clamped at 64 (tanh is 1 in float32 long before), so nothing overflows,
+    and it saturates to -1 as ``e^2x`` underflows to 0.
+    """
+    e2x = tl.exp2(tl.minimum((2.0 * 1.4426950408889634) * (s / cap), 64.0))
+    return cap * (1.0 - 2.0 / (e2x + 1.0))
+
+
+@triton.jit
 def _paged_decode_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
-    block_tables_ptr, context_lens_ptr, out_ptr, lse_ptr, scale_log2,
-    stride_k_scale, stride_v_scale,
+    block_tables_ptr, context_lens_ptr, out_ptr, lse_ptr, sinks_ptr, scale_log2,
+    window_left, softcap_log2, stride_k_scale, stride_v_scale,
     stride_q_seq, stride_q_head,
     stride_k_block, stride_k_token, stride_k_head,
     stride_v_block, stride_v_token, stride_v_head,
@@ -61,6 +80,7 @@ def _paged_decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Grid ``(num_kv_heads, num_splits, num_seqs)``: the KV heads of one sequence run side by
     side, so the token rows of a block (all heads' K and V) are read at about the same time.
@@ -70,6 +90,12 @@ def _paged_decode_kernel(
     query's dtype (and the lse when WRITE_LSE). The lse is natural-log, of the scaled scores.
     K_SCALED / V_SCALED: read the KV head's scale at ``k_scale_ptr + kv_head * stride_k_scale``
     (stride 0: one scale for all heads); else the pointers are never read (scale 1).
+    WINDOW: the query (position ``context_len - 1``) sees only keys from
+    ``context_len - 1 - window_left``; the splits share out only the tiles from the one holding
+    that key, so tiles (and blocks) wholly left of the window are never touched.
+    SOFTCAP: scores (log2 units) become ``soft_cap(s, softcap_log2)``.
+    HAS_SINKS: split 0 starts its online softmax at ``m = sink, l = 1`` (a key of value 0 and
+    logit ``sinks[head]``), so the sink enters the merged denominator exactly once.
     """
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -77,10 +103,14 @@ def _paged_decode_kernel(
     num_splits = tl.num_programs(1)
 
     context_len = tl.load(context_lens_ptr + seq)
-    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    window_start = 0
+    if WINDOW:
+        window_start = tl.maximum(context_len - 1 - window_left, 0)
+    first_tile = window_start // BLOCK_N
+    num_tiles = tl.cdiv(context_len, BLOCK_N) - first_tile
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_begin = split * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+    tile_begin = first_tile + split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, first_tile + num_tiles)
 
     rows = tl.arange(0, BLOCK_H)                # [BLOCK_H] query heads of the group (padded)
     dims = tl.arange(0, HEAD_SIZE_PADDED)       # [HEAD_SIZE_PADDED]
@@ -103,6 +133,10 @@ def _paged_decode_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)       # running max (log2 domain)
     l_i = tl.zeros([BLOCK_H], tl.float32)                      # running sum of exp2
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=row_valid, other=0.0) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, m_i)                  # [BLOCK_H]
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_H, HEAD_SIZE_PADDED], tl.float32)   # running sum of p * v
 
     # Masking every tile (not only the sequence's last) measured the same on an H100: the loop
@@ -110,6 +144,9 @@ def _paged_decode_kernel(
     for tile in range(tile_begin, tile_end):
         tokens = tile * BLOCK_N + tl.arange(0, BLOCK_N)       # [BLOCK_N] positions
         token_valid = tokens < context_len                     # [BLOCK_N]
+        if WINDOW:
+            # Keys left of the window, and the blocks holding only them, are never read.
+            token_valid = token_valid & (tokens >= window_start)
         if BLOCK_SIZE % BLOCK_N == 0:
             # Tiles start at multiples of BLOCK_N, so when BLOCK_N divides BLOCK_SIZE the tile
             # lies inside one cache block: one table lookup. Other sizes look up per token.
@@ -131,6 +168,8 @@ def _paged_decode_kernel(
         v = v.to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            s = soft_cap(s, softcap_log2)
         s = tl.where(token_valid[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N] fp32
         # Every visited tile holds a valid token, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))             # [BLOCK_H]
@@ -140,7 +179,7 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    has_keys = l_i > 0.0                                       # [BLOCK_H]; False: no tokens
+    has_keys = l_i > 0.0                              # [BLOCK_H]; False: no tokens, no sink
     l_safe = tl.where(has_keys, l_i, 1.0)
     o = acc / l_safe[:, None]                                  # [BLOCK_H, HEAD_SIZE_PADDED]
     if V_SCALED:
@@ -266,16 +305,17 @@ class DecodeRun:
         alignment differs from the prepared one."""
         lse_arg = lse if lse is not None else out
         k_arg, v_arg = scale_pointers(key_cache, k_scale, v_scale)
+        sinks_arg = sinks if sinks is not None else query
         if self.merge is None:
             return self.decode((query, key_cache, value_cache, k_arg, v_arg, block_tables,
-                                context_lens, out, lse_arg))
+                                context_lens, out, lse_arg, sinks_arg))
         if workspace is None:
             workspace = torch.empty(self.workspace_numel, dtype=torch.float32,
                                     device=query.device)
         part_out = workspace.data_ptr()
         part_lse = part_out + 4 * self.lse_offset
         return (self.decode((query, key_cache, value_cache, k_arg, v_arg, block_tables,
-                             context_lens, part_out, part_lse))
+                             context_lens, part_out, part_lse, sinks_arg))
                 and self.merge((part_out, part_lse, out, lse_arg)))
 
 
@@ -295,14 +335,15 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     ``workspace_size(num_seqs, num_q_heads, head_size, num_splits)`` elements) no allocation
     either. ``tiles`` overrides the planned tiles (benchmarks, tests). ``k_scale`` /
     ``v_scale``: None or float32 ``[]`` / ``[num_kv_heads]``, the fp8 cache's scales (checked).
+    ``window_size`` (checked pair), ``softcap`` (float >= 0), ``sinks`` (None or float32
+    ``[num_q_heads]``): see :mod:`.variants`; a left window plans the splits for the window's
+    tiles only.
 
     Returns:
         The launches as a :class:`DecodeRun` that repeats them for other tensors of the same
         shapes without planning again (None under the interpreter or for an empty batch).
     """
     _check_supported(shapes)
-    if tuple(window_size) != (-1, -1) or softcap != 0.0 or sinks is not None:
-        raise NotImplementedError("window_size / softcap / sinks: not yet in the triton decode")
     device = query.device
     max_splits = MAX_SPLITS
     if workspace is not None:
@@ -315,12 +356,17 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     plan = plan_decode(shapes.num_seqs, shapes.num_q_heads, shapes.num_kv_heads,
                        shapes.head_size, shapes.max_blocks_per_seq * shapes.block_size,
                        shapes.block_size, query.dtype, num_sms_of(device), num_splits,
-                       max(1, min(max_splits, MAX_SPLITS)), device.type == "cuda", tiles)
+                       max(1, min(max_splits, MAX_SPLITS)), device.type == "cuda", tiles,
+                       window_left=window_size[0])
     if explain:
         logger.info("%s", plan)
     if shapes.num_seqs == 0:
         return None
-    meta = dict(_constexprs(plan), K_SCALED=k_scale is not None, V_SCALED=v_scale is not None)
+    meta = dict(_constexprs(plan), K_SCALED=k_scale is not None, V_SCALED=v_scale is not None,
+                WINDOW=window_size[0] >= 0, SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None)
+    # Unused values still pass as arguments: the launch's argument list never changes shape.
+    variant_args = (max(window_size[0], 0), softcap * LOG2E if softcap > 0 else 1.0)
+    sinks_arg = sinks if sinks is not None else query  # never read without HAS_SINKS
     scales = scale_pointers(key_cache, k_scale, v_scale)
     scale_strides = (scale_stride(k_scale), scale_stride(v_scale))
     ks, vs = key_cache.stride(), value_cache.stride()
@@ -334,7 +380,7 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     if plan.num_splits == 1:
         decode = PreparedLaunch(_paged_decode_kernel, grid, (
             query, key_cache, value_cache, *scales, block_tables, context_lens, out, lse_arg,
-            scale_log2, *scale_strides, qs[0], qs[1], *cache_strides, block_tables.stride(0),
+            sinks_arg, scale_log2, *variant_args, *scale_strides, qs[0], qs[1], *cache_strides, block_tables.stride(0),
             os_[0], os_[1], 0, os_[2], lse_seq, lse_head),
             dict(SPLIT_KV=False, WRITE_LSE=lse is not None, **meta))
         return DecodeRun(decode, None, 0, 0) if decode.ready else None
@@ -351,7 +397,7 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     pl_seq, pl_head = h * splits, splits
     decode = PreparedLaunch(_paged_decode_kernel, grid, (
         query, key_cache, value_cache, *scales, block_tables, context_lens, part_out, part_lse,
-        scale_log2, *scale_strides, qs[0], qs[1], *cache_strides, block_tables.stride(0),
+        sinks_arg, scale_log2, *variant_args, *scale_strides, qs[0], qs[1], *cache_strides, block_tables.stride(0),
         po_seq, po_head, po_split, 1, pl_seq, pl_head),
         dict(SPLIT_KV=True, WRITE_LSE=True, **meta))
     # One warp per (sequence, query head), launched plainly: at batch 1 (32 programs) the merge

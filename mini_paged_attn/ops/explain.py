@@ -12,6 +12,12 @@ Planning reads nothing from the device but its SM count, so a launch needs no ho
 planned context length is the block table's capacity (``max_blocks_per_seq * block_size``).
 Each sequence divides *its own* length among the splits, and splits left without work exit at
 once, so planning for the capacity costs a few idle programs, never wrong results.
+
+A sliding window (``window_size=(left, _)``) bounds what one query reads to ``left + 1`` keys,
+which may start anywhere in a tile: the plan counts the tiles such a run can touch,
+``ceil((left + block_n) / block_n)``, instead of the capacity's, so a windowed layer of a
+long-context model splits as a short context would. Either way the split count stays within
+what the caller's workspace holds (``max_splits``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 from ..core.args import cdiv, is_int, next_pow2, non_negative_int, positive_int
 from .checks import check_launch_config
 from .heuristics import num_splits_heuristic
+from .variants import check_window
 
 MAX_SPLITS = 128
 """The most KV splits of one sequence (FlashAttention's cap, too)."""
@@ -154,6 +161,7 @@ class DecodePlan:
     split_reason: str         # "forced", "enough programs", "heuristic"
     heuristic_splits: int | None = None    # FlashAttention's choice, before balance_splits
     heuristic_kv_tiles: int | None = None  # the num_n_blocks it was given (split tiles)
+    window_left: int = -1     # the sliding window's left side (-1: none)
 
     @property
     def group_size(self) -> int:
@@ -209,7 +217,8 @@ class DecodePlan:
         seqs = f"{self.num_seqs} seq" + ("s" if self.num_seqs != 1 else "")
         lines = [
             f"paged decode: {seqs} x {heads}, head_size {self.head_size}, {dtype}, "
-            f"block_size {self.block_size}, context <= {self.max_context_len}",
+            f"block_size {self.block_size}, context <= {self.max_context_len}"
+            + (f", window of {self.window_left + 1} keys" if self.window_left >= 0 else ""),
             f"  kernel:   {self.kernel}",
             f"  tiles:    {g} q heads padded to {self.block_h} rows x {t.block_n} kv tokens x "
             f"{self.head_size_padded} dims; {t.num_warps} warps, {t.num_stages} stages",
@@ -242,12 +251,15 @@ class DecodePlan:
 def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: int,
                 max_context_len: int, block_size: int, dtype: torch.dtype, num_sms: int,
                 num_splits: int | None = None, max_splits: int = MAX_SPLITS,
-                on_gpu: bool = True, tiles: DecodeTiles | None = None) -> DecodePlan:
+                on_gpu: bool = True, tiles: DecodeTiles | None = None, *,
+                window_left: int = -1) -> DecodePlan:
     """Plan one decode launch (pure; cached). The single place tiles and splits are chosen.
 
     num_splits: forced split count (1..MAX_SPLITS), or None for the heuristic.
     max_splits: cap for the heuristic (a caller's workspace may hold fewer splits).
     on_gpu: pick GPU tiles (else small interpreter tiles); ``tiles`` overrides either.
+    window_left: a sliding window's left side (-1: none); the heuristic then counts only the
+        tiles a window can touch.
     """
     if num_splits is not None and not (is_int(num_splits) and 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits: expected an int in 1..{MAX_SPLITS} or None, "
@@ -261,7 +273,7 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
         # Count KV tiles with the tiles a split launch would use; keep them if it splits.
         split_tiles = tiles or default_tiles(head_size, dtype, on_gpu, True,
                                              block_size=block_size)
-        n_tiles = max(1, cdiv(max_context_len, split_tiles.block_n))
+        n_tiles = max(1, window_kv_tiles(max_context_len, split_tiles.block_n, window_left))
         cap = max(1, min(max_splits, MAX_SPLITS, n_tiles))
         chosen = splits = num_splits_heuristic(max(units, 1), slots, n_tiles, cap)
         # The heuristic's first rule: >= 80% of a wave needs no split.
@@ -270,18 +282,31 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
             splits = balance_splits(splits, max(units, 1), slots, n_tiles, cap)
     tiles = tiles or default_tiles(head_size, dtype, on_gpu, splits > 1, block_size=block_size)
     return DecodePlan(num_seqs, num_q_heads, num_kv_heads, head_size, block_size, dtype,
-                      max_context_len, tiles, num_sms, splits, reason, chosen, n_tiles)
+                      max_context_len, tiles, num_sms, splits, reason, chosen, n_tiles,
+                      window_left)
+
+
+def window_kv_tiles(max_context_len: int, block_n: int, window_left: int = -1) -> int:
+    """KV tiles of ``block_n`` tokens one decode query reads at most: those of the context,
+    or with a left window the most that ``window_left + 1`` keys starting anywhere can touch."""
+    full = cdiv(max_context_len, block_n)
+    if window_left < 0:
+        return full
+    return min(full, cdiv(window_left + block_n, block_n))
 
 
 def explain_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: int,
                    max_context_len: int, block_size: int = 16,
                    dtype: torch.dtype = torch.bfloat16,
-                   device: torch.device | str | None = None) -> DecodePlan:
+                   device: torch.device | str | None = None, *,
+                   window_size: tuple[int, int] = (-1, -1)) -> DecodePlan:
     """Which decode kernel runs for these sizes, with which tiles and splits, and why.
 
     ``device``: the CUDA device whose SM count to plan for; None uses the current CUDA device
-    if there is one, else assumes an H100's 132 SMs. Returns a :class:`DecodePlan`; print it
-    for a short explanation. ``paged_decode(..., explain=True)`` logs the same plan.
+    if there is one, else assumes an H100's 132 SMs. ``window_size``: the layer's sliding
+    window (as ``paged_decode``'s); a left window plans for the tiles it can touch. Returns a
+    :class:`DecodePlan`; print it for a short explanation. ``paged_decode(..., explain=True)``
+    logs the same plan.
     """
     num_seqs = positive_int("num_seqs", num_seqs)
     num_q_heads = positive_int("num_q_heads", num_q_heads)
@@ -297,10 +322,11 @@ def explain_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size
     if device is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     device = torch.device(device) if device is not None else None
+    window = check_window(window_size)
     return plan_decode(num_seqs, num_q_heads, num_kv_heads, head_size, max_context_len,
-                       block_size, dtype, num_sms_of(device))
+                       block_size, dtype, num_sms_of(device), window_left=window[0])
 
 
 __all__ = ["DecodePlan", "DecodeTiles", "plan_decode", "explain_decode", "default_tiles",
-           "balance_splits",
+           "balance_splits", "window_kv_tiles",
            "num_sms_of", "MAX_SPLITS", "PROGRAMS_PER_SM"]

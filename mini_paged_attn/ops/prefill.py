@@ -13,6 +13,12 @@ diagonal are never visited, and tiles entirely below it run without any mask.
 The same kernel reads contiguous varlen K/V (``flash_attn_varlen_func`` without a block table)
 when ``PAGED`` is false: key ``t`` of sequence ``i`` is row ``cu_seqlens_k[i] + t``.
 
+Variants (:mod:`.variants`), constexpr switches off by default: a right window generalises the
+causal bound (causal is a right window of 0); a left window starts each query tile's walk at
+the tile holding its first row's first visible key, masks the tiles left of where every row's
+window has begun, and never loads a key left of all the tile's windows; soft-capping and sinks
+work as in :mod:`.decode` (a sink starts each row's softmax at ``m = sink, l = 1``).
+
 An fp8 cache (:mod:`.kv_quant`) is converted to the query's dtype right after each load (exact);
 a program's KV head ``k_scale`` is folded into the softmax scale and its ``v_scale`` multiplies
 the normalised output.
@@ -27,21 +33,30 @@ import triton.language as tl
 from .checks import PagedShapes
 from .kv_quant import scale_pointers, scale_stride
 from .launch import PreparedLaunch
+from .decode import soft_cap
 from .prefill_plan import PrefillConfig, default_config, tiling
+from .variants import effective_right
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_kv_tile(acc, l_i, m_i, q, start_n, last_visible, kv_len, qk_scale,
-                    k_base, v_base, table_row, kv_row0, offs_d,
+def _attend_kv_tile(acc, l_i, m_i, q, start_n, first_visible, last_visible, kv_lo, kv_len,
+                    qk_scale, softcap, k_base, v_base, table_row, kv_row0, offs_d,
                     stride_kb, stride_kt, stride_vb, stride_vt,
                     HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
-                    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One K/V tile of the online softmax; MASKED tiles mask keys past each row's last one."""
+                    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One K/V tile of the online softmax; MASKED tiles mask keys outside each row's
+    ``first_visible .. last_visible`` (the first only with WINDOW) and load nothing outside
+    ``kv_lo .. kv_len - 1``, the keys some row of the tile may see."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions in the sequence
     kv_in_range = offs_n < kv_len             # [BLOCK_N]
+    if WINDOW:
+        # A tile may start left of every row's window: its keys there (and the blocks
+        # holding only them, possibly freed and reused) are never read.
+        kv_in_range = kv_in_range & (offs_n >= kv_lo)
     if PAGED:
         if BLOCK_SIZE % BLOCK_N == 0:
             # Tiles start at multiples of BLOCK_N, so when BLOCK_N divides BLOCK_SIZE a tile
@@ -81,8 +96,13 @@ def _attend_kv_tile(acc, l_i, m_i, q, start_n, last_visible, kv_len, qk_scale,
     v = v.to(q.dtype)
 
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+    if SOFTCAP:
+        s = soft_cap(s * qk_scale, softcap)  # in log2 units, as the scale is
+        qk_scale = 1.0
     if MASKED:
         visible = offs_n[None, :] <= last_visible[:, None]  # [BLOCK_M, BLOCK_N]
+        if WINDOW:
+            visible = visible & (offs_n[None, :] >= first_visible[:, None])
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         # A row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
@@ -100,18 +120,26 @@ def _attend_kv_tile(acc, l_i, m_i, q, start_n, last_visible, kv_len, qk_scale,
 
 
 @triton.jit
-def _attend_q_tile(q_ptr, out_ptr, lse_ptr, k_base, v_base, table_row, kv_row0, kv_len,
-                   q_start, q_len, first_tok, kv_head, head_chunk, qk_scale, v_scale,
+def _attend_q_tile(q_ptr, out_ptr, lse_ptr, sinks_ptr, k_base, v_base, table_row, kv_row0,
+                   kv_len, q_start, q_len, first_tok, kv_head, head_chunk, qk_scale, v_scale,
+                   window_left, window_right, softcap,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
                    stride_kb, stride_kt, stride_vb, stride_vt,
                    ROWS: tl.constexpr, TOKENS: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
                    GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr,
                    HEAD_SIZE_PADDED: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
                    WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   V_SCALED: tl.constexpr):
+                   V_SCALED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                   HAS_SINKS: tl.constexpr):
     """Query tokens first_tok .. first_tok + TOKENS - 1 of one sequence, ROWS rows; the output
-    is multiplied by ``v_scale`` when V_SCALED."""
+    is multiplied by ``v_scale`` when V_SCALED.
+
+    Token t sits at position ``p = kv_len - q_len + t``. BOUNDED_RIGHT (causal, or a right
+    window): it sees keys ``<= p + window_right`` (0 for causal); WINDOW: keys
+    ``>= p - window_left``. K/V tiles are walked in three runs: masked tiles left of where
+    every row's window has begun (WINDOW only), unmasked tiles every row sees whole, masked
+    tiles up to the last key any row sees."""
     rows = tl.arange(0, ROWS)                        # [ROWS] row = token-major (token, head)
     tok = first_tok + rows // HEADS_PER_TILE
     head_in_group = head_chunk * HEADS_PER_TILE + rows % HEADS_PER_TILE
@@ -125,32 +153,58 @@ def _attend_q_tile(q_ptr, out_ptr, lse_ptr, k_base, v_base, table_row, kv_row0, 
     q = tl.load(q_ptrs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
     # [ROWS, HEAD_SIZE_PADDED]
 
-    # Keys every row may see: up to its own position (causal) or the whole sequence.
-    if CAUSAL:
-        q_offset = kv_len - q_len  # bottom-right alignment
-        last_visible = tl.minimum(q_offset + tok, kv_len - 1)   # [ROWS]
-        kv_end = q_offset + tl.minimum(first_tok + TOKENS, q_len)
-        unmasked_end = tl.maximum(q_offset + first_tok + 1, 0) // BLOCK_N * BLOCK_N
+    # Keys every row may see: up to its own position plus the right window (causal: 0), or
+    # the whole sequence.
+    q_offset = kv_len - q_len  # bottom-right alignment
+    if BOUNDED_RIGHT:
+        last_visible = tl.minimum(q_offset + tok + window_right, kv_len - 1)   # [ROWS]
+        last_tok = tl.minimum(first_tok + TOKENS, q_len) - 1
+        kv_end = tl.minimum(q_offset + last_tok + 1 + window_right, kv_len)
+        unmasked_end = tl.minimum(tl.maximum(q_offset + first_tok + 1 + window_right, 0),
+                                  kv_len) // BLOCK_N * BLOCK_N
     else:
         last_visible = tl.zeros([ROWS], dtype=tl.int32) + (kv_len - 1)
         kv_end = kv_len
         unmasked_end = kv_len // BLOCK_N * BLOCK_N
+    first_visible = last_visible  # (unused without WINDOW)
+    kv_lo = 0
+    unmasked_begin = 0
+    if WINDOW:
+        first_visible = tl.maximum(q_offset + tok - window_left, 0)        # [ROWS]
+        kv_lo = tl.maximum(q_offset + first_tok - window_left, 0)
+        last_first = q_offset + tl.minimum(first_tok + TOKENS, q_len) - 1 - window_left
+        unmasked_begin = tl.cdiv(tl.maximum(last_first, 0), BLOCK_N) * BLOCK_N
 
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
+    if HAS_SINKS:
+        # The sink is a key of value 0 and logit sinks[head]: the softmax starts from it.
+        m_i = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634
+        l_i += 1.0
     acc = tl.zeros([ROWS, HEAD_SIZE_PADDED], dtype=tl.float32)
-    for start_n in range(0, unmasked_end, BLOCK_N):
+    if WINDOW:
+        for start_n in range(kv_lo // BLOCK_N * BLOCK_N, tl.minimum(unmasked_begin, kv_end),
+                             BLOCK_N):
+            acc, l_i, m_i = _attend_kv_tile(
+                acc, l_i, m_i, q, start_n, first_visible, last_visible, kv_lo, kv_len,
+                qk_scale, softcap, k_base, v_base, table_row, kv_row0, offs_d,
+                stride_kb, stride_kt, stride_vb, stride_vt, HEAD_SIZE, HEAD_SIZE_PADDED,
+                BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION, WINDOW, SOFTCAP)
+    for start_n in range(unmasked_begin, unmasked_end, BLOCK_N):
         acc, l_i, m_i = _attend_kv_tile(
-            acc, l_i, m_i, q, start_n, last_visible, kv_len, qk_scale, k_base, v_base,
-            table_row, kv_row0, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
-            HEAD_SIZE, HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION)
-    for start_n in range(unmasked_end, kv_end, BLOCK_N):
+            acc, l_i, m_i, q, start_n, first_visible, last_visible, kv_lo, kv_len, qk_scale,
+            softcap, k_base, v_base, table_row, kv_row0, offs_d,
+            stride_kb, stride_kt, stride_vb, stride_vt, HEAD_SIZE, HEAD_SIZE_PADDED,
+            BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION, WINDOW, SOFTCAP)
+    for start_n in range(tl.maximum(unmasked_end, unmasked_begin), kv_end, BLOCK_N):
         acc, l_i, m_i = _attend_kv_tile(
-            acc, l_i, m_i, q, start_n, last_visible, kv_len, qk_scale, k_base, v_base,
-            table_row, kv_row0, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
-            HEAD_SIZE, HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION)
+            acc, l_i, m_i, q, start_n, first_visible, last_visible, kv_lo, kv_len, qk_scale,
+            softcap, k_base, v_base, table_row, kv_row0, offs_d,
+            stride_kb, stride_kt, stride_vb, stride_vt, HEAD_SIZE, HEAD_SIZE_PADDED,
+            BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION, WINDOW, SOFTCAP)
 
-    # Rows that saw no key (only possible for contiguous K/V shorter than Q) give 0 and -inf.
+    # Rows that saw no key and no sink (only possible for contiguous K/V shorter than Q) give
+    # 0 and -inf.
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)               # [ROWS]
     out = acc / l_safe[:, None]                     # [ROWS, HEAD_SIZE_PADDED]
@@ -170,18 +224,21 @@ def _attend_q_tile(q_ptr, out_ptr, lse_ptr, k_base, v_base, table_row, kv_row0, 
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
     block_tables_ptr, cu_seqlens_q_ptr, kv_lens_ptr, sinks_ptr,
-    num_seqs, qk_scale, stride_k_scale, stride_v_scale,
+    num_seqs, qk_scale, window_left, window_right, softcap, stride_k_scale, stride_v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
     HEAD_CHUNKS: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, SMALL_ROWS: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    PAGED: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+    PAGED: tl.constexpr, BOUNDED_RIGHT: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # K_SCALED / V_SCALED: the KV head's scale is at ``*_scale_ptr + kv_head * stride_*_scale``
     # (stride 0: one for all heads); else the pointers are never read (scale 1).
+    # BOUNDED_RIGHT, WINDOW, SOFTCAP, HAS_SINKS: see _attend_q_tile (causal is a right window
+    # of 0); softcap is in log2 units, as qk_scale is.
     # program = (tile slot, kv head, head chunk), slot-major: programs start in slot order, the
     # tiles of one sequence together (they share its K/V in L2). See prefill_plan for the slot
     # layout. (Taking slots from both ends in turn, to pair heavy tiles with light ones and mix
@@ -227,28 +284,29 @@ def _prefill_kernel(
         # Decode rows and other short sequences: a tile of SMALL_ROWS rows instead of BLOCK_M,
         # so a memory-bound walk over a long context wastes no tensor-core work on empty rows.
         _attend_q_tile(
-            q_ptr, out_ptr, lse_ptr, k_base, v_base, table_row, kv_row0, kv_len, q_start, q_len,
-            0, kv_head, head_chunk, qk_scale, v_scale,
+            q_ptr, out_ptr, lse_ptr, sinks_ptr, k_base, v_base, table_row, kv_row0, kv_len,
+            q_start, q_len, 0, kv_head, head_chunk, qk_scale, v_scale, window_left, window_right, softcap,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
             stride_kb, stride_kt, stride_vb, stride_vt,
             SMALL_ROWS, SMALL_ROWS // HEADS_PER_TILE, HEADS_PER_TILE, GROUP, HEAD_SIZE,
-            HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, CAUSAL, WRITE_LSE, DOT_PRECISION,
-            V_SCALED)
+            HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, BOUNDED_RIGHT, WRITE_LSE,
+            DOT_PRECISION, V_SCALED, WINDOW, SOFTCAP, HAS_SINKS)
     else:
         _attend_q_tile(
-            q_ptr, out_ptr, lse_ptr, k_base, v_base, table_row, kv_row0, kv_len, q_start, q_len,
-            tile * TOKENS_PER_TILE, kv_head, head_chunk, qk_scale, v_scale,
+            q_ptr, out_ptr, lse_ptr, sinks_ptr, k_base, v_base, table_row, kv_row0, kv_len,
+            q_start, q_len, tile * TOKENS_PER_TILE, kv_head, head_chunk, qk_scale, v_scale, window_left, window_right, softcap,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
             stride_kb, stride_kt, stride_vb, stride_vt,
             BLOCK_M, TOKENS_PER_TILE, HEADS_PER_TILE, GROUP, HEAD_SIZE,
-            HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, CAUSAL, WRITE_LSE, DOT_PRECISION,
-            V_SCALED)
+            HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, BOUNDED_RIGHT, WRITE_LSE,
+            DOT_PRECISION, V_SCALED, WINDOW, SOFTCAP, HAS_SINKS)
 
 
 def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs: int,
             num_kv_heads: int, scale: float, causal: bool, paged: bool, block_size: int,
             config: PrefillConfig | None, k_scale: torch.Tensor | None = None,
-            v_scale: torch.Tensor | None = None) -> PreparedLaunch | None:
+            v_scale: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
+            softcap: float = 0.0, sinks: torch.Tensor | None = None) -> PreparedLaunch | None:
     total_q, num_q_heads, head_size = q.shape
     if total_q == 0 or num_seqs == 0:
         return None
@@ -256,11 +314,13 @@ def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs:
     config = config or default_config(head_size, q.dtype, q.device, total_q / num_seqs)
     plan = tiling(config, group, head_size)
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
+    right = effective_right(window_size, causal)
     grid = plan.grid(total_q, num_seqs, num_kv_heads)
     launch = PreparedLaunch(_prefill_kernel, grid, (
         q, k, v, *scale_pointers(k, k_scale, v_scale),
-        out, lse_arg, block_tables, cu_seqlens_q, kv_lens, q,
-        num_seqs, scale * LOG2E, scale_stride(k_scale), scale_stride(v_scale),
+        out, lse_arg, block_tables, cu_seqlens_q, kv_lens, sinks if sinks is not None else q,
+        num_seqs, scale * LOG2E, max(window_size[0], 0), max(right, 0),
+        softcap * LOG2E if softcap > 0 else 1.0, scale_stride(k_scale), scale_stride(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), out.stride(2), *lse_strides,
         *(k.stride()[:3] if paged else (0, *k.stride()[:2])),
         *(v.stride()[:3] if paged else (0, *v.stride()[:2])),
@@ -270,9 +330,10 @@ def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs:
         SMALL_ROWS=plan.small_rows, HEAD_SIZE=head_size,
         HEAD_SIZE_PADDED=plan.head_size_padded, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_SIZE=block_size if paged else 1, PAGED=paged,
-        CAUSAL=causal, WRITE_LSE=lse is not None,
+        BOUNDED_RIGHT=right >= 0, WRITE_LSE=lse is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         K_SCALED=k_scale is not None, V_SCALED=v_scale is not None,
+        WINDOW=window_size[0] >= 0, SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
         num_warps=config.num_warps, num_stages=config.num_stages))
     return launch if launch.ready else None
 
@@ -310,12 +371,11 @@ def triton_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         interpreter or for an empty batch).
     """
     del max_seqlen_q  # the flattened tile schedule makes it unnecessary
-    if tuple(window_size) != (-1, -1) or softcap != 0.0 or sinks is not None:
-        raise NotImplementedError("window_size / softcap / sinks: not yet in the triton prefill")
     return _launch(query, key_cache, value_cache, out, lse, block_tables, cu_seqlens_q, context_lens,
             num_seqs=shapes.num_seqs, num_kv_heads=shapes.num_kv_heads, scale=shapes.scale,
             causal=causal, paged=True, block_size=shapes.block_size, config=config,
-            k_scale=k_scale, v_scale=v_scale)
+            k_scale=k_scale, v_scale=v_scale, window_size=window_size, softcap=softcap,
+            sinks=sinks)
 
 
 def triton_varlen_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -339,12 +399,11 @@ def triton_varlen_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         lse: optional float32 ``[total_q, num_q_heads]`` (natural log, ``-inf`` for empty rows).
     """
     del max_seqlen_q, max_seqlen_k
-    if tuple(window_size) != (-1, -1) or softcap != 0.0 or sinks is not None:
-        raise NotImplementedError("window_size / softcap / sinks: not yet in the triton prefill")
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and q.stride(-1) == 1, "last dims contiguous"
     _launch(q, k, v, out, lse, cu_seqlens_k, cu_seqlens_q, cu_seqlens_k,
             num_seqs=cu_seqlens_q.shape[0] - 1, num_kv_heads=k.shape[1], scale=float(scale),
-            causal=causal, paged=False, block_size=1, config=config)
+            causal=causal, paged=False, block_size=1, config=config, window_size=window_size,
+            softcap=softcap, sinks=sinks)
 
 
 __all__ = ["triton_paged_prefill", "triton_varlen_contiguous", "PrefillConfig"]

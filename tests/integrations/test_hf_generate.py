@@ -98,16 +98,18 @@ def test_prefill_logits_equal_sdpa_at_real_positions(tiny_model_factory):
     torch.testing.assert_close(ours[real], ref[real], atol=1e-5, rtol=1e-5)
 
 
-def test_sliding_window_shorter_than_the_keys_raises():
+def test_sliding_window_shorter_than_the_keys_equals_sdpa():
     model = _config_model("Mistral", sliding_window=4)
-    model.set_attn_implementation(NAME)
-    with pytest.raises(NotImplementedError, match="sliding_window=4"):
-        model.generate(input_ids=torch.tensor([PROMPTS[0]]), max_new_tokens=2, do_sample=False)
+    _assert_same(*_generate_both(model, *_left_padded(PROMPTS)))
 
 
-def test_softcapping_model_raises():
-    # Gemma 2 has no sdpa path (sdpa cannot softcap): built with eager, then switched.
-    model = _config_model("Gemma2", "eager", attn_logit_softcapping=50.0, sliding_window=512)
+def test_softcapping_sliding_model_equals_eager():
+    # Gemma 2 has no sdpa path (sdpa cannot softcap): compared with eager. Small logit cap and
+    # window so both change the result; large weights so the cap binds.
+    model = _config_model("Gemma2", "eager", attn_logit_softcapping=0.5, sliding_window=3)
+    ids, mask = _left_padded(PROMPTS)
     model.set_attn_implementation(NAME)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        model.generate(input_ids=torch.tensor([PROMPTS[0]]), max_new_tokens=2, do_sample=False)
+    ours = model.generate(input_ids=ids, attention_mask=mask, **GEN_KWARGS)
+    model.set_attn_implementation("eager")
+    ref = model.generate(input_ids=ids, attention_mask=mask, **GEN_KWARGS)
+    _assert_same(ours, ref)

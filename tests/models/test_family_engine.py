@@ -2,7 +2,7 @@
 for a sliding-window family (Mistral: every layer windowed) and Gemma 2 (alternating windowed
 and full layers, soft-caps), with prefix caching, chunked prefill and forced preemption in one
 engine, prompts several windows long; Phi-3's fused checkpoint tensors split over two ranks,
-and a windowed Phi-3 at tensor-parallel size 2 (gloo processes).
+and a windowed Phi-3 and Gemma 3 at tensor-parallel size 2 (gloo processes).
 """
 
 from __future__ import annotations
@@ -95,11 +95,15 @@ def test_phi3_fused_tensors_split_by_heads_and_rows(tiny_model_factory):
                            full.layers[1].mlp.down_proj.weight[:, r * half:(r + 1) * half])
 
 
-def test_windowed_phi3_at_tensor_parallel_size_2(tiny_model_factory):
-    model_dir = tiny_model_factory("phi3", sliding_window=TINY_WINDOW)
+@pytest.mark.parametrize("arch, window", [("phi3", TINY_WINDOW), ("gemma3", None)])
+def test_tensor_parallel_size_2(tiny_model_factory, arch, window):
+    """Phi-3 windowed on every layer (fused tensors sliced per rank); Gemma 3 mixing windowed
+    and full layers, with per-head q/k norms and two rope tables."""
+    overrides = {"sliding_window": window} if window else {}
+    model_dir = tiny_model_factory(arch, **overrides)
     llm = LLM(model_dir, dtype="float32", device="cpu", tensor_parallel_size=2, **ENGINE)
     try:
-        assert llm.engine.model_config.uniform_sliding_window == TINY_WINDOW
+        assert llm.engine.model_config.uniform_sliding_window == window
         check_engine(llm, model_dir)
     finally:
         llm.shutdown()

@@ -34,7 +34,7 @@ VARIANTS = {
 }
 ATOL = 1e-4
 BLOCK_SIZE = 4
-PROMPT_LENS = (1, 3, BLOCK_SIZE, BLOCK_SIZE + 1, 11, 17)
+PROMPT_LENS = (1, 3, BLOCK_SIZE, BLOCK_SIZE + 1, 11)   # 11: nearly two windows of 6
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -139,7 +139,7 @@ def test_bf16_error_is_within_transformers_bf16_noise(tiny_model_factory, arch):
     assert 0 < (ours - exact).abs().max().item() <= 1.5 * noise
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gemma3"])
 @torch.inference_mode()
 def test_triton_backend_matches_torch_backend(tiny_model_factory, arch):
     """The model through the Triton kernels (the interpreter on CPU; the GPU when there is one)

@@ -10,6 +10,7 @@ kernels run through the interpreter (fp16 / fp32, tiny shapes).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -19,10 +20,11 @@ from helpers.fp8_batch import dequantized_batch, fp8_batch
 from helpers.paged_batch import PagedBatch, make_decode_batch, make_prefill_batch
 from mini_paged_attn.ops import reference
 from mini_paged_attn.ops.dispatch import paged_decode, paged_prefill
+from mini_paged_attn.ops.explain import explain_decode, plan_decode, window_kv_tiles
 from mini_paged_attn.ops.varlen import flash_attn_varlen_func
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BACKENDS = ["torch"]
+BACKENDS = ["torch", "triton"]
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 
@@ -154,7 +156,6 @@ def test_decode_softcap_and_sinks(backend, dtype, window, softcap, sinks):
     _check(out, lse, *ref, dtype)
 
 
-@pytest.mark.skip(reason="triton variants pending")
 @pytest.mark.parametrize("num_splits", [2, 5])
 @pytest.mark.parametrize("sinks", [False, True])
 def test_decode_split_kv_adds_the_sink_once(num_splits, sinks):
@@ -205,6 +206,10 @@ PREFILL_CASES = [
     pytest.param([8, 4], [3, 30], 16, False, (5, 2), id="noncausal-left5-right2"),
     pytest.param([7, 5], [0, 9], 5, False, (-1, 3), id="noncausal-right-only"),
     pytest.param([4, 15], [17, 1], 16, True, (-1, -1), id="causal-full"),
+    # Windows wider than a query tile: masked head tiles, unmasked middle tiles, masked tail.
+    pytest.param([20, 3], [60, 45], 16, True, (30, -1), id="causal-left30-tiles"),
+    pytest.param([19, 2], [50, 33], 5, True, (21, -1), id="causal-left21-bs5"),
+    pytest.param([12, 9], [40, 3], 16, False, (25, 18), id="noncausal-left25-right18"),
 ]
 
 
@@ -367,3 +372,104 @@ def test_list_window_is_accepted():
     a = paged_decode(*batch.decode_args, backend="torch", window_size=[2, -1])
     b = paged_decode(*batch.decode_args, backend="torch", window_size=(2, -1))
     assert torch.equal(a, b)
+
+
+# ---- split-KV planning ----------------------------------------------------------------------
+
+def test_window_kv_tiles_counts_the_tiles_a_window_can_touch():
+    assert window_kv_tiles(100, 16) == 7
+    assert window_kv_tiles(100, 16, 0) == 1        # one key: one tile
+    assert window_kv_tiles(100, 16, 15) == 2       # 16 keys starting mid-tile: two tiles
+    assert window_kv_tiles(100, 16, 16) == 2
+    assert window_kv_tiles(100, 16, 17) == 3
+    assert window_kv_tiles(100, 16, 1000) == 7     # never more than the context's
+
+
+def test_explain_plans_a_windowed_decode_for_the_window():
+    full = explain_decode(1, 32, 8, 128, 131072, dtype=torch.bfloat16, device="cpu")
+    windowed = explain_decode(1, 32, 8, 128, 131072, dtype=torch.bfloat16, device="cpu",
+                              window_size=(4095, 0))
+    # The heuristic counts split tiles: 32 tokens at head_size 128 in bf16.
+    assert windowed.heuristic_kv_tiles == window_kv_tiles(131072, 32, 4095)
+    assert windowed.heuristic_kv_tiles < full.heuristic_kv_tiles
+    assert windowed.num_splits <= full.num_splits
+    assert "window of 4096 keys" in str(windowed) and "window" not in str(full)
+    with pytest.raises(ValueError, match="window_size"):
+        explain_decode(1, 32, 8, 128, 1024, window_size=(-5, 0))
+
+
+@pytest.mark.parametrize("num_seqs", [1, 4, 32])
+@pytest.mark.parametrize("left", [0, 127, 1000, 5000])
+def test_windowed_plans_fit_the_shared_workspace(num_seqs, left):
+    """A windowed layer shares the step's workspace: its plan keeps within the splits that
+    workspace holds, and never has more splits than the window has tiles."""
+    for context in (512, 8192, 65536):
+        for max_splits in (4, 16, 128):
+            plan = plan_decode(num_seqs, 32, 8, 128, context, 16, torch.bfloat16, 132,
+                               max_splits=max_splits, window_left=left)
+            assert plan.num_splits <= max_splits
+            assert plan.num_splits <= window_kv_tiles(context, 32, left)
+
+
+# ---- GPU: bf16 at model shapes, and the launch cache ----------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+@pytest.mark.parametrize("window, softcap, sinks", [
+    ((255, -1), 0.0, False), ((-1, -1), 30.0, False), ((-1, -1), 0.0, True),
+    ((100, 0), 50.0, True)])
+def test_gpu_bf16_decode(num_splits, window, softcap, sinks):
+    batch = make_decode_batch([1, 15, 16, 17, 300, 1000], num_q_heads=32, num_kv_heads=8,
+                              head_size=128, block_size=16, dtype=torch.bfloat16, seed=20,
+                              device="cuda")
+    poison_left_of_windows(batch, window[0])
+    sink = _sinks(32, sinks)
+    out, lse = paged_decode(*batch.decode_args, return_lse=True, backend="triton",
+                            num_splits=num_splits, window_size=window, softcap=softcap,
+                            sinks=sink)
+    ref_out, ref_lse = reference.paged_decode_gather(
+        *batch.decode_args, scale=128 ** -0.5, window_size=window, softcap=softcap, sinks=sink)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window, softcap, sinks", [
+    ((255, -1), 0.0, False), ((-1, -1), 30.0, True), ((64, -1), 50.0, True)])
+def test_gpu_bf16_prefill(window, softcap, sinks):
+    batch = make_prefill_batch([1, 300, 37, 700], [0, 500, 16, 0], num_q_heads=32,
+                               num_kv_heads=8, head_size=128, block_size=16,
+                               dtype=torch.bfloat16, seed=21, device="cuda")
+    poison_left_of_windows(batch, window[0])
+    sink = _sinks(32, sinks)
+    out, lse = paged_prefill(*batch.prefill_args, return_lse=True, backend="triton",
+                             window_size=window, softcap=softcap, sinks=sink)
+    ref_out, ref_lse = reference.paged_prefill_gather(
+        *batch.prefill_args, causal=True, scale=128 ** -0.5, window_size=window,
+        softcap=softcap, sinks=sink)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_gpu_launch_cache_keys_on_the_variant(op):
+    """Same shapes, other options: each call gets its own launch, not the cached one."""
+    make = make_decode_batch if op == "decode" else (
+        lambda lens, **kw: make_prefill_batch([5] * len(lens), lens, **kw))
+    batch = make([40, 90], num_q_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                 dtype=torch.float16, seed=22, device="cuda")
+    run = paged_decode if op == "decode" else paged_prefill
+    args = batch.decode_args if op == "decode" else batch.prefill_args
+    ref = reference.paged_decode_gather if op == "decode" else functools.partial(
+        reference.paged_prefill_gather, causal=True)
+    sink = _sinks(8, True)
+    variants = [dict(), dict(window_size=(7, -1)), dict(window_size=(7, 0)),
+                dict(window_size=(9, -1)), dict(softcap=5.0), dict(softcap=6.0),
+                dict(sinks=sink), dict(sinks=sink * 2), dict()]
+    for variant in variants * 2:   # the second round runs from the launch cache
+        out = run(*args, backend="triton", **variant)
+        want, _ = ref(*args, scale=64 ** -0.5, **variant)
+        torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
