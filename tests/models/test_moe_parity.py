@@ -6,7 +6,7 @@ renormalised with ``decoder_sparse_step=2``), Mixtral (``block_sparse_moe.expert
 sharded), gpt-oss (attention sinks, a sliding window shorter than the prompts on every
 other layer, yarn rope, attention and expert biases, fused interleaved experts, the clamped
 SwiGLU). Also: the routing functions against transformers' routers, the checkpoint names,
-and the expert block's Triton path against its torch path.
+and the whole model's Triton path against its torch path.
 """
 
 from __future__ import annotations
@@ -83,17 +83,26 @@ def test_sparse_layers_follow_the_config(models):
     assert any(isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 @torch.inference_mode()
-def test_triton_experts_match_torch_experts(tiny_model_factory):
-    """The model's expert block through the Triton kernels (the interpreter on CPU; the GPU
-    when there is one)."""
+def test_triton_backend_matches_torch_backend(tiny_model_factory, arch):
+    """The whole model through the Triton kernels (the interpreter on CPU; the GPU when there
+    is one): experts, and for gpt-oss sinks and a window shorter than the prompt, over strided
+    pool views, a mixed prefill step and a padded decode step."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, config = load_model(tiny_model_factory("qwen3_moe"), device=device)
-    block = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock))
-    x = torch.randn(9, config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
-    tol = 1e-5 if device == "cpu" else 1e-2    # tf32 dots on the GPU
-    torch.testing.assert_close(block(x, backend="triton"), block(x, backend="torch"),
-                               atol=tol, rtol=tol)
+    model, config = load_model(tiny_model_factory(arch), device=device)
+    outs = {}
+    for backend in ("torch", "triton"):
+        batch = PagedBatchBuilder(config, block_size=BLOCK_SIZE, seed=1, interleaved=True,
+                                  device=device)
+        ids, pos, meta = batch.step({0: list(range(3, 14)), 1: [5, 6]}, backend=backend)
+        prefill = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
+        ids, pos, meta = batch.step({0: [7], 1: [9]}, pad_to=3, backend=backend)
+        decode = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
+        outs[backend] = (prefill, decode[:2])
+    atol = 1e-4 if device == "cpu" else 1e-2    # tf32 dots on the GPU
+    for got, want in zip(outs["triton"], outs["torch"]):
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
