@@ -3,10 +3,10 @@
 Tiny random checkpoints written by transformers' ``save_pretrained``: Qwen3-MoE (a dense layer
 from ``mlp_only_layers`` before the sparse ones, top-k weights not renormalised; and
 renormalised with ``decoder_sparse_step=2``), Mixtral (``block_sparse_moe.experts.N.w1/w2/w3``,
-sharded), gpt-oss (attention sinks, a sliding window shorter than the prompts on every
-other layer, yarn rope, attention and expert biases, fused interleaved experts, the clamped
-SwiGLU). Also: the routing functions against transformers' routers, the checkpoint names,
-and the whole model's Triton path against its torch path.
+sharded, every layer sliding), gpt-oss (attention sinks, a sliding window shorter than the
+prompts on every other layer, yarn rope, attention and expert biases, fused interleaved
+experts, the clamped SwiGLU). Also: the routing functions against transformers' routers, the
+checkpoint names, and the whole model's Triton path against its torch path.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ VARIANTS = {
     "qwen3_moe": ("qwen3_moe", {}),
     "qwen3_moe-norm-step2": ("qwen3_moe", {"norm_topk_prob": True, "decoder_sparse_step": 2,
                                            "mlp_only_layers": []}),
-    "mixtral-sharded": ("mixtral", {"max_shard_size": "100KB"}),
+    "mixtral-sharded-window": ("mixtral", {"max_shard_size": "100KB",
+                                           "sliding_window": TINY_WINDOW}),
     "gpt_oss": ("gpt_oss", {}),
 }
 ATOL = 1e-4
