@@ -57,6 +57,7 @@ MODEL_TYPES = {
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
 }
+
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -236,7 +237,8 @@ class ModelConfig:
             layer_types=layer_types,
             sliding_rope=sliding_rope,
             query_pre_attn_scalar=(float(raw["query_pre_attn_scalar"])
-                                   if family in GEMMA_FAMILIES else None),
+                                   if family in GEMMA_FAMILIES and raw.get("query_pre_attn_scalar")
+                                   else None),
             attn_logit_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
             final_logit_softcap=float(raw.get("final_logit_softcapping") or 0.0),
             moe=parse_moe_config(raw, family, int(need("num_hidden_layers")), source),

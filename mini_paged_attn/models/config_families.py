@@ -27,6 +27,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def activation(raw: dict[str, Any], family: str, source: str) -> str:
+    """The gated MLP's activation, one of :data:`ACTIVATIONS`."""
     if family in GEMMA_FAMILIES:
         # Gemma configs name it hidden_activation (hidden_act is a leftover of Gemma 1); both
         # families compute the tanh approximation whatever the spelling.
@@ -41,7 +42,7 @@ def activation(raw: dict[str, Any], family: str, source: str) -> str:
 
 
 def attention_pattern(raw: dict[str, Any], family: str, num_layers: int,
-                       source: str) -> tuple[int | None, tuple[str, ...]]:
+                      source: str) -> tuple[int | None, tuple[str, ...]]:
     """``(sliding_window, layer_types)`` as transformers builds them for ``family``."""
     window = raw.get("sliding_window")
     if family == "llama":
@@ -72,15 +73,17 @@ def attention_pattern(raw: dict[str, Any], family: str, num_layers: int,
 
 
 def parse_ropes(raw: dict[str, Any], family: str, max_positions: int,
-                 source: str) -> tuple[RopeConfig, RopeConfig | None]:
+                source: str) -> tuple[RopeConfig, RopeConfig | None]:
     """``(rope, sliding_rope)``: transformers 5 writes ``rope_parameters`` (theta inside; per
     layer type for Gemma 3); 4.x writes ``rope_theta`` + ``rope_scaling`` (Gemma 3 adds
     ``rope_local_base_freq``, the sliding layers' theta, its scaling applying to the full ones)."""
     params = dict(raw.get("rope_parameters") or {})
     original = raw.get("original_max_position_embeddings") if family == "phi3" else None
-    parse = lambda p, theta: parse_rope(  # noqa: E731
-        p, default_theta=theta, max_position_embeddings=max_positions,
-        original_max_position_embeddings=original, source=source)
+
+    def parse(layer_params: dict[str, Any], theta: float) -> RopeConfig:
+        return parse_rope(layer_params, default_theta=theta, max_position_embeddings=max_positions,
+                          original_max_position_embeddings=original, source=source)
+
     if any(t in params for t in LAYER_TYPES):
         full = parse(params.get("full_attention") or {}, raw.get("rope_theta", 10000.0))
         local = params.get("sliding_attention")

@@ -120,6 +120,7 @@ class CausalLM(nn.Module):
     (Gemma), or ``fused_checkpoint`` (Phi-3 stores qkv_proj and gate_up_proj fused).
     """
 
+    families: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
     layer_class: type[nn.Module] = DecoderLayer
     norm_class: type[nn.Module] = RMSNorm
     fused_checkpoint = False
@@ -127,6 +128,9 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, tp: TPGroup | None = None):
         super().__init__()
+        if config.family not in self.families:
+            raise ValueError(f"config: {type(self).__name__} builds {self.families} models, got "
+                             f"a {config.family} config (registry.build_model picks the class)")
         self.config = config
         self.dtype = dtype = dtype or config.dtype
         self.tp = tp = tp or TPGroup.single(device or "cpu")
@@ -246,4 +250,5 @@ class CausalLM(nn.Module):
 class Phi3ForCausalLM(CausalLM):
     """Phi-3: the Llama decoder, its checkpoint storing qkv_proj and gate_up_proj fused."""
 
+    families = ("phi3",)
     fused_checkpoint = True

@@ -29,6 +29,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "gpt_oss": MoeForCausalLM,
 }
 assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES.values())
+assert all(family in cls.families for family, cls in MODEL_CLASSES.items())
 
 
 def model_class(config: ModelConfig) -> type[CausalLM]:

@@ -162,3 +162,21 @@ def test_dtype_and_defaults_of_gemma_files_without_them():
     c = ModelConfig.from_dict(raw)
     assert c.head_size == 256 and c.attn_scale == 256 ** -0.5 and c.final_logit_softcap == 30.0
     assert c.dtype == torch.float32
+
+
+def test_each_family_gets_its_class_and_a_wrong_class_refuses():
+    from mini_paged_attn.models.gemma import GemmaForCausalLM
+    from mini_paged_attn.models.llama import CausalLM, Phi3ForCausalLM
+    from mini_paged_attn.models.registry import build_model
+
+    small = dict(GEMMA2_2B, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=16)
+    gemma = ModelConfig.from_dict(small)
+    assert type(build_model(gemma, device="meta")) is GemmaForCausalLM
+    with pytest.raises(ValueError, match="gemma2 config"):
+        CausalLM(gemma, device="meta")
+    phi = ModelConfig.from_dict({**MISTRAL_7B_V01, "architectures": ["Phi3ForCausalLM"],
+                                 "hidden_size": 32, "intermediate_size": 64,
+                                 "num_hidden_layers": 1, "num_attention_heads": 2,
+                                 "num_key_value_heads": 1, "vocab_size": 16})
+    assert type(build_model(phi, device="meta")) is Phi3ForCausalLM
