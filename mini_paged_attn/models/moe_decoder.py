@@ -55,6 +55,7 @@ class MoeDecoderLayer(DecoderLayer):
 class MoeForCausalLM(CausalLM):
     """The decoder of the mixture-of-experts families (see the module docstring)."""
 
+    families = ("qwen3_moe", "mixtral", "gpt_oss")
     layer_class = MoeDecoderLayer
 
 
