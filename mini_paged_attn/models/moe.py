@@ -27,10 +27,8 @@ from torch import nn
 
 from ..distributed.group import TPGroup
 from ..ops.moe import fused_moe
+from .checkpoint import Shard
 from .moe_config import MoeConfig
-
-# Where a checkpoint tensor goes (as in llama.Shard): parameter rows, and the checkpoint index.
-Shard = tuple[torch.Tensor, tuple[slice, ...] | None]
 
 # family -> (checkpoint module under the layer, router name, expert gate / up / down names)
 _PER_EXPERT_NAMES = {
