@@ -1,5 +1,5 @@
 """Tiny random Hugging Face model directories for tests (Llama, Qwen2, Qwen3, Mistral, Phi-3,
-Gemma 2, Gemma 3).
+Gemma 2, Gemma 3, and the mixture-of-experts Qwen3-MoE, Mixtral and gpt-oss).
 
 ``make_tiny_model_dir(path, arch)`` writes what a real checkpoint directory holds, through
 ``transformers`` itself: config.json, model.safetensors (or shards + index),
@@ -166,11 +166,13 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", *, seed: int = 0,
     """Write a tiny random ``arch`` model directory at ``path`` (created) and return ``path``.
 
     Args:
-        arch: "llama" | "qwen2" | "qwen3" (2 layers, hidden 64, 4 q heads, 2 kv heads;
-            head_dim 16, Qwen3 32; vocab 300 = the tokenizer's), or an MoE family
-            "qwen3_moe" | "mixtral" (see :func:`_hf_moe_config`).
+        arch: one of :data:`ARCHS` (2 layers, hidden 64, 4 q heads, 2 kv heads; head_dim
+            16, Qwen3 32; vocab 300 = the tokenizer's). Mistral and the Gemmas slide over
+            :data:`TINY_WINDOW` keys (Gemma 2 every other layer, Gemma 3 in 3 layers the first
+            and last, with its own rope base); Phi-3 saves fused projections. The MoE families
+            ("qwen3_moe", "mixtral", "gpt_oss"): see :func:`_hf_moe_config`.
         tie_word_embeddings: share lm_head with the embedding (Qwen2.5-0.5B does).
-        rope_scaling: e.g. :data:`LLAMA3_ROPE_SCALING`.
+        rope_scaling: e.g. :data:`LLAMA3_ROPE_SCALING`, :data:`PHI3_LONGROPE` (Phi-3).
         max_shard_size: e.g. "20KB" to get several shards and model.safetensors.index.json.
         dtype: dtype the weights are saved in (config.json's torch_dtype / dtype).
         config_overrides: any other config field (num_hidden_layers=3, ...).
