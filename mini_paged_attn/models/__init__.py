@@ -1,4 +1,5 @@
-"""Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2 and Gemma 3 (text) over the paged KV
+"""Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2 and Gemma 3 (text), and the
+mixture-of-experts Qwen3-MoE, Mixtral and gpt-oss (``moe_decoder.py``), over the paged KV
 cache, read from local Hugging Face dirs.
 
 - :func:`load_model` (``loader.py``): config.json + safetensors -> ``(CausalLM, ModelConfig)``.

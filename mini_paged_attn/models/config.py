@@ -28,6 +28,7 @@ from ..errors import ModelLoadError
 from .config_families import (ACTIVATIONS, FAMILY_DEFAULTS, GEMMA_FAMILIES, LAYER_TYPES,
                               activation, attention_pattern, parse_ropes)
 from .rope import ROPE_TYPES, RopeConfig
+from .moe_config import MoeConfig, parse_moe_config
 
 # architecture name in config.json -> the family whose flags apply
 SUPPORTED_ARCHITECTURES = {
@@ -38,6 +39,10 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    # mixture-of-experts families (models/moe_config.py)
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # config.json "model_type" -> architecture, for files that do not name one
 MODEL_TYPES = {
@@ -48,6 +53,9 @@ MODEL_TYPES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
@@ -93,6 +101,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None   # attention scale 1/sqrt(it) (Gemma), not head_size
     attn_logit_softcap: float = 0.0   # scores -> cap * tanh(scores / cap) before softmax (0: off)
     final_logit_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (0: off)
+    moe: MoeConfig | None = None  # the sparse feed-forward of an MoE family, None when dense
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -139,7 +148,8 @@ class ModelConfig:
 
     @property
     def family(self) -> str:
-        """"llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3"."""
+        """"llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3" |
+        "qwen3_moe" | "mixtral" | "gpt_oss"."""
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
     @property
@@ -217,7 +227,7 @@ class ModelConfig:
             qkv_bias=attention_bias or family == "qwen2",
             o_bias=attention_bias and family != "qwen2",
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=family in ("qwen3", "gemma3"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
             eos_token_ids=eos,
             bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
             dtype=parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32",
@@ -231,6 +241,7 @@ class ModelConfig:
                                    else None),
             attn_logit_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
             final_logit_softcap=float(raw.get("final_logit_softcapping") or 0.0),
+            moe=parse_moe_config(raw, family, int(need("num_hidden_layers")), source),
         )
 
     @classmethod

@@ -47,18 +47,18 @@ def attention_pattern(raw: dict[str, Any], family: str, num_layers: int,
     window = raw.get("sliding_window")
     if family == "llama":
         window = None                              # Llama has no sliding window
-    elif family in ("qwen2", "qwen3") and not raw.get("use_sliding_window"):
+    elif family in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window"):
         window = None                              # the window field is there, but off
     if raw.get("use_bidirectional_attention"):
         raise ValueError(f"{source}: use_bidirectional_attention=true is not supported "
                          "(causal decoders only)")
     if window is None:
         return None, ("full_attention",) * num_layers
-    if family in ("mistral", "phi3"):             # the window applies on every layer
+    if family in ("mistral", "phi3", "mixtral"):  # the window applies on every layer
         types = ("sliding_attention",) * num_layers
     elif raw.get("layer_types"):
         types = tuple(raw["layer_types"])
-    elif family in ("qwen2", "qwen3"):
+    elif family in ("qwen2", "qwen3", "qwen3_moe"):
         first = int(raw.get("max_window_layers", 28))   # layers from here on slide
         types = tuple("sliding_attention" if i >= first else "full_attention"
                       for i in range(num_layers))

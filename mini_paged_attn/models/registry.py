@@ -1,7 +1,8 @@
 """Which model class serves each family, and the empty model the loader fills.
 
 Every family is a :class:`~.llama.CausalLM`: the Llama decoder as it is (Llama, Mistral, Qwen2,
-Qwen3), with fused checkpoint names (Phi-3), or with Gemma's layers (Gemma 2 and 3).
+Qwen3), with fused checkpoint names (Phi-3), with Gemma's layers (Gemma 2 and 3), or with
+expert blocks (Qwen3-MoE, Mixtral, gpt-oss: ``moe_decoder.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from ..distributed.group import TPGroup
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .gemma import GemmaForCausalLM
 from .llama import CausalLM, Phi3ForCausalLM
+from .moe_decoder import MoeForCausalLM
 
 # family (ModelConfig.family) -> model class
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
@@ -22,6 +24,9 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "phi3": Phi3ForCausalLM,
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
+    "qwen3_moe": MoeForCausalLM,
+    "mixtral": MoeForCausalLM,
+    "gpt_oss": MoeForCausalLM,
 }
 assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES.values())
 assert all(family in cls.families for family, cls in MODEL_CLASSES.items())

@@ -196,7 +196,10 @@ def _attend_q_tile(q_ptr, out_ptr, lse_ptr, sinks_ptr, k_base, v_base, table_row
             softcap, k_base, v_base, table_row, kv_row0, offs_d,
             stride_kb, stride_kt, stride_vb, stride_vt, HEAD_SIZE, HEAD_SIZE_PADDED,
             BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION, WINDOW, SOFTCAP)
-    for start_n in range(tl.maximum(unmasked_end, unmasked_begin), kv_end, BLOCK_N):
+    tail_begin = unmasked_end
+    if WINDOW:
+        tail_begin = tl.maximum(unmasked_end, unmasked_begin)  # no middle run: all masked
+    for start_n in range(tail_begin, kv_end, BLOCK_N):
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, start_n, first_visible, last_visible, kv_lo, kv_len, qk_scale,
             softcap, k_base, v_base, table_row, kv_row0, offs_d,

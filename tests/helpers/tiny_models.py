@@ -1,5 +1,5 @@
 """Tiny random Hugging Face model directories for tests (Llama, Qwen2, Qwen3, Mistral, Phi-3,
-Gemma 2, Gemma 3).
+Gemma 2, Gemma 3, and the mixture-of-experts Qwen3-MoE, Mixtral and gpt-oss).
 
 ``make_tiny_model_dir(path, arch)`` writes what a real checkpoint directory holds, through
 ``transformers`` itself: config.json, model.safetensors (or shards + index),
@@ -27,7 +27,8 @@ import torch
 
 from mini_paged_attn.models.tiny import CHAT_TEMPLATE, ENDOFTEXT, IM_END, SPECIAL_TOKENS, write_tokenizer_files
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen3_moe",
+         "mixtral", "gpt_oss")
 # Windows shorter than the test prompts, not a multiple of the test block sizes.
 TINY_WINDOW = 6
 
@@ -94,6 +95,8 @@ def _hf_config(arch: str, vocab_size: int, special_ids: dict[str, int], **overri
     if arch in _NEW_FAMILIES:
         cls, defaults = _NEW_FAMILIES[arch]
         return getattr(tf, cls)(**{**common, **defaults, **overrides})
+    if arch in MOE_ARCHS:
+        return _hf_moe_config(arch, common, overrides)
     raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
 
 
@@ -118,6 +121,33 @@ PHI3_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i i
                  "long_factor": [2.0 + 0.5 * i for i in range(8)]}
 
 
+MOE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss")
+
+
+def _hf_moe_config(arch: str, common: dict, overrides: dict):
+    """8 experts of intermediate 32, 2 per token. Qwen3-MoE: 3 layers, layer 0 dense
+    (``mlp_only_layers``), top-k weights not renormalised; Mixtral renormalises. gpt-oss:
+    sliding (``TINY_WINDOW``) and full layers alternating, attention
+    sinks and biases, yarn rope, expert biases, the clamped SwiGLU."""
+    from transformers import GptOssConfig, MixtralConfig, Qwen3MoeConfig
+
+    common.update(num_experts_per_tok=2)
+    if arch == "qwen3_moe":
+        common.update(rope_theta=1000000.0, head_dim=32, num_experts=8, moe_intermediate_size=32,
+                      num_hidden_layers=3, mlp_only_layers=[0], norm_topk_prob=False)
+        common.update(overrides)
+        return Qwen3MoeConfig(**common)
+    common.update(num_local_experts=8, intermediate_size=32)
+    if arch == "gpt_oss":
+        common.update(head_dim=16, sliding_window=TINY_WINDOW, layer_types=["sliding_attention",
+                                                                  "full_attention"])
+        common.update(overrides)
+        return GptOssConfig(**common)
+    common.update(rope_theta=1000000.0)
+    common.update(overrides)
+    return MixtralConfig(**common)
+
+
 def _randomize(model: torch.nn.Module, seed: int, std: float) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -139,7 +169,8 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", *, seed: int = 0,
         arch: one of :data:`ARCHS` (2 layers, hidden 64, 4 q heads, 2 kv heads; head_dim
             16, Qwen3 32; vocab 300 = the tokenizer's). Mistral and the Gemmas slide over
             :data:`TINY_WINDOW` keys (Gemma 2 every other layer, Gemma 3 in 3 layers the first
-            and last, with its own rope base); Phi-3 saves fused projections.
+            and last, with its own rope base); Phi-3 saves fused projections. The MoE families
+            ("qwen3_moe", "mixtral", "gpt_oss"): see :func:`_hf_moe_config`.
         tie_word_embeddings: share lm_head with the embedding (Qwen2.5-0.5B does).
         rope_scaling: e.g. :data:`LLAMA3_ROPE_SCALING`, :data:`PHI3_LONGROPE` (Phi-3).
         max_shard_size: e.g. "20KB" to get several shards and model.safetensors.index.json.

@@ -15,10 +15,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers.fp8_batch import dequantized_batch, fp8_batch
-from helpers.paged_batch import PagedBatch, make_decode_batch, make_prefill_batch
+from helpers.paged_batch import (PagedBatch, make_decode_batch, make_paged_batch,
+                                 make_prefill_batch)
 from mini_paged_attn.ops import reference
+from mini_paged_attn.ops.decode import workspace_size
 from mini_paged_attn.ops.dispatch import paged_decode, paged_prefill
 from mini_paged_attn.ops.explain import explain_decode, plan_decode, window_kv_tiles
 from mini_paged_attn.ops.varlen import flash_attn_varlen_func
@@ -278,6 +282,29 @@ def test_reference_blockwise_matches_gather_with_variants():
     assert torch.isfinite(g[0]).all()
 
 
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), block_size=st.sampled_from([1, 3, 4, 16]),
+       left=st.integers(-1, 12), right=st.integers(-1, 6), causal=st.booleans(),
+       softcap=st.sampled_from([0.0, 0.7, 4.0]), sinks=st.booleans())
+def test_reference_matches_dense_on_random_batches(data, block_size, left, right, causal,
+                                                   softcap, sinks):
+    """The torch backend against the per-row loop on random lengths and windows."""
+    num_seqs = data.draw(st.integers(1, 3))
+    k_lens = data.draw(st.lists(st.integers(1, 24), min_size=num_seqs, max_size=num_seqs))
+    q_lens = [data.draw(st.integers(1, k)) for k in k_lens]
+    batch = make_paged_batch(q_lens, k_lens, num_q_heads=4, num_kv_heads=2, head_size=8,
+                             block_size=block_size, dtype=torch.float32, seed=sum(k_lens))
+    batch = dataclasses.replace(batch, query=batch.query * 3)
+    poison_left_of_windows(batch, left)
+    sink = _sinks(4, sinks).cpu() if sinks else None
+    out, lse = paged_prefill(*batch.prefill_args, causal=causal, scale=0.25, return_lse=True,
+                             backend="torch", window_size=(left, right), softcap=softcap,
+                             sinks=sink)
+    ref = expected(batch, scale=0.25, causal=causal, window=(left, right), softcap=softcap,
+                   sinks=sink)
+    _check(out, lse, *ref, torch.float32)
+
+
 # ---- flash_attn_varlen_func ----------------------------------------------------------------
 
 def _contiguous(q_lens, k_lens, seed):
@@ -473,3 +500,44 @@ def test_gpu_launch_cache_keys_on_the_variant(op):
         out = run(*args, backend="triton", **variant)
         want, _ = ref(*args, scale=64 ** -0.5, **variant)
         torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replays_a_windowed_decode():
+    """A windowed, soft-capped decode with sinks, captured once (split-KV, workspace given),
+    replays correctly as the contexts move: each replay finds its own window's first tile."""
+    batch = make_decode_batch([300, 5000, 17], num_q_heads=32, num_kv_heads=8, head_size=128,
+                              block_size=16, dtype=torch.bfloat16, seed=23, device="cuda")
+    q, kc, vc, bt, cl = batch.decode_args
+    window, sink = (255, -1), _sinks(32, True)
+    last = [300 - 10, 5000 - 70, 17 - 10]     # the shortest contexts replayed below
+    poison_left_of_windows(dataclasses.replace(
+        batch, context_lens=torch.tensor(last, dtype=torch.int32, device="cuda")), window[0])
+    ws = torch.empty(workspace_size(3, 32, 128), dtype=torch.float32, device="cuda")
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+
+    def step():
+        _, lse_ = paged_decode(q, kc, vc, bt, cl, out=out, return_lse=True, workspace=ws,
+                               window_size=window, softcap=30.0, sinks=sink)
+        lse.copy_(lse_)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()                                   # compile + warm up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for trial in range(3):
+        q.copy_(torch.randn_like(q))
+        cl.copy_(torch.tensor([300 - 5 * trial, 5000 - 35 * trial, 17 - 5 * trial],
+                              dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = reference.paged_decode_gather(
+            q, kc, vc, bt, cl, scale=128 ** -0.5, window_size=window, softcap=30.0, sinks=sink)
+        torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=2e-2)
