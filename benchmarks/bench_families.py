@@ -12,6 +12,9 @@ engine (decode under CUDA graphs) and by transformers (its default attention). B
   ours, in units of bf16's spacing at the top logit (a few steps: a near tie rounded apart);
 - the engine's output tokens/s on the same batch (warm).
 
+(``--dtype float32`` runs the same in float32, where the tokens should agree exactly; in bf16 a
+rounding difference can flip a near tie, and in a mixture-of-experts layer a router's choice.)
+
     python -m benchmarks.bench_families --out /tmp/bench_families
     python -m benchmarks.bench_families --families mistral gemma2 --requests 8
 """
@@ -55,7 +58,7 @@ FAMILIES = {
 }
 
 
-def model_dir(family: str, root: Path, seed: int = 0) -> Path:
+def model_dir(family: str, root: Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
     import transformers
 
     from mini_paged_attn.models.tiny import byte_level_hf_tokenizer, write_tokenizer_files
@@ -63,8 +66,8 @@ def model_dir(family: str, root: Path, seed: int = 0) -> Path:
     config = getattr(transformers, cls)(**{**COMMON, **fields})
     torch.manual_seed(seed)
     with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    path = root / family
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    path = root / f"{family}-{str(dtype).replace('torch.', '')}"
     model.save_pretrained(path)
     write_tokenizer_files(byte_level_hf_tokenizer(), path)
     del model
@@ -76,12 +79,13 @@ def family_row(family: str, root: Path, args: argparse.Namespace) -> dict:
     from benchmarks.bench_engine import greedy_parity, hf_generate
     from mini_paged_attn.engine import LLM, SamplingParams
 
-    path = model_dir(family, root)
+    dtype = getattr(torch, args.dtype)
+    path = model_dir(family, root, dtype=dtype)
     rng = random.Random(2)
     prompts = [[rng.randint(3, 30000) for _ in range(rng.randint(16, 600))]
                for _ in range(args.requests)]
     params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
-    llm = LLM(str(path), dtype="bfloat16", max_model_len=1024, max_num_seqs=args.requests)
+    llm = LLM(str(path), dtype=args.dtype, max_model_len=1024, max_num_seqs=args.requests)
     graphs = llm.engine.runner.graphs is not None
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)     # warm-up
     torch.cuda.synchronize()
@@ -92,7 +96,7 @@ def family_row(family: str, root: Path, args: argparse.Namespace) -> dict:
     del llm
     torch.cuda.empty_cache()
     import transformers
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     hf = hf.to("cuda").eval()
     _, theirs, logits = hf_generate(hf, prompts, [args.steps] * len(prompts),
                                     batch=len(prompts), temperature=0.0, scores=True)
@@ -138,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="weights and activations (float32: parity should be exact)")
     parser.add_argument("--steps", type=int, default=32, help="greedy tokens per request")
     parser.add_argument("--out", default=None, help="directory for results.json")
     parser.add_argument("--log-level", default="INFO")

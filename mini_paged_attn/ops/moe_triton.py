@@ -107,7 +107,7 @@ def _moe_gate_up_kernel(
     TOP_K: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
     ROW_STEP: tl.constexpr, UP_OFFSET: tl.constexpr, CLAMPED: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(num_blocks, cdiv(INTER, BLOCK_N))``: the activated gate/up columns of one M
     tile (pairs of one expert). Gate column ``j`` is w13 row ``j * ROW_STEP``, up column ``j``
@@ -138,8 +138,8 @@ def _moe_gate_up_kernel(
                          mask=w_mask, other=0.0)                               # [BLOCK_K, BLOCK_N]
         w_up = tl.load(w_base + (gate_rows + UP_OFFSET)[None, :] * stride_w13_row + ks[:, None],
                        mask=w_mask, other=0.0)                                 # [BLOCK_K, BLOCK_N]
-        acc_gate = tl.dot(a, w_gate, acc_gate)
-        acc_up = tl.dot(a, w_up, acc_up)
+        acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         b_base = b13_ptr + expert * stride_b13_e
         acc_gate += tl.load(b_base + gate_rows, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -162,6 +162,7 @@ def _moe_down_kernel(
     num_pairs, num_experts, stride_inter, stride_w2_e, stride_w2_row, stride_b2_e, stride_out,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Grid ``(num_blocks, cdiv(HIDDEN, BLOCK_N))``: ``weight[p] * (w2[e] @ inter[p] + b2[e])``
     for the pairs of one M tile, written to their rows of ``out`` ``[P, HIDDEN]``."""
@@ -186,7 +187,7 @@ def _moe_down_kernel(
         w_mask = k_mask[:, None] & col_mask[None, :]
         w = tl.load(w_base + cols[None, :] * stride_w2_row + ks[:, None],
                     mask=w_mask, other=0.0)                                    # [BLOCK_K, BLOCK_N]
-        acc = tl.dot(a, w, acc)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(b2_ptr + expert * stride_b2_e + cols, mask=col_mask,
                        other=0.0).to(tl.float32)[None, :]
@@ -213,7 +214,9 @@ def triton_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     tiles = tiles or moe_tiles(num_pairs, num_experts, hidden_size, inter)
     plan = moe_routing_plan(topk_ids, num_experts, tiles.block_m)
     dtype, device = hidden.dtype, hidden.device
+    # float32 (the correctness path) multiplies in full precision, not tf32.
     options = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                   DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
                    num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
     inter_out = torch.empty(num_pairs, inter, dtype=dtype, device=device)      # [P, I]

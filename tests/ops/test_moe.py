@@ -15,6 +15,9 @@ import torch.nn.functional as F
 from mini_paged_attn.ops.moe import MoeActivation, fused_moe, fused_moe_reference
 from mini_paged_attn.ops.moe_triton import MoeTiles, moe_routing_plan, triton_fused_moe
 
+# The Triton cases run compiled on a GPU, else through the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 # fp16: the kernel rounds the activation and each expert's output once (the reference rounds
 # the projections too), a few ulps of outputs of magnitude ~10.
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.float16: dict(atol=3e-2, rtol=1e-2)}
@@ -22,11 +25,12 @@ CPU_DTYPES = (torch.float32, torch.float16)
 CLAMPED = MoeActivation("clamped_swiglu", interleaved=True)
 
 
-def _problem(num_tokens, num_experts, top_k, hidden, inter, dtype, *, seed, device="cpu",
+def _problem(num_tokens, num_experts, top_k, hidden, inter, dtype, *, seed, device=None,
              bias=False, experts_used=None):
     """Random MoE inputs; ``experts_used`` restricts routing to those experts (the others get
     no token and their weights are NaN: a kernel that read them would spread NaN)."""
     gen = torch.Generator().manual_seed(seed)
+    device = device or DEVICE
 
     def randn(*shape, scale=1.0):
         return (scale * torch.randn(shape, generator=gen)).to(device, dtype)
