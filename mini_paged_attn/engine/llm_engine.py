@@ -39,13 +39,19 @@ RATE_WINDOW_S = 10.0
 
 
 def load_model_and_tokenizer(model: str | Path, *, dtype="auto", device=None):
-    """``(CausalLM, ModelConfig, Tokenizer)`` from a local Hugging Face directory, or the
+    """``(CausalLM, ModelConfig, Tokenizer)`` from a local Hugging Face directory, a ``.gguf``
+    file, a packaged model's name (``"smollm2-135m"``, see models/packaged.py), or the
     embedded tiny random Llama for ``model="tiny"``."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if str(model) == TINY_MODEL:
         from ..models.tiny import tiny_llama
         from ..models.config import parse_dtype
         return tiny_llama(device, torch.float32 if dtype in (None, "auto") else parse_dtype(dtype))
+    from ..models.gguf import is_gguf_path, load_gguf
+    from ..models.packaged import resolve_model
+    model = resolve_model(model)
+    if is_gguf_path(model):
+        return load_gguf(model, dtype=dtype, device=device)
     from ..models.loader import load_model
     from ..models.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(model)
@@ -117,6 +123,11 @@ class LLMEngine:
                 GPUs than there are (before any process starts).
         """
         config = config or EngineConfig()
+        from ..models.gguf import is_gguf_path
+        from ..models.packaged import is_packaged_model
+        if config.tensor_parallel_size > 1 and (is_gguf_path(model) or is_packaged_model(model)):
+            raise ValueError(f"tensor_parallel_size: expected 1 for a GGUF model, got "
+                             f"{config.tensor_parallel_size} (model {str(model)!r})")
         if config.tensor_parallel_size == 1:
             net, model_config, tokenizer = load_model_and_tokenizer(model, dtype=dtype,
                                                                     device=device)
