@@ -8,7 +8,7 @@ weights in the load dtype like any other checkpoint (the engine has no quantized
 Q4 file takes its float size in memory once loaded).
 
 Families: those the engine supports (Llama, Qwen2, Qwen3); another architecture is refused by
-name. The ``gguf`` package is an optional extra: ``pip install "mini_paged_attn[real]"``.
+name. The ``gguf`` package is an optional extra: ``pip install -e ".[real]"``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
 GGUF_MAGIC = b"GGUF"
-INSTALL_HINT = 'pip install "mini_paged_attn[real]"'
+INSTALL_HINT = 'pip install -e ".[real]"'
 
 
 def is_gguf_path(model: str | Path) -> bool:

