@@ -167,6 +167,9 @@ class LLMEngine:
         if not isinstance(detokenize, bool):
             raise ValueError(f"detokenize: expected a bool, got {detokenize!r}")
         params, text, ids = self.admission.check(prompt, params, self.tokenizer)
+        if params.prompt_logprobs is not None and self.peers is not None:
+            raise ValueError("prompt_logprobs: expected None with tensor_parallel_size > 1 "
+                             f"(not supported there), got {params.prompt_logprobs}")
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -178,7 +181,8 @@ class LLMEngine:
             elif not isinstance(request_id, str) or request_id in self._live:
                 raise ValueError(f"request_id: expected a new str id, got {request_id!r}")
             request = Request(request_id, ids, params.max_tokens, stop_ids, params.n, params,
-                              arrival_time=time.time())
+                              arrival_time=time.time(),
+                              uses_prefix_cache=params.prompt_logprobs is None)
             self._pending_adds.append(RequestState(request, text, final_only, params.stop,
                                                    detokenize))
             self._live.add(request_id)
@@ -263,6 +267,9 @@ class LLMEngine:
                 self.scheduler.rollback(out)
                 self._retire([r for r, state in touched.items() if state.request.is_finished])
                 raise
+            for computed in self.runner.prompt_logprobs:
+                self._states[computed.request_id].add_prompt_logprobs(computed.start,
+                                                                      computed.entries)
             sampled, logprobs = [], None
             if result is not None:
                 ids, lps = result.token_ids, result.logprobs
