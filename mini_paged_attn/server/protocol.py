@@ -13,13 +13,14 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..engine import SamplingParams
-from ..engine.sampling_params import MAX_LOGIT_BIAS, MAX_PENALTY
+from ..engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 from .errors import bad_request
 from .json_body import MAX_INT_DIGITS, HugeInt, parse_json, preview
 
 # OpenAI caps `logprobs` of completions at 5 and `top_logprobs` of chat at 20.
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
+MAX_PROMPT_LOGPROBS = MAX_LOGPROBS
 # OpenAI's default for /v1/completions; chat defaults to "as long as the context allows".
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 class _Strict(BaseModel):
@@ -105,9 +106,11 @@ class CompletionRequest(_SamplingFields):
     # A string, a list of strings, a list of token ids or a list of lists of token ids.
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    # The prompt's text before each choice's text. Not with logprobs: those would need the
-    # prompt tokens' logprobs, which the engine does not compute.
+    # The prompt's text before each choice's text; with logprobs, the prompt tokens' logprobs
+    # before the choice's (the first one's null).
     echo: bool = False
+    # vLLM's extension: each choice's `prompt_logprobs`, the top-k per prompt position.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as separate items: a string or a list of token ids each."""
@@ -204,13 +207,15 @@ def parse_request(raw: bytes, model_cls: type[RequestT]) -> RequestT:
                           param=param) from None
 
 
-def to_sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def to_sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | None,
+                       prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams for a validated request.
 
     Args:
         req: the parsed request.
         max_tokens: resolved by the caller (defaults differ between completions and chat).
         logprobs: number of top log-probabilities per token, or None.
+        prompt_logprobs: the same per prompt token, or None.
     """
     try:
         return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -220,7 +225,8 @@ def to_sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int |
                               frequency_penalty=req.frequency_penalty,
                               repetition_penalty=req.repetition_penalty,
                               logit_bias=req.token_biases(), min_tokens=req.min_tokens,
-                              stop_token_ids=req.stop_token_ids)
+                              stop_token_ids=req.stop_token_ids,
+                              prompt_logprobs=prompt_logprobs)
     except ValueError as exc:  # the engine's checks say "<field>: expected ..., got ..."
         field_name = str(exc).split(":", 1)[0]
         raise bad_request(str(exc), param=field_name if field_name.isidentifier() else None
