@@ -361,6 +361,8 @@ def _prompt_logprob_rows(out: SchedulerOutput) -> _PromptRows | None:
     """Which rows of ``out``'s hidden states predict a prompt token of a request that asked
     for prompt logprobs (the row of position ``j`` predicts token ``j + 1``; the last prompt
     token's row predicts the first output token, which the sampler handles). None if none."""
+    if not out.num_prefill_seqs:    # no prompt token in the step: O(1) for decode steps
+        return None
     found: _PromptRows | None = None
     row = 0
     for seq, q in zip(out.seqs, out.num_new_tokens):
