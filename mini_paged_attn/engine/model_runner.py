@@ -4,7 +4,7 @@ Per step: copy-on-write block copies (all layers at once), the inputs (built onc
 see ``input_batch``), the forward (a captured CUDA graph for decode-only batches on CUDA, else
 eager), logits for the rows that sample, and the sampler. The only host sync is reading the
 sampled token ids. Requests that ask for prompt logprobs also get the log-softmax of the logits
-of every prompt position the step computes (see :class:`PromptLogprobs`).
+of every prompt position the step computes (see ``prompt_logprobs``).
 
 Under tensor parallelism every rank has a ModelRunner over its shard of the model and a pool of
 its own KV heads with the same number of blocks. Rank 0's runner builds each step's inputs and
@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +30,8 @@ from ..ops.kv_quant import kv_cache_torch_dtype
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .input_batch import InputBuilder, dummy_inputs, table_width
+from .prompt_logprobs import (PendingPromptLogprobs, PromptLogprobs, PromptRows,
+                              compute_prompt_logprobs, prompt_logprob_rows)
 from .sampler import SampleRow, Sampler
 from .sampling_params import SamplingParams
 from .step_message import StepMessage
@@ -41,26 +42,6 @@ logger = logging.getLogger(__name__)
 GRAPH_MEMORY_RESERVE = 512 << 20
 # Split-KV partial results the decode workspace holds per sequence (more for smaller batches).
 WORKSPACE_SPLITS_PER_SEQ = 16
-# Prompt positions whose full-vocabulary logits exist at once when computing prompt logprobs
-# (a 150k vocabulary: 600 KB of float32 a row).
-PROMPT_LOGPROBS_CHUNK = 256
-
-
-@dataclass
-class PromptLogprobs:
-    """The prompt logprobs one step computed for one request.
-
-    ``entries[i]`` belongs to prompt position ``start + i`` (``start >= 1``: position 0 has
-    none): ``{token_id: logprob}`` of the request's top ``prompt_logprobs`` tokens and of the
-    prompt's token at that position (log-softmax of the logits of the position before, float32,
-    before any sampling parameter applies).
-    """
-
-    request_id: str
-    start: int
-    entries: list[dict[int, float]]
-
-
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype,
                    num_kv_heads: int | None = None) -> int:
     """Bytes of one block over all layers (K and V); ``num_kv_heads``: the KV heads one rank
@@ -101,6 +82,8 @@ class ModelRunner:
         self.max_num_seqs = config.max_num_seqs
         self.sampler = Sampler(device, config.seed)
         self.prompt_logprobs: list[PromptLogprobs] = []    # of the latest step
+        # The latest step's prompt logprobs on the device, read after its sampled tokens.
+        self._prompt_device: PendingPromptLogprobs | None = None
         self.workspace = None
         if self.backend == "triton":
             from ..ops.decode import workspace_size
@@ -241,7 +224,8 @@ class ModelRunner:
         for its sampled tokens; not at all if no row samples. The prompt logprobs the step
         computed are in :attr:`prompt_logprobs` afterwards (empty when no request asked).
         """
-        self.prompt_logprobs: list[PromptLogprobs] = []
+        self.prompt_logprobs = []
+        self._prompt_device = None
         for seq_id in out.released_seq_ids:
             self.release(seq_id)
         n = out.num_seqs
@@ -255,7 +239,7 @@ class ModelRunner:
                 max_seqlen_q=step.max_seqlen_q, num_sample_rows=step.num_sample_rows,
                 decode_only=out.decode_only, graph_bucket=bucket,
                 block_copies=list(out.block_copies)))
-        wanted = _prompt_logprob_rows(out)
+        wanted = prompt_logprob_rows(out)
         try:
             logits = self._forward(step, n, out.decode_only, bucket, out.block_copies, wanted)
         except Exception as exc:
@@ -263,6 +247,7 @@ class ModelRunner:
                 self.peers.check_after_failure(exc)   # raises naming a dead rank, if one is
             raise
         if logits is None:
+            self._read_prompt_logprobs()
             return None
         params, seeds = [], []
         for seq, k in zip(out.seqs, out.num_samples):
@@ -274,7 +259,9 @@ class ModelRunner:
                 seeds.append(None if p.seed is None else
                              (seq.request.request_id, seq.index if k == 1 else j))
         # Made only if some row uses penalties or min_tokens.
-        return self.sampler(logits, params, seeds, overlap, lambda: _sample_rows(out))
+        sampled = self.sampler(logits, params, seeds, overlap, lambda: _sample_rows(out))
+        self._read_prompt_logprobs()    # after the sampled tokens' sync: no extra wait
+        return sampled
 
     @torch.inference_mode()
     def execute_message(self, message: StepMessage) -> None:
@@ -288,7 +275,7 @@ class ModelRunner:
                       message.block_copies)
 
     def _forward(self, step, num_seqs: int, decode_only: bool, bucket: int | None,
-                 block_copies, prompt_rows: _PromptRows | None = None) -> torch.Tensor | None:
+                 block_copies, prompt_rows: PromptRows | None = None) -> torch.Tensor | None:
         """Copy-on-write, the forward (a graph replay when ``bucket`` is set) and the LM head
         on the sample rows: float32 logits ``[num_sample_rows, vocab_size]``, or None when
         no row samples. Every rank runs it, in the same order of collectives. ``prompt_rows``
@@ -303,7 +290,7 @@ class ModelRunner:
                                               backend=self.backend, decode_workspace=self.workspace)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
         if prompt_rows is not None:
-            self.prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
+            self._prompt_device = compute_prompt_logprobs(self.model, hidden, prompt_rows)
         if step.num_sample_rows == 0:
             return None
         if step.sample_rows is None:
@@ -312,74 +299,11 @@ class ModelRunner:
             hidden = hidden.index_select(0, step.sample_rows)
         return self.model.compute_logits(hidden)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, wanted: _PromptRows) -> list[PromptLogprobs]:
-        """Log-softmax of the logits of the hidden rows ``wanted.rows`` (``hidden``:
-        ``[num_tokens, hidden_size]``), PROMPT_LOGPROBS_CHUNK rows at a time, read at each
-        row's next prompt token and at its request's top-k."""
-        device = hidden.device
-        rows = torch.tensor(wanted.rows, dtype=torch.int64, device=device)
-        targets = torch.tensor(wanted.targets, dtype=torch.int64, device=device)
-        k = max(wanted.top_k)
-        chosen, top_values, top_ids = [], [], []
-        for at in range(0, len(wanted.rows), PROMPT_LOGPROBS_CHUNK):
-            part = slice(at, at + PROMPT_LOGPROBS_CHUNK)
-            logprobs = torch.log_softmax(
-                self.model.compute_logits(hidden.index_select(0, rows[part])), dim=-1)
-            chosen.append(logprobs.gather(1, targets[part, None])[:, 0])
-            if k:
-                values, ids = logprobs.topk(k, dim=-1)
-                top_values.append(values)
-                top_ids.append(ids)
-        chosen_list = torch.cat(chosen).tolist()
-        values_list = torch.cat(top_values).tolist() if k else None
-        ids_list = torch.cat(top_ids).tolist() if k else None
-        results = []
-        for request_id, start, first, count, topk in wanted.requests:
-            entries = []
-            for r in range(first, first + count):
-                entry = ({ids_list[r][j]: values_list[r][j] for j in range(topk)} if topk
-                         else {})
-                entry[wanted.targets[r]] = chosen_list[r]
-                entries.append(entry)
-            results.append(PromptLogprobs(request_id, start, entries))
-        return results
-
-
-@dataclass
-class _PromptRows:
-    """The hidden rows of a step whose logits give prompt logprobs: ``rows[i]`` predicts prompt
-    token ``targets[i]``; ``top_k[i]`` its request's k; ``requests``: ``(request_id, first
-    prompt position, first index into rows, count, k)`` per request."""
-
-    rows: list[int]
-    targets: list[int]
-    top_k: list[int]
-    requests: list[tuple[str, int, int, int, int]]
-
-
-def _prompt_logprob_rows(out: SchedulerOutput) -> _PromptRows | None:
-    """Which rows of ``out``'s hidden states predict a prompt token of a request that asked
-    for prompt logprobs (the row of position ``j`` predicts token ``j + 1``; the last prompt
-    token's row predicts the first output token, which the sampler handles). None if none."""
-    if not out.num_prefill_seqs:    # no prompt token in the step: O(1) for decode steps
-        return None
-    found: _PromptRows | None = None
-    row = 0
-    for seq, q in zip(out.seqs, out.num_new_tokens):
-        k = seq.request.params.prompt_logprobs if seq.request.params is not None else None
-        computed = seq.num_computed_tokens
-        last = min(computed + q, seq.request.num_prompt_tokens - 1)   # exclusive
-        if k is not None and last > computed:
-            if found is None:
-                found = _PromptRows([], [], [], [])
-            found.requests.append((seq.request.request_id, computed + 1, len(found.rows),
-                                   last - computed, k))
-            found.rows.extend(range(row, row + last - computed))
-            found.targets.extend(seq.token_ids[computed + 1:last + 1])
-            found.top_k.extend([k] * (last - computed))
-        row += q
-    return found
-
+    def _read_prompt_logprobs(self) -> None:
+        """The step's prompt logprobs, to the host, into :attr:`prompt_logprobs`."""
+        if self._prompt_device is not None:
+            self.prompt_logprobs = self._prompt_device.read()
+            self._prompt_device = None
 
 
 def _sample_rows(out: SchedulerOutput) -> list[SampleRow]:
