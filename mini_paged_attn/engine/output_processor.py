@@ -36,9 +36,27 @@ class RequestState:
     texts: dict[int, _SampleText] = field(default_factory=dict)
     # One copy of the prompt for all the request's outputs (they share it: read-only).
     prompt_token_ids: list[int] = field(init=False)
+    # Per prompt position so far (None at position 0), when the request asked for them.
+    prompt_logprobs: list[dict[int, float] | None] | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.request.prompt_token_ids)
+        asked = getattr(self.request.params, "prompt_logprobs", None) is not None
+        self.prompt_logprobs = [None] if asked else None
+
+    def add_prompt_logprobs(self, start: int, entries: list[dict[int, float]]) -> None:
+        """Record the prompt logprobs of positions ``start ..`` (from one step). Positions
+        already recorded are skipped: a preempted request computes its prompt again."""
+        have = self.prompt_logprobs
+        assert have is not None and 1 <= start <= len(have), (start, have and len(have))
+        have.extend(entries[len(have) - start:])
+
+    def prompt_logprobs_done(self) -> list[dict[int, float] | None] | None:
+        """The prompt logprobs once every position has them, else None."""
+        have = self.prompt_logprobs
+        if have is None or len(have) < self.request.num_prompt_tokens:
+            return None
+        return have
 
     @property
     def incremental(self) -> bool:
@@ -150,7 +168,8 @@ class OutputProcessor:
             last_token_time=request.last_token_time)
         return RequestOutput(request_id=request.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids,
-                             outputs=completions, finished=finished, metrics=metrics)
+                             outputs=completions, finished=finished, metrics=metrics,
+                             prompt_logprobs=state.prompt_logprobs_done())
 
 
 __all__ = ["OutputProcessor", "RequestState"]

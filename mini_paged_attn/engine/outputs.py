@@ -114,6 +114,10 @@ class RequestOutput:
     """The state of one request after a step (or at the end, for ``LLM.generate``).
 
     ``prompt_token_ids`` is one list shared by all the outputs of the request: do not modify it.
+    ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``): one entry per prompt token,
+    None for the first, else ``{token_id: logprob}`` of the top ``prompt_logprobs`` tokens and
+    the prompt's token there; set once the whole prompt is computed (None before), and shared
+    by the request's later outputs like ``prompt_token_ids``.
     """
 
     request_id: str
@@ -122,6 +126,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass

@@ -49,7 +49,11 @@ class SamplingParams:
             vocabulary when the request is added.
         min_tokens: >= 0 and <= max_tokens; the end-of-sequence and stop_token_ids tokens cannot
             be sampled before this many tokens have been generated (stop strings still apply).
-        prompt_logprobs: None only (per-prompt-token logprobs are not computed).
+        prompt_logprobs: None, or the number (0..20) of most likely tokens whose
+            log-probabilities are returned per prompt position, with the prompt token's own
+            (``RequestOutput.prompt_logprobs``: None for the first position, which nothing
+            predicts). Such a request never takes prefix-cache hits: every position's logits
+            are computed.
         structured_outputs: None, or a :class:`StructuredOutputsParams` every sample's output
             must satisfy (JSON schema, JSON object, regex, choice or grammar; needs llguidance:
             ``pip install -e ".[structured]"``). The grammar masks the logits after the
@@ -126,8 +130,9 @@ class SamplingParams:
             raise fail("repetition_penalty", "a number > 0 (1 is off)")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise fail("min_tokens", f"an int in [0, max_tokens={self.max_tokens}]")
-        if self.prompt_logprobs is not None:
-            raise fail("prompt_logprobs", "None (prompt logprobs are not supported)")
+        if self.prompt_logprobs is not None and (
+                not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise fail("prompt_logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
         bias = {} if self.logit_bias is None else self.logit_bias
         if not isinstance(bias, dict) or not all(
                 is_int(t) and t >= 0 and is_number(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS

@@ -11,6 +11,7 @@ those bytes alone), so a rank's memory holds its shard and nothing more.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from ..distributed.group import TPGroup
 from ..errors import ModelLoadError
 from .checkpoint import read_part
 from .config import ModelConfig, check_model_dir, read_json, resolve_dtype
+from .gguf import is_gguf_path, load_gguf_model
 from .llama import CausalLM
 from .registry import init_empty_model
 
@@ -63,43 +65,72 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device | str)
     """
     from safetensors import SafetensorError, safe_open
 
-    targets = model.checkpoint_shards()
-    loaded: set[str] = set()
-    unexpected: list[str] = []
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     device_str = str(device)
-    with torch.no_grad():
-        for path in files:
-            try:
-                opened = safe_open(str(path), framework="pt", device=device_str)
-            except SafetensorError as exc:
-                raise ModelLoadError(
-                    f"{path}: expected a safetensors file, got one that cannot be read ({exc}); "
-                    "it may be truncated: download it again") from exc
-            with opened as f:
-                for name in f.keys():
-                    shard = targets.get(name)
-                    if shard is None:
-                        if not model.is_ignored_checkpoint_tensor(name):
-                            unexpected.append(name)
-                        continue
-                    target, part = shard
-                    tensor = read_part(f, name, part)
-                    if tuple(tensor.shape) != tuple(target.shape):
-                        raise ValueError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                         f"the model expects {tuple(target.shape)} "
-                                         "(config.json does not match the weights)")
-                    target.copy_(tensor)
-                    loaded.add(name)
-    missing = sorted(set(targets) - loaded)
-    if missing:
-        shown = ", ".join(missing[:5]) + (f", ... ({len(missing)} in all)" if len(missing) > 5 else "")
-        raise ValueError(f"checkpoint {files[0].parent}: missing tensors {shown}")
-    if unexpected:
-        logger.warning("checkpoint %s: %d tensors the model does not use, e.g. %s",
-                       files[0].parent, len(unexpected), unexpected[:3])
+    copier = TensorCopier(model, str(files[0].parent))
+    for path in files:
+        try:
+            opened = safe_open(str(path), framework="pt", device=device_str)
+        except SafetensorError as exc:
+            raise ModelLoadError(
+                f"{path}: expected a safetensors file, got one that cannot be read ({exc}); "
+                "it may be truncated: download it again") from exc
+        with opened as f:
+            for name in f.keys():
+                copier.copy(name, lambda part, f=f, name=name: read_part(f, name, part),
+                            str(path))
+    copier.finish()
+
+
+class TensorCopier:
+    """Copies checkpoint tensors, by Hugging Face name, into the parameters of ``model`` (this
+    rank's part of each), then checks that every parameter was filled.
+
+    ``source`` names the checkpoint in error messages.
+    """
+
+    def __init__(self, model: CausalLM, source: str) -> None:
+        self.model = model
+        self.source = source
+        self.targets = model.checkpoint_shards()
+        self.loaded: set[str] = set()
+        self.unexpected: list[str] = []
+
+    @torch.no_grad()
+    def copy(self, name: str, read: Callable[[tuple[slice, ...] | None], torch.Tensor],
+             where: str) -> None:
+        """Copy tensor ``name`` (``read(part)`` gives its ``part``, None: all of it; any
+        dtype, cast to the parameter's) from ``where`` (a file, named in errors).
+
+        Raises:
+            ValueError: its shape does not match its parameter's.
+        """
+        shard = self.targets.get(name)
+        if shard is None:
+            if not self.model.is_ignored_checkpoint_tensor(name):
+                self.unexpected.append(name)
+            return
+        target, part = shard
+        tensor = read(part)
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"the model expects {tuple(target.shape)} "
+                             "(the config does not match the weights)")
+        target.copy_(tensor)
+        self.loaded.add(name)
+
+    def finish(self) -> None:
+        """Raises ValueError naming the tensors the model needs that no copy brought."""
+        missing = sorted(set(self.targets) - self.loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f", ... ({len(missing)} in all)"
+                                              if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint {self.source}: missing tensors {shown}")
+        if self.unexpected:
+            logger.warning("checkpoint %s: %d tensors the model does not use, e.g. %s",
+                           self.source, len(self.unexpected), self.unexpected[:3])
 
 
 def load_model(model_dir: str | Path, *, dtype: torch.dtype | str | None = None,
@@ -109,7 +140,8 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype | str | None = None,
     shard of it: each rank calls this with its group).
 
     Args:
-        model_dir: holds config.json and model.safetensors (or shards + index).
+        model_dir: holds config.json and model.safetensors (or shards + index); or a ``.gguf``
+            file (see :mod:`.gguf`: dequantized while it loads; needs the ``gguf`` package).
         dtype: torch.float32 / float16 / bfloat16 (or their names); None or "auto" keeps the
             checkpoint's (config.json ``torch_dtype`` / ``dtype``).
         device: where the weights go (read there directly).
@@ -122,6 +154,8 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype | str | None = None,
         ValueError: unsupported architecture (named, with the supported ones), a bad config
             field, a missing or misshapen tensor (named).
     """
+    if is_gguf_path(model_dir):
+        return load_gguf_model(model_dir, dtype=dtype, device=device, tp=tp)
     config = ModelConfig.from_model_dir(model_dir)
     files = checkpoint_files(model_dir)
     load_dtype = resolve_dtype(dtype, config)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .tool_parsers import ToolCallMode
@@ -63,6 +63,44 @@ class Logprobs:
         return {"tokens": tokens, "token_logprobs": token_logprobs,
                 "top_logprobs": top_logprobs, "text_offset": offsets}
 
+    def prompt_completion(self, token_ids: list[int],
+                          entries: list[dict[int, float] | None]) -> dict[str, Any]:
+        """The prompt's part of a text_completion ``logprobs`` object (``echo``): its tokens,
+        their logprobs (null for the first, which nothing predicts), offsets from 0."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                "text_offset": []}
+        offset = 0
+        for tid, entry in zip(token_ids, entries):
+            text = self.token_text(tid)
+            out["tokens"].append(text)
+            out["text_offset"].append(offset)
+            offset += len(text)
+            if entry is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            out["token_logprobs"].append(_finite(entry[tid]))
+            top: dict[str, float] = {}
+            for t, lp in self._alternatives(entry):
+                top.setdefault(self.token_text(t), _finite(lp))
+            out["top_logprobs"].append(top)
+        return out
+
+    def prompt_by_id(self, token_ids: list[int],
+                     entries: list[dict[int, float] | None]) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs`` of a choice: per prompt position None (the first) or
+        ``{token id (str): {"logprob", "decoded_token"}}`` for the top ones and the prompt's."""
+        out: list[dict[str, Any] | None] = []
+        for tid, entry in zip(token_ids, entries):
+            if entry is None:
+                out.append(None)
+                continue
+            keep = dict(self._alternatives(entry))
+            keep[tid] = entry[tid]
+            out.append({str(t): {"logprob": _finite(lp), "decoded_token": self.token_text(t)}
+                        for t, lp in keep.items()})
+        return out
+
     def _chat_token(self, tid: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(tid)
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
@@ -84,7 +122,10 @@ class ResponseFormat:
     """Builds the response objects of one request of either endpoint.
 
     ``echo`` (completions): per prompt, the text each of its choices starts with (choice ``i``
-    belongs to prompt ``i // n``); None: the choices hold the completion only.
+    belongs to prompt ``i // n``); None: the choices hold the completion only. With ``echo``
+    and ``logprobs``, a choice's logprobs start with the prompt tokens'. ``prompt_logprobs``
+    (completions, vLLM's extension): each choice also gets a ``prompt_logprobs`` list. Both
+    read the engine's outputs as :meth:`note_prompt` hands them over.
     ``tools`` (chat with tools): how tool calls are read from a choice's text.
     """
 
@@ -96,6 +137,25 @@ class ResponseFormat:
     echo: list[str] | None = None
     n: int = 1
     tools: ToolCallMode | None = None
+    prompt_logprobs: Logprobs | None = None
+    # prompt index -> (its token ids, the engine's prompt logprobs or None)
+    _prompts: dict[int, tuple[list[int], list | None]] = field(default_factory=dict)
+
+    def note_prompt(self, prompt_index: int, out: Any) -> None:
+        """Keep the prompt side of ``out`` (a RequestOutput) for the choices of that prompt."""
+        if prompt_index not in self._prompts or self._prompts[prompt_index][1] is None:
+            self._prompts[prompt_index] = (out.prompt_token_ids, out.prompt_logprobs)
+
+    def _prompt_of(self, index: int) -> tuple[list[int], list | None]:
+        return self._prompts.get(index // self.n, ([], None))
+
+    def _prompt_extra(self, index: int) -> dict[str, Any]:
+        """The choice's vLLM ``prompt_logprobs`` field, when asked for."""
+        if self.prompt_logprobs is None:
+            return {}
+        ids, entries = self._prompt_of(index)
+        return {"prompt_logprobs": None if entries is None
+                else self.prompt_logprobs.prompt_by_id(ids, entries)}
 
     def _echoed(self, index: int, text: str) -> str:
         return text if self.echo is None else self.echo[index // self.n] + text
@@ -112,12 +172,21 @@ class ResponseFormat:
         return {"id": self.request_id, "object": obj, "created": self.created,
                 "model": self.model, "choices": choices, **extra}
 
-    def _logprobs(self, comp: Any, start: int, text_offset: int) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, comp: Any, start: int,
+                  text_offset: int) -> dict[str, Any] | None:
         if self.logprobs is None:
             return None
         if self.chat:
             return self.logprobs.chat(comp, start)
-        return self.logprobs.completion(comp, start, text_offset)
+        if self.echo is None:
+            return self.logprobs.completion(comp, start, text_offset)
+        # Offsets count the echoed prompt's characters too.
+        result = self.logprobs.completion(comp, start, text_offset + len(self.echo[index // self.n]))
+        ids, entries = self._prompt_of(index)
+        if result is None or start or entries is None:
+            return result
+        head = self.logprobs.prompt_completion(ids, entries)
+        return {key: head[key] + result[key] for key in result}
 
     def role_chunk(self, index: int, *, usage_field: bool) -> dict[str, Any]:
         """The chunk that opens a chat choice (OpenAI sends the role first, with no text)."""
@@ -147,7 +216,7 @@ class ResponseFormat:
         delta = comp.text[text_start:self.text_end(comp)]
         if token_start == 0:   # the choice's first chunk
             delta = self._echoed(index, delta)
-        logprobs = self._logprobs(comp, token_start, text_start)
+        logprobs = self._logprobs(index, comp, token_start, text_start)
         if self.chat:
             message: dict[str, Any] = {"content": delta}
             reason = comp.finish_reason
@@ -161,7 +230,8 @@ class ResponseFormat:
                       "finish_reason": reason}
         else:
             choice = {"index": index, "text": delta, "logprobs": logprobs,
-                      "finish_reason": comp.finish_reason}
+                      "finish_reason": comp.finish_reason,
+                      **(self._prompt_extra(index) if token_start == 0 else {})}
         return self._envelope(self.chunk_object_name, [choice],
                               **({"usage": None} if usage_field else {}))
 
@@ -177,7 +247,7 @@ class ResponseFormat:
         """
         out = []
         for index, comp in choices:
-            logprobs = self._logprobs(comp, 0, 0)
+            logprobs = self._logprobs(index, comp, 0, 0)
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": comp.text}
                 reason = comp.finish_reason
@@ -191,5 +261,5 @@ class ResponseFormat:
             else:
                 out.append({"index": index, "text": self._echoed(index, comp.text),
                             "logprobs": logprobs,
-                            "finish_reason": comp.finish_reason})
+                            "finish_reason": comp.finish_reason, **self._prompt_extra(index)})
         return self._envelope(self.object_name, out, usage=usage_)

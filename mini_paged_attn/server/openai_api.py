@@ -70,6 +70,8 @@ async def _serve(request: Request, submission: Submission, fmt: ResponseFormat, 
             final: dict[int, Any] = {}
             async for index, out in submission:
                 final[index] = out
+            for index, out in final.items():
+                fmt.note_prompt(index, out)
             choices = [(i * n + c.index, c) for i in sorted(final) for c in final[i].outputs]
             if any(c.finish_reason == "error" for _, c in choices):
                 raise _output_failed()
@@ -122,6 +124,7 @@ class _StreamState:
     def events(self, prompt_index: int, out: Any) -> list[str]:
         """One chunk per choice of ``out`` that gained tokens or finished."""
         self.last[prompt_index] = out
+        self.fmt.note_prompt(prompt_index, out)
         events = []
         for comp in out.outputs:
             index = prompt_index * self.n + comp.index

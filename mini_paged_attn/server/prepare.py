@@ -130,9 +130,6 @@ def prepare_completion(served: ServedModel, raw: bytes) -> Prepared:
     """Body -> token ids and SamplingParams (on a worker thread); APIError on bad input."""
     req = parse_request(raw, CompletionRequest)
     _check_model(served, req.model)
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo: echo with logprobs needs the prompt's logprobs, which this "
-                          "server does not compute; drop one of them", param="echo")
     items = req.prompts()
     _check_sampling(served, req, len(items))
     constraint = completion_constraint(req)
@@ -144,14 +141,19 @@ def prepare_completion(served: ServedModel, raw: bytes) -> Prepared:
         prompts.append(_check_prompt_ids(served, ids, param))
     max_tokens = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
     _check_fits(served, prompts, max_tokens, "max_tokens")
+    # echo + logprobs: the prompt tokens' logprobs too, as many alternatives as the output's.
+    wanted = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs)
+              if k is not None]
     params = to_sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
+                                prompt_logprobs=max(wanted) if wanted else None,
                                 structured_outputs=constraint)
     echo = None
     if req.echo:   # a prompt given as token ids echoes as their text
         echo = [p if isinstance(p, str) else tokenizer.decode(ids)
                 for p, ids in zip(items, prompts)]
     fmt = ResponseFormat(False, f"cmpl-{uuid.uuid4().hex}", served.name, int(time.time()),
-                         _logprobs_format(served, req.logprobs), echo=echo, n=req.n)
+                         _logprobs_format(served, req.logprobs), echo=echo, n=req.n,
+                         prompt_logprobs=_logprobs_format(served, req.prompt_logprobs))
     return Prepared(prompts, params, fmt, req.n, req.stream, req.include_usage)
 
 

@@ -15,7 +15,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
                       model_validator)
 
 from ..engine import SamplingParams
-from ..engine.sampling_params import MAX_LOGIT_BIAS, MAX_PENALTY
+from ..engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 from ..engine.structured.params import StructuredOutputsParams
 from .errors import bad_request
 from .json_body import MAX_INT_DIGITS, HugeInt, parse_json, preview
@@ -23,6 +23,7 @@ from .json_body import MAX_INT_DIGITS, HugeInt, parse_json, preview
 # OpenAI caps `logprobs` of completions at 5 and `top_logprobs` of chat at 20.
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
+MAX_PROMPT_LOGPROBS = MAX_LOGPROBS
 # OpenAI's default for /v1/completions; chat defaults to "as long as the context allows".
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 class _Strict(BaseModel):
@@ -144,9 +145,11 @@ class CompletionRequest(_SamplingFields):
     # A string, a list of strings, a list of token ids or a list of lists of token ids.
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    # The prompt's text before each choice's text. Not with logprobs: those would need the
-    # prompt tokens' logprobs, which the engine does not compute.
+    # The prompt's text before each choice's text; with logprobs, the prompt tokens' logprobs
+    # before the choice's (the first one's null).
     echo: bool = False
+    # vLLM's extension: each choice's `prompt_logprobs`, the top-k per prompt position.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as separate items: a string or a list of token ids each."""
@@ -314,6 +317,7 @@ def parse_request(raw: bytes, model_cls: type[RequestT]) -> RequestT:
 
 
 def to_sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | None,
+                       prompt_logprobs: int | None = None,
                        structured_outputs: StructuredOutputsParams | None = None
                        ) -> SamplingParams:
     """The engine's SamplingParams for a validated request.
@@ -322,6 +326,7 @@ def to_sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int |
         req: the parsed request.
         max_tokens: resolved by the caller (defaults differ between completions and chat).
         logprobs: number of top log-probabilities per token, or None.
+        prompt_logprobs: the same per prompt token, or None.
         structured_outputs: the constraint ``response_format``, ``structured_outputs`` or
             ``tool_choice`` asked for (see ``server/structured.py``), or None.
     """
@@ -334,6 +339,7 @@ def to_sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int |
                               repetition_penalty=req.repetition_penalty,
                               logit_bias=req.token_biases(), min_tokens=req.min_tokens,
                               stop_token_ids=req.stop_token_ids,
+                              prompt_logprobs=prompt_logprobs,
                               structured_outputs=structured_outputs)
     except ValueError as exc:  # the engine's checks say "<field>: expected ..., got ..."
         field_name = str(exc).split(":", 1)[0]

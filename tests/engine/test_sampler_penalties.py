@@ -153,7 +153,8 @@ def test_plain_requests_touch_no_history():
     (dict(logit_bias={"1": 1.0}), "logit_bias"),
     (dict(logit_bias=[1]), "logit_bias"),
     (dict(stop_token_ids=[-3]), "stop_token_ids"),
-    (dict(prompt_logprobs=1), "prompt_logprobs"),
+    (dict(prompt_logprobs=21), "prompt_logprobs"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs"),
 ])
 def test_bad_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
