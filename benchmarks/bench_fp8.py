@@ -5,10 +5,8 @@
     in an fp8 cache (no scales, and per-KV-head scales): microseconds (L2 flushed before each
     call), the bytes actually read (K/V in the cache's dtype, query, block table, output) as a
     percentage of this run's copy bandwidth, the speedup over bf16, and the largest
-    ``|out_fp8 - out_bf16|`` (the rounding of K/V to e4m3). The planned tiles count bytes at
-    the query's 16 bits, so an fp8 tile holds half the bytes of a bf16 one; ``fp8_2x_tile``
-    times fp8 with twice the tokens per tile (the planned split count, tiles forced), to see
-    whether the plan should give fp8 its own tiles.
+    ``|out_fp8 - out_bf16|`` (the rounding of K/V to e4m3). Each cache runs its own planned
+    tiles (``bf16_block_n``, ``fp8_block_n``).
 (accuracy) the engine's bench models (random Qwen3-0.6B / Qwen2.5-0.5B shapes in bf16, as
     ``bench_engine`` builds them) with ``kv_cache_dtype="auto"`` (bf16) and ``"fp8"`` on the
     same prompts, greedy: the share of requests with identical tokens, the mean share of
@@ -54,10 +52,7 @@ def _decode_row(batch: int, context: int, copy_gbps: float, seed: int) -> dict:
     from benchmarks.bench_attention import DecodeCase, make_inputs
     from benchmarks.common import time_us
     from mini_paged_attn.ops import paged_decode
-    from mini_paged_attn.ops.checks import check_paged_decode_args
-    from mini_paged_attn.ops.decode import triton_paged_decode
-    from mini_paged_attn.ops.explain import (MAX_BLOCK_N, DecodeTiles, num_sms_of,
-                                             plan_decode)
+    from mini_paged_attn.ops.explain import num_sms_of, plan_decode
     from mini_paged_attn.ops.kv_quant import FP8_DTYPE
 
     case = DecodeCase(batch, context)
@@ -70,26 +65,18 @@ def _decode_row(batch: int, context: int, copy_gbps: float, seed: int) -> dict:
         "fp8": (pool8[:, :, 0], pool8[:, :, 1], {}),
         "fp8_scaled": (pool8[:, :, 0], pool8[:, :, 1], {"k_scale": ones, "v_scale": ones}),
     }
-    plan = plan_decode(batch, case.num_q_heads, case.num_kv_heads, case.head_size, context,
-                       case.block_size, case.dtype, num_sms_of(x.query.device))
-    wide = DecodeTiles(min(2 * plan.tiles.block_n, MAX_BLOCK_N), plan.tiles.num_warps,
-                       plan.tiles.num_stages)
-    shapes = check_paged_decode_args(x.query, pool8[:, :, 0], pool8[:, :, 1], x.block_tables,
-                                     x.context_lens, None, None)
+    sizes = (batch, case.num_q_heads, case.num_kv_heads, case.head_size, context,
+             case.block_size, case.dtype, num_sms_of(x.query.device))
+    plan, plan8 = plan_decode(*sizes), plan_decode(*sizes, kv_dtype=FP8_DTYPE)
     # Bytes a call reads or writes besides K/V: query, block table, output.
     other = 2 * x.query.numel() * x.query.element_size() + x.block_tables.numel() * 4
-    row: dict = {"shape": f"{batch}x{context}", "splits": plan.num_splits,
-                 "block_n": plan.tiles.block_n}
+    row: dict = {"shape": f"{batch}x{context}", "splits": plan8.num_splits,
+                 "bf16_block_n": plan.tiles.block_n, "fp8_block_n": plan8.tiles.block_n}
     outs = {}
-    for name, (kc, vc, scales) in {**variants, "fp8_2x_tile": variants["fp8"]}.items():
+    for name, (kc, vc, scales) in variants.items():
         out = torch.empty_like(x.query)
 
-        def call(kc=kc, vc=vc, scales=scales, out=out, name=name):
-            if name == "fp8_2x_tile":
-                triton_paged_decode(x.query, kc, vc, x.block_tables, x.context_lens, shapes,
-                                    out=out, lse=None, workspace=x.workspace,
-                                    num_splits=plan.num_splits, tiles=wide)
-                return
+        def call(kc=kc, vc=vc, scales=scales, out=out):
             paged_decode(x.query, kc, vc, x.block_tables, x.context_lens, out=out,
                          workspace=x.workspace, **scales)
 
@@ -103,7 +90,6 @@ def _decode_row(batch: int, context: int, copy_gbps: float, seed: int) -> dict:
     row["max_abs_err"] = float((outs["fp8"] - outs["bf16"]).abs().max())
     # Scales of 1.0 multiply exactly: the scaled path must give the same bits.
     row["scaled_equal"] = bool(torch.equal(outs["fp8"], outs["fp8_scaled"]))
-    row["2x_tile_max_diff"] = float((outs["fp8_2x_tile"] - outs["fp8"]).abs().max())
     return row
 
 
@@ -162,10 +148,9 @@ def accuracy_row(shape: str, root: Path, num_requests: int, steps: int) -> dict:
     }
 
 
-DECODE_COLUMNS = ("shape", "splits", "block_n", "bf16_us", "bf16_pct_copy", "fp8_us",
-                  "fp8_pct_copy", "fp8_scaled_us", "fp8_scaled_pct_copy", "fp8_speedup",
-                  "max_abs_err", "scaled_equal", "fp8_2x_tile_us", "fp8_2x_tile_pct_copy",
-                  "2x_tile_max_diff")
+DECODE_COLUMNS = ("shape", "splits", "bf16_block_n", "fp8_block_n", "bf16_us", "bf16_pct_copy",
+                  "fp8_us", "fp8_pct_copy", "fp8_scaled_us", "fp8_scaled_pct_copy",
+                  "fp8_speedup", "max_abs_err", "scaled_equal")
 ACCURACY_COLUMNS = ("model", "requests", "steps", "identical_share",
                     "mean_agreeing_prefix_share", "first_step_logprob_max_err",
                     "first_step_logprob_mean_err", "differing", "max_flip_gap",
