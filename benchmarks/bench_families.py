@@ -110,8 +110,24 @@ def family_row(family: str, root: Path, args: argparse.Namespace) -> dict:
             "tok_per_s": len(prompts) * args.steps / seconds}
 
 
+def plot(path: Path, rows: list[dict]) -> None:
+    """Bars: per family, the share of requests identical to transformers and the mean share
+    of tokens before the first difference."""
+    from benchmarks.plots import plot_bars
+    rows = [r for r in rows if "error" not in r]
+    plot_bars(path, [r["family"] for r in rows],
+              {"identical requests": [r["identical"] / r["requests"] for r in rows],
+               "tokens before the first difference": [r["agreeing_prefix"] for r in rows]},
+              title="greedy agreement with transformers, bf16, CUDA graphs", ylabel="share")
+
+
 def run(args: argparse.Namespace) -> int:
     from benchmarks.common import environment, print_table
+    if args.replot:
+        source = Path(args.replot)
+        data = json.loads(source.read_text())
+        plot(source.with_suffix(".png"), data.get("rows") or data["bf16"])
+        return 0
     if not torch.cuda.is_available():
         logger.error("bench_families needs a CUDA device")
         return 2
@@ -135,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+        plot(out / "families.png", rows)
     return 0 if all("error" not in r for r in rows) else 1
 
 
@@ -146,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="weights and activations (float32: parity should be exact)")
     parser.add_argument("--steps", type=int, default=32, help="greedy tokens per request")
     parser.add_argument("--out", default=None, help="directory for results.json")
+    parser.add_argument("--replot", metavar="JSON",
+                        help="draw a results.json's plot beside it (no GPU needed), then exit")
     parser.add_argument("--log-level", default="INFO")
     return parser
 

@@ -162,9 +162,27 @@ def _display(rows: list[dict]) -> list[dict]:
     return [{k: f"{v:.4g}" if isinstance(v, float) else v for k, v in r.items()} for r in rows]
 
 
+def plot(path: Path, results: dict) -> None:
+    """Bars: decode microseconds per shape over a bf16 and an fp8 cache."""
+    from benchmarks.plots import plot_bars
+    rows = results["decode"]
+    plot_bars(path, [r["shape"] for r in rows],
+              {"bf16 cache": [r["bf16_us"] for r in rows],
+               "fp8 cache": [r["fp8_us"] for r in rows]},
+              title="paged_decode, bf16 queries, 32 q / 8 kv heads, d 128: us per call",
+              ylabel="us (GPU)", annotate=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from benchmarks.common import environment, markdown_table, print_table, start_gpu_run
 
+    if args.replot:
+        source = Path(args.replot)
+        plot(source.with_suffix(".png"), json.loads(source.read_text()))
+        return 0
+    if args.out is None:
+        print("--out: required (a directory for results.json, report.md)", file=sys.stderr)
+        return 2
     out = Path(args.out)
     ceilings = start_gpu_run(out, "benchmarks.bench_fp8")
     env = environment()
@@ -200,13 +218,18 @@ def run(args: argparse.Namespace) -> int:
         logger.info("accuracy part: %.0f s", time.perf_counter() - start)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "report.md").write_text("\n".join(lines))
+    if "decode" in results:
+        plot(out / "fp8.png", results)
     print("\n".join(lines))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="directory for results.json, report.md")
+    parser.add_argument("--out", default=None,
+                        help="directory for results.json, report.md (required)")
+    parser.add_argument("--replot", metavar="JSON",
+                        help="draw a results JSON's plot beside it (no GPU needed), then exit")
     parser.add_argument("--parts", default="decode,accuracy",
                         help="comma-separated subset of decode,accuracy (default: both)")
     parser.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in DECODE_SHAPES),

@@ -41,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--replot", metavar="JSON",
+                        help="draw a results JSON's plot beside it (no GPU needed), then exit")
 
 
 def _run(llm, prompts, params) -> dict:
@@ -75,10 +77,23 @@ def _run(llm, prompts, params) -> dict:
             "finish_reasons": sorted({c.finish_reason for o in outputs for c in o.outputs})}
 
 
+def plot(path: Path, results: dict) -> None:
+    """Bars: output tokens/s of the batch unconstrained and with the JSON schema."""
+    from benchmarks.plots import plot_bars
+    runs = ("unconstrained", "json_schema")
+    plot_bars(path, [f"batch {results['batch']}"],
+              {name: [results[name]["tokens_per_s"]] for name in runs},
+              title="structured outputs: output tokens/s", ylabel="tokens/s", annotate=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from mini_paged_attn.engine import LLM, SamplingParams
     from mini_paged_attn.engine.structured import StructuredOutputsParams
 
+    if args.replot:
+        source = Path(args.replot)
+        plot(source.with_suffix(".png"), json.loads(source.read_text()))
+        return 0
     if not torch.cuda.is_available():
         print("bench_structured needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -112,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(results, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        plot(Path(args.out).with_suffix(".png"), results)
     return 0
 
 

@@ -98,8 +98,23 @@ def engine_rows(context: int, window: int, batch: int, steps: int) -> list[dict]
     return rows
 
 
+def plot(path: Path, results: dict) -> None:
+    """Bars: GPU time of a decode call, full attention against each window (log scale)."""
+    from benchmarks.plots import plot_bars
+    rows = results.get("ops", [])
+    cases = [f"{r['batch']} x {r['context'] // 1024}k, W {r['window']}" for r in rows]
+    plot_bars(path, cases, {"full attention": [r["full_us"] for r in rows],
+                            "sliding window": [r["window_us"] for r in rows]},
+              title="paged_decode, bf16, 32 q / 8 kv heads, d 128: us per call",
+              ylabel="us (GPU)", log=True, annotate=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from benchmarks.common import environment, print_table
+    if args.replot:
+        source = Path(args.replot)
+        plot(source.with_suffix(".png"), json.loads(source.read_text()))
+        return 0
     if not torch.cuda.is_available():
         logger.error("bench_window needs a CUDA device")
         return 2
@@ -122,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        if "ops" in results:
+            plot(out / "window.png", results)
     return 0
 
 
@@ -137,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine-batch", type=int, default=8, help="(engine) requests")
     parser.add_argument("--steps", type=int, default=10, help="(engine) profiled steps")
     parser.add_argument("--out", default=None, help="directory for results.json")
+    parser.add_argument("--replot", metavar="JSON",
+                        help="draw a results.json's plot beside it (no GPU needed), then exit")
     parser.add_argument("--log-level", default="INFO")
     return parser
 

@@ -9,6 +9,8 @@
   (``window_size``), logit soft-capping (``softcap``) and attention sinks (``sinks``).
 - :func:`merge_attention_states`: the online-softmax combine of two partial results.
 - :func:`num_splits_heuristic`, :func:`explain_decode`: how decode splits the KV sequence.
+- :func:`fused_moe`: a mixture-of-experts layer's experts, a Triton grouped GEMM over tokens
+  sorted by expert (``moe_triton.py``) next to its torch reference (``moe.py``).
 - :func:`rms_norm` (optionally fused with the residual add), :func:`apply_rotary`,
   :func:`silu_and_mul`: the decoder's elementwise ops (``fused.py``, kernels in
   ``fused_triton.py``), one Triton launch each on CUDA.
@@ -19,8 +21,9 @@ from .explain import explain_decode
 from .fused import apply_rotary, rms_norm, silu_and_mul
 from .heuristics import num_splits_heuristic
 from .merge import merge_attention_states
+from .moe import fused_moe
 from .varlen import flash_attn_varlen_func
 
 __all__ = ["paged_decode", "paged_prefill", "store_kv", "flash_attn_varlen_func",
            "merge_attention_states", "num_splits_heuristic", "explain_decode",
-           "resolve_backend", "rms_norm", "apply_rotary", "silu_and_mul"]
+           "resolve_backend", "rms_norm", "apply_rotary", "silu_and_mul", "fused_moe"]
