@@ -138,7 +138,8 @@ class GemmaForCausalLM(CausalLM):
         self.embed_scale = float(torch.tensor(config.hidden_size ** 0.5, dtype=self.dtype))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Embeddings times ``sqrt(hidden_size)`` (see ``embed_scale``)."""
+        """int64 ``[num_tokens]`` -> ``[num_tokens, hidden_size]`` in the model dtype: the
+        embeddings times ``sqrt(hidden_size)`` (see ``embed_scale``)."""
         return self.embed_tokens(input_ids) * self.embed_scale
 
 

@@ -79,6 +79,7 @@ def cache_dir() -> Path:
 
 
 def is_packaged_model(model: object) -> bool:
+    """Whether ``model`` names one of :data:`PACKAGED_MODELS` (rather than a path or repo)."""
     return isinstance(model, str) and model in PACKAGED_MODELS
 
 

@@ -73,6 +73,7 @@ class HermesParser:
     _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """``(content, calls)`` of a finished output; no block: the text is all content."""
         at = text.find(self.start)
         if at == -1:
             return text, []
@@ -101,6 +102,7 @@ class Llama3JsonParser:
     start = "{"
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """``(content, calls)`` of a finished output; not a call: the text is all content."""
         body = text.strip().removeprefix(_PYTHON_TAG).strip()
         if not body.startswith("{"):
             return text, []
@@ -120,6 +122,7 @@ class Llama3JsonParser:
         return None, calls
 
     def content_end(self, text: str) -> int:
+        """How much of a growing ``text`` is content for sure (0 while it may be a call)."""
         body = text.lstrip()
         if not body or body.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(body):
             return 0        # may still be a call: hold it all

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.engines import assert_pool_whole, make_engine
+from helpers.engines import assert_pool_whole, make_engine, run_to_finish
 from helpers.tiny_models import hf_reference_model
 
 from mini_paged_attn.engine import SamplingParams
@@ -25,16 +25,6 @@ def _reference(model_dir, prompt: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = hf_reference_model(model_dir)(torch.tensor([prompt])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)[:-1]
-
-
-def _run(engine, requests):
-    ids = [engine.add_request(prompt, params) for prompt, params in requests]
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return [final[i] for i in ids]
 
 
 def _check(entries, prompt, ref, k):
@@ -56,7 +46,7 @@ def test_prompt_logprobs_match_a_full_forward(model_dir, budget, k):
                          max_num_batched_tokens=budget, max_model_len=64)
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=k, logprobs=1)
     plain = SamplingParams(temperature=0, max_tokens=2)
-    out, other = _run(engine, [(PROMPT, params), (OTHER, plain)])
+    out, other = run_to_finish(engine, [(PROMPT, params), (OTHER, plain)])
     _check(out.prompt_logprobs, PROMPT, _reference(model_dir, PROMPT), k)
     assert other.prompt_logprobs is None
     # The first generated token's logprob continues the prompt's: the same forward.
@@ -71,10 +61,10 @@ def test_a_cached_prefix_is_computed_again_for_prompt_logprobs(model_dir):
     engine = make_engine(model_dir, block_size=4, num_kv_blocks=32, max_num_seqs=4,
                          max_model_len=64)
     plain = SamplingParams(temperature=0, max_tokens=1)
-    _run(engine, [(OTHER, plain)])          # OTHER's first blocks are now cached
-    again, = _run(engine, [(OTHER, plain)])
+    run_to_finish(engine, [(OTHER, plain)])          # OTHER's first blocks are now cached
+    again, = run_to_finish(engine, [(OTHER, plain)])
     assert again.metrics.num_cached_tokens > 0
-    out, = _run(engine, [(OTHER, SamplingParams(temperature=0, max_tokens=1,
+    out, = run_to_finish(engine, [(OTHER, SamplingParams(temperature=0, max_tokens=1,
                                                  prompt_logprobs=2))])
     assert out.metrics.num_cached_tokens == 0
     _check(out.prompt_logprobs, OTHER, _reference(model_dir, OTHER), 2)
@@ -96,7 +86,7 @@ def test_streamed_outputs_carry_prompt_logprobs_once_the_prompt_is_done(model_di
 
 def test_a_one_token_prompt_has_just_the_first_none(model_dir):
     engine = make_engine(model_dir, block_size=4, num_kv_blocks=8, max_model_len=16)
-    out, = _run(engine, [([9], SamplingParams(max_tokens=1, prompt_logprobs=0))])
+    out, = run_to_finish(engine, [([9], SamplingParams(max_tokens=1, prompt_logprobs=0))])
     assert out.prompt_logprobs == [None]
 
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers.engines import assert_pool_whole
+from helpers.engines import assert_pool_whole, run_to_finish
 from helpers.json_checks import assert_valid
 
 from mini_paged_attn.engine import LLMEngine, SamplingParams
@@ -37,15 +37,10 @@ def engine():
 
 
 def _run(engine: LLMEngine, requests: list[tuple[str | list[int], SamplingParams]]) -> list:
-    ids = [engine.add_request(prompt, params) for prompt, params in requests]
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
+    outs = run_to_finish(engine, requests)
     assert_pool_whole(engine)
     assert not engine.structured._matchers      # every matcher released
-    return [final[i] for i in ids]
+    return outs
 
 
 def _sampled(structured: StructuredOutputsParams, seed: int = 0, **kwargs) -> SamplingParams:

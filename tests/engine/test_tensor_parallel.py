@@ -22,7 +22,7 @@ import torch
 
 from helpers.engine_clients import run_requests
 from helpers.engines import assert_pool_whole
-from helpers.tiny_models import hf_reference_model
+from helpers.tiny_models import hf_greedy
 from mini_paged_attn.distributed import ShardLayout, TPGroup
 from mini_paged_attn.engine import InprocEngineClient, LLMEngine, MPEngineClient
 from mini_paged_attn.engine.config import EngineConfig
@@ -52,18 +52,6 @@ def make_prompts(vocab_size: int) -> list[list[int]]:
     return prompts
 
 
-def hf_greedy(model_dir, prompts) -> list[list[int]]:
-    hf = hf_reference_model(model_dir)
-    outputs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                              dtype=torch.long), max_new_tokens=MAX_TOKENS, do_sample=False,
-                              pad_token_id=0)
-            outputs.append(out[0, len(prompt):].tolist())
-    return outputs
-
-
 def worker_pids(llm: LLM) -> list[int]:
     return [p.pid for p in llm.engine.peers.processes]
 
@@ -88,7 +76,7 @@ def tp_case(request, tiny_model_factory):
 def test_greedy_matches_transformers(tp_case):
     llm, model_dir = tp_case
     prompts = make_prompts(llm.engine.model_config.vocab_size)
-    expected = hf_greedy(model_dir, prompts)
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
     for _ in range(2):          # the second round hits the prefix cache
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -1,12 +1,14 @@
 """Engines for tests: the tiny models in fp32, and the check that a drained engine
 holds no KV block.
 
-    from helpers.engines import make_engine, assert_pool_whole
+    from helpers.engines import make_engine, assert_pool_whole, run_to_finish
 """
 
 from __future__ import annotations
 
-from mini_paged_attn.engine import LLMEngine
+from typing import Any
+
+from mini_paged_attn.engine import LLMEngine, SamplingParams
 from mini_paged_attn.engine.config import EngineConfig
 
 
@@ -17,6 +19,18 @@ def make_engine(model_dir, *, device: str = "cpu", **config) -> LLMEngine:
                                   config=EngineConfig(**config))
     engine.cache.pool.fill_(float("nan"))
     return engine
+
+
+def run_to_finish(engine: LLMEngine, requests: list[tuple[Any, SamplingParams]]) -> list:
+    """Add ``(prompt, params)`` requests, step until none is left and return each one's final
+    output, in the order given."""
+    ids = [engine.add_request(prompt, params) for prompt, params in requests]
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return [final[i] for i in ids]
 
 
 def assert_pool_whole(engine: LLMEngine) -> None:

@@ -209,6 +209,31 @@ def hf_reference_model(model_dir: str | Path, dtype: torch.dtype = torch.float32
     return model.to(device).eval()
 
 
+def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation (``max_tokens`` ids) of each prompt, one at a time."""
+    hf = hf_reference_model(model_dir)
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                              dtype=torch.long), max_new_tokens=max_tokens, do_sample=False,
+                              pad_token_id=0)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def hf_logits(hf, token_ids: list[int]) -> torch.Tensor:
+    """float32 ``[len(token_ids), vocab_size]``: the logits of transformers' full forward."""
+    with torch.no_grad():
+        return hf(torch.tensor([token_ids])).logits[0].float()
+
+
+def random_prompts(vocab_size: int, lens, seed: int = 0) -> list[list[int]]:
+    """One prompt of each length in ``lens``, ids in ``[3, vocab_size)`` (no special token)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lens]
+
+
 def read_config(model_dir: str | Path) -> dict:
     return json.loads((Path(model_dir) / "config.json").read_text())
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.engines import assert_pool_whole
-from helpers.tiny_models import TINY_WINDOW, hf_reference_model
+from helpers.tiny_models import TINY_WINDOW, hf_greedy
 
 from mini_paged_attn.distributed import TPGroup
 from mini_paged_attn.engine.llm import LLM
@@ -33,21 +33,9 @@ def make_prompts(vocab_size: int) -> list[list[int]]:
     return prompts
 
 
-def hf_greedy(model_dir, prompts) -> list[list[int]]:
-    hf = hf_reference_model(model_dir)
-    outputs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                              dtype=torch.long), max_new_tokens=MAX_TOKENS, do_sample=False,
-                              pad_token_id=0)
-            outputs.append(out[0, len(prompt):].tolist())
-    return outputs
-
-
 def check_engine(llm: LLM, model_dir, *, expect_hits: bool = True) -> None:
     prompts = make_prompts(llm.engine.model_config.vocab_size)
-    expected = hf_greedy(model_dir, prompts)
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
     for _ in range(2):          # the second round hits the prefix cache
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected

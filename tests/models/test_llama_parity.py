@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.paged_batch import PagedBatchBuilder
-from helpers.tiny_models import LLAMA3_ROPE_SCALING, PHI3_LONGROPE, hf_reference_model
+from helpers.tiny_models import (LLAMA3_ROPE_SCALING, PHI3_LONGROPE, hf_logits,
+                                 hf_reference_model, random_prompts)
 
 from mini_paged_attn.models.loader import load_model
 
@@ -43,16 +44,6 @@ def models(request, tiny_model_factory):
     model_dir = tiny_model_factory(arch, **kwargs)
     model, config = load_model(model_dir, dtype=torch.float32)
     return model, config, hf_reference_model(model_dir)
-
-
-def hf_logits(hf, token_ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([token_ids])).logits[0].float()
-
-
-def random_prompts(vocab_size: int, lens, seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lens]
 
 
 @torch.inference_mode()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.tiny_models import hf_reference_model
+from helpers.tiny_models import hf_greedy
 
 from mini_paged_attn.engine.llm import LLM
 from mini_paged_attn.engine.sampling_params import SamplingParams
@@ -15,24 +15,12 @@ from mini_paged_attn.engine.sampling_params import SamplingParams
 MAX_TOKENS = 6
 
 
-def _hf_greedy(model_dir, prompts) -> list[list[int]]:
-    hf = hf_reference_model(model_dir)
-    outputs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                              dtype=torch.long), max_new_tokens=MAX_TOKENS, do_sample=False,
-                              pad_token_id=0)
-            outputs.append(out[0, len(prompt):].tolist())
-    return outputs
-
-
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 def test_tp2_greedy_matches_transformers(tiny_model_factory, arch):
     model_dir = tiny_model_factory(arch)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (2, 9, 17)]
-    expected = _hf_greedy(model_dir, prompts)
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
     llm = LLM(model_dir, dtype="float32", device="cpu", tensor_parallel_size=2, block_size=4,
               num_kv_blocks=32, max_model_len=64)
     try:
