@@ -33,7 +33,7 @@ import triton.language as tl
 from .checks import PagedShapes
 from .kv_quant import scale_pointers, scale_stride
 from .launch import PreparedLaunch
-from .decode import soft_cap
+from .decode_kernel import soft_cap
 from .prefill_plan import PrefillConfig, default_config, tiling
 from .variants import effective_right
 
