@@ -35,14 +35,14 @@ from benchmarks.bench_attention import (DecodeCase, DecodeInputs, check_and_time
                                         ours_launch, sdpa_on_contiguous)
 from benchmarks.common import (Ceilings, print_table, start_gpu_run, time_graph_us, time_us,
                                write_csv)
-from mini_paged_attn.ops import decode as decode_mod
+from mini_paged_attn.ops import decode_kernel, decode_merge
 from mini_paged_attn.ops.explain import DecodeTiles
 
 
 def kernel_stats(seen: set) -> str:
     """Shared memory / registers / spills of the decode kernels compiled since the last call."""
     out = []
-    for caches in decode_mod._paged_decode_kernel.device_caches.values():
+    for caches in decode_kernel._paged_decode_kernel.device_caches.values():
         for k in caches[0].values():
             if id(k) not in seen:
                 seen.add(id(k))
@@ -157,7 +157,7 @@ def settle(rows: list, copy: float) -> None:
 
 def merge(rows: list, copy: float) -> None:
     """Batch-1 graph times with the merge kernel's launch options overridden."""
-    real = decode_mod._merge_splits_kernel
+    real = decode_merge._merge_splits_kernel
 
     class Patched:
         """Stands in for the merge kernel: launches it with overridden options, or skips it."""
@@ -176,11 +176,11 @@ def merge(rows: list, copy: float) -> None:
     for case, sets in batch1_graph_cases(rows, "variant"):
         fns = [ours_launch(x) for x in sets]
         for name, patch in variants.items():
-            decode_mod._merge_splits_kernel = patch or real
+            decode_merge._merge_splits_kernel = patch or real
             try:
                 rows.append(dict(case=case.label, variant=name, graph_us=time_graph_us(fns)))
             finally:
-                decode_mod._merge_splits_kernel = real
+                decode_merge._merge_splits_kernel = real
 
 
 def order(rows: list, copy: float) -> None:

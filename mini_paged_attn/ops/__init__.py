@@ -1,14 +1,17 @@
 """Paged attention ops: each Triton kernel next to its torch reference, one dispatcher.
 
 - :func:`paged_decode`, :func:`paged_prefill`, :func:`store_kv`: ``dispatch.py`` checks the
-  arguments and runs the ``torch`` reference (``reference.py``) or a Triton kernel
-  (``decode.py``, ``prefill.py``, ``kv_write.py``). The three take an fp8 (e4m3) KV cache
+  arguments and runs the ``torch`` reference (``reference.py``, arithmetic in
+  ``reference_attend.py``) or a Triton kernel (launchers ``decode.py``, ``prefill.py``,
+  ``kv_write.py``; kernels ``decode_kernel.py``, ``decode_merge.py``, ``prefill_kernel.py``),
+  as :func:`resolve_backend` (``backend.py``) picks. The three take an fp8 (e4m3) KV cache
   with ``k_scale`` / ``v_scale`` (``kv_quant.py``).
 - :func:`flash_attn_varlen_func`: FlashAttention's function of that name (``varlen.py``).
 - Attention variants, for every attention op and backend (``variants.py``): sliding windows
   (``window_size``), logit soft-capping (``softcap``) and attention sinks (``sinks``).
 - :func:`merge_attention_states`: the online-softmax combine of two partial results.
-- :func:`num_splits_heuristic`, :func:`explain_decode`: how decode splits the KV sequence.
+- :func:`num_splits_heuristic`, :func:`explain_decode`: how decode splits the KV sequence
+  (its tiles: ``decode_tiles.py``).
 - :func:`fused_moe`: a mixture-of-experts layer's experts, a Triton grouped GEMM over tokens
   sorted by expert (``moe_triton.py``) next to its torch reference (``moe.py``).
 - :func:`rms_norm` (optionally fused with the residual add), :func:`apply_rotary`,

@@ -3,7 +3,8 @@
 Backends:
   - ``"torch"``: the reference in :mod:`.reference` (any device; the specification).
   - ``"triton"``: the kernels in :mod:`.decode`, :mod:`.prefill` and :mod:`.kv_write`.
-  - ``"auto"`` (default): ``"triton"`` for CUDA tensors when Triton imports, else ``"torch"``.
+  - ``"auto"`` (default): ``"triton"`` for CUDA tensors when Triton imports, else ``"torch"``
+    (:func:`~.backend.resolve_backend`, the rule every op family shares).
 
 A backend never falls back silently: asking for ``"triton"`` where it cannot run is an error.
 
@@ -16,13 +17,13 @@ the plan read, so an argument that would fail a check never matches an entry.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
 from ..core.args import check_bool, non_negative_int
 from . import reference
+from .backend import BACKENDS, resolve_backend, triton_available
 from .kv_quant import check_kv_scales, scale_pointers
 from .launch import LaunchCache, tensor_key
 from .variants import NO_WINDOW, check_variant
@@ -30,8 +31,6 @@ from .checks import (FLOAT_DTYPES, PagedShapes, check_cache_pair, check_paged_de
                      check_paged_prefill_args, check_paged_values, check_tensor)
 
 logger = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "torch", "triton")
 
 # Prepared launches of earlier CUDA calls, by call key (see the module doc).
 _DECODE_RUNS = LaunchCache()
@@ -58,28 +57,6 @@ def _variant_options(window_size: object, softcap: object) -> tuple | None:
     if type(window_size) is not tuple or len(window_size) != 2:
         return None
     return (*window_size, softcap)
-
-
-@functools.lru_cache(maxsize=1)
-def triton_available() -> bool:
-    """Whether ``import triton`` works here (the result is cached)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Map ``backend`` ("auto" | "torch" | "triton") to the one that runs for ``device``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
-    if backend == "triton" and not triton_available():
-        raise ValueError("backend: 'triton' was asked for, but triton is not importable "
-                         "(pip install triton, or use backend='torch')")
-    return backend
 
 
 def _outputs(query: torch.Tensor, out: torch.Tensor | None, return_lse: bool, rows: int,
@@ -355,5 +332,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
             _STORE_RUNS.put(key_, launch)
 
 
+# BACKENDS, resolve_backend and triton_available live in .backend; re-exported here, where
+# the engine and the models look for them.
 __all__ = ["paged_decode", "paged_prefill", "store_kv", "resolve_backend", "triton_available",
-           "PagedShapes"]
+           "BACKENDS", "PagedShapes"]

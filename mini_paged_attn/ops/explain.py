@@ -18,6 +18,9 @@ which may start anywhere in a tile: the plan counts the tiles such a run can tou
 ``ceil((left + block_n) / block_n)``, instead of the capacity's, so a windowed layer of a
 long-context model splits as a short context would. Either way the split count stays within
 what the caller's workspace holds (``max_splits``).
+
+The tiles themselves (:class:`~.decode_tiles.DecodeTiles`, chosen by
+:func:`~.decode_tiles.default_tiles`) come from :mod:`.decode_tiles`.
 """
 
 from __future__ import annotations
@@ -29,15 +32,12 @@ from dataclasses import dataclass
 import torch
 
 from ..core.args import cdiv, is_int, next_pow2, non_negative_int, positive_int
-from .checks import check_launch_config
+from .decode_tiles import FP8_TILES, MAX_BLOCK_N, DecodeTiles, default_tiles
 from .heuristics import num_splits_heuristic
 from .variants import check_window
 
 MAX_SPLITS = 128
 """The most KV splits of one sequence (FlashAttention's cap, too)."""
-
-MAX_BLOCK_N = 256
-"""The longest KV tile a planned launch uses (the longest measured: head_size 64, 16-bit)."""
 
 PROGRAMS_PER_SM = 2
 """Programs per SM in the split heuristic's wave (``num_sms * PROGRAMS_PER_SM``), as
@@ -56,69 +56,6 @@ def num_sms_of(device: torch.device | None) -> int:
         return ASSUMED_NUM_SMS
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@dataclass(frozen=True)
-class DecodeTiles:
-    """Tile size and launch options of the decode kernel.
-
-    block_n: KV tokens per tile, a power of two >= 16 (independent of the cache's block_size).
-    num_warps, num_stages: Triton launch options; ``num_stages`` is the software-pipelining
-        depth, i.e. how many K/V tiles are in flight while one is being used.
-    """
-
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __post_init__(self) -> None:
-        check_launch_config(self, ("block_n",), max_stages=12)
-
-
-def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool, *,
-                  block_size: int, kv_dtype: torch.dtype | None = None) -> DecodeTiles:
-    """Tiles for a head size, dtype and cache block size, and whether the launch splits the KV.
-
-    They never depend on the batch itself, so that a sequence's result with ``num_splits=1``
-    does not depend on which batch it is in.
-
-    - Unsplit launches (enough sequences to fill the GPU) read K in 32 KB tiles (128 tokens at
-      head_size 128 in 16-bit; 4 warps, 3 stages): two programs per SM with large loads read
-      HBM fastest. Cache blocks of 128 tokens or more keep 16 KB tiles (faster there), and
-      block_size 1 takes 8 warps to share its per-token table lookups.
-    - Split launches (small batches) are latency-bound: 32-token tiles with 5 stages keep two
-      K/V tiles in flight behind the block-table loads (the table load takes a stage itself).
-    - An fp8 cache (``kv_dtype`` one byte), split or not: :data:`FP8_TILES`.
-    - Tiles never exceed :data:`MAX_BLOCK_N` tokens: small head sizes would otherwise get tiles
-      of thousands of tokens, slow to compile and heavy in registers.
-
-    The measurements behind each rule (H100): docs/performance-notes.md, "The kernel's tiles".
-
-    The interpreter runs every program in numpy: small tiles keep tests quick and still span
-    several blocks.
-    """
-    if not on_gpu:
-        return DecodeTiles(block_n=16, num_warps=4, num_stages=1)
-    if kv_dtype is not None and kv_dtype.itemsize == 1:
-        return FP8_TILES
-    # One token of K as the kernel holds it (head_size padded to a power of two >= 16).
-    row_bytes = max(16, next_pow2(head_size)) * torch.finfo(dtype).bits // 8
-    if split:
-        if row_bytes <= 128:      # head_size <= 64 in 16-bit
-            return DecodeTiles(block_n=128, num_warps=4, num_stages=3)
-        if row_bytes <= 256:      # head_size <= 128 in 16-bit
-            return DecodeTiles(block_n=32, num_warps=4, num_stages=5)
-        return DecodeTiles(block_n=32, num_warps=4, num_stages=3)
-    tile_bytes = 16384 if block_size >= 128 else 32768
-    return DecodeTiles(block_n=min(MAX_BLOCK_N, max(16, tile_bytes // row_bytes)),
-                       num_warps=8 if block_size == 1 else 4, num_stages=3)
-
-
-FP8_TILES = DecodeTiles(block_n=64, num_warps=2, num_stages=6)
-"""Decode over an fp8 cache (H100, head_size 128, bf16 queries): 64-token tiles, 2 warps, 6
-stages read 89-93% of copy bandwidth from 64x4k to 32x64k unsplit (the 16-bit rule's 128/4/3:
-76-84% with fp16 dots), and 85% split at 8x64k (32/4/5: 63%). 128/2/3 reads up to 96% with
-enough sequences but 64% at 32x64k (256 programs); tiles may not depend on the batch."""
 
 
 BALANCE_TOLERANCE = 0.02
@@ -176,7 +113,7 @@ class DecodePlan:
 
     @property
     def fp16_dots(self) -> bool:
-        """An fp8 cache with 16-bit queries: the dots run in fp16 (see the decode module)."""
+        """An fp8 cache with 16-bit queries: the dots run in fp16 (see :mod:`.decode_kernel`)."""
         return (self.kv_dtype is not None and self.kv_dtype.itemsize == 1
                 and self.dtype in (torch.float16, torch.bfloat16))
 
@@ -348,6 +285,8 @@ def explain_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size
                        block_size, dtype, num_sms_of(device), window_left=window[0])
 
 
+# DecodeTiles, default_tiles, FP8_TILES and MAX_BLOCK_N live in .decode_tiles; re-exported
+# here, where the plan that uses them is.
 __all__ = ["DecodePlan", "DecodeTiles", "plan_decode", "explain_decode", "default_tiles",
-           "balance_splits", "window_kv_tiles",
+           "balance_splits", "window_kv_tiles", "FP8_TILES", "MAX_BLOCK_N",
            "num_sms_of", "MAX_SPLITS", "PROGRAMS_PER_SM"]

@@ -1,0 +1,84 @@
+"""The decode kernel's tiles: :class:`DecodeTiles` and the measured rules that pick them.
+
+Separate from the split planning (:mod:`.explain`): which tile a launch uses depends only on
+the head size, dtypes and cache block size (never on the batch), and each rule rests on its own
+measurements (docs/performance-notes.md, "The kernel's tiles").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core.args import next_pow2
+from .checks import check_launch_config
+
+MAX_BLOCK_N = 256
+"""The longest KV tile a planned launch uses (the longest measured: head_size 64, 16-bit)."""
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Tile size and launch options of the decode kernel.
+
+    block_n: KV tokens per tile, a power of two >= 16 (independent of the cache's block_size).
+    num_warps, num_stages: Triton launch options; ``num_stages`` is the software-pipelining
+        depth, i.e. how many K/V tiles are in flight while one is being used.
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        check_launch_config(self, ("block_n",), max_stages=12)
+
+
+def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool, *,
+                  block_size: int, kv_dtype: torch.dtype | None = None) -> DecodeTiles:
+    """Tiles for a head size, dtype and cache block size, and whether the launch splits the KV.
+
+    They never depend on the batch itself, so that a sequence's result with ``num_splits=1``
+    does not depend on which batch it is in.
+
+    - Unsplit launches (enough sequences to fill the GPU) read K in 32 KB tiles (128 tokens at
+      head_size 128 in 16-bit; 4 warps, 3 stages): two programs per SM with large loads read
+      HBM fastest. Cache blocks of 128 tokens or more keep 16 KB tiles (faster there), and
+      block_size 1 takes 8 warps to share its per-token table lookups.
+    - Split launches (small batches) are latency-bound: 32-token tiles with 5 stages keep two
+      K/V tiles in flight behind the block-table loads (the table load takes a stage itself).
+    - An fp8 cache (``kv_dtype`` one byte), split or not: :data:`FP8_TILES`.
+    - Tiles never exceed :data:`MAX_BLOCK_N` tokens: small head sizes would otherwise get tiles
+      of thousands of tokens, slow to compile and heavy in registers.
+
+    The measurements behind each rule (H100): docs/performance-notes.md, "The kernel's tiles".
+
+    The interpreter runs every program in numpy: small tiles keep tests quick and still span
+    several blocks.
+    """
+    if not on_gpu:
+        return DecodeTiles(block_n=16, num_warps=4, num_stages=1)
+    if kv_dtype is not None and kv_dtype.itemsize == 1:
+        return FP8_TILES
+    # One token of K as the kernel holds it (head_size padded to a power of two >= 16).
+    row_bytes = max(16, next_pow2(head_size)) * torch.finfo(dtype).bits // 8
+    if split:
+        if row_bytes <= 128:      # head_size <= 64 in 16-bit
+            return DecodeTiles(block_n=128, num_warps=4, num_stages=3)
+        if row_bytes <= 256:      # head_size <= 128 in 16-bit
+            return DecodeTiles(block_n=32, num_warps=4, num_stages=5)
+        return DecodeTiles(block_n=32, num_warps=4, num_stages=3)
+    tile_bytes = 16384 if block_size >= 128 else 32768
+    return DecodeTiles(block_n=min(MAX_BLOCK_N, max(16, tile_bytes // row_bytes)),
+                       num_warps=8 if block_size == 1 else 4, num_stages=3)
+
+
+FP8_TILES = DecodeTiles(block_n=64, num_warps=2, num_stages=6)
+"""Decode over an fp8 cache (H100, head_size 128, bf16 queries): 64-token tiles, 2 warps, 6
+stages read 89-93% of copy bandwidth from 64x4k to 32x64k unsplit (the 16-bit rule's 128/4/3:
+76-84% with fp16 dots), and 85% split at 8x64k (32/4/5: 63%). 128/2/3 reads up to 96% with
+enough sequences but 64% at 32x64k (256 programs); tiles may not depend on the batch."""
+
+
+__all__ = ["DecodeTiles", "default_tiles", "FP8_TILES", "MAX_BLOCK_N"]
