@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from ..engine.engine_client import EngineClient, InprocEngineClient
 from ..engine.llm_engine import LLMEngine
+from ..engine.tool_calls import PARSERS
 from .async_engine import AsyncEngine
 from .cross_site import CrossSiteGuard
 from .errors import ENGINE_DEAD, APIError
@@ -40,7 +41,6 @@ from .limits import RequestSizeLimit, ServerLimits
 from .metrics import ServerMetrics
 from .openai_api import create_chat_completion, create_completion
 from .prepare import ServedModel, model_not_found
-from ..engine.tool_calls import PARSERS
 
 logger = logging.getLogger(__name__)
 

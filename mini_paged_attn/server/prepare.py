@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ..engine.tool_calls import parser_for_template
 from .async_engine import AsyncEngine
 from .formats import Logprobs, ResponseFormat
 from .limits import ServerLimits, check_request
@@ -22,7 +23,6 @@ from .errors import APIError, bad_request
 from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
                        parse_request, to_sampling_params)
 from .structured import chat_constraint, completion_constraint
-from ..engine.tool_calls import parser_for_template
 
 T = TypeVar("T")
 
