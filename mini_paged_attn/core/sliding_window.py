@@ -57,5 +57,30 @@ def min_blocks_to_run(num_tokens: int, block_size: int, sliding_window: int | No
     return min(blocks, window_blocks(sliding_window, block_size))
 
 
-__all__ = ["PAD_BLOCK_ID", "check_sliding_window", "first_needed_block", "min_blocks_to_run",
-           "window_blocks"]
+def max_blocks_in_use(max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+                      block_size: int, sliding_window: int | None) -> int:
+    """The most blocks the running sequences together can ever hold: a pool larger than this
+    is never used up (prefix-cache reuse aside).
+
+    Without a window it is every sequence at full length. With one, a sequence computing ``t``
+    new tokens holds the blocks of positions ``c - W + 1 .. c + t - 1`` (its earlier blocks
+    went back after the last step): ``W - 1 + t`` positions, at most ``window_blocks(W) +
+    cdiv(t - 1, block_size)`` blocks. Over one step the ``t`` add up to at most
+    ``max_num_batched_tokens`` (T). ``j >= 1`` extra blocks take ``t >= (j - 1) * bs + 2``
+    tokens, so ``k`` sequences with extra blocks get ``k + (T - 2k) // bs`` of them at most:
+    the most with ``k`` as large as it goes (``bs >= 2``), or ``T`` (``bs == 1``, k = 0).
+    """
+    full = cdiv(max_model_len, block_size)
+    if sliding_window is None:
+        return max_num_seqs * full
+    windows = max_num_seqs * min(full, window_blocks(sliding_window, block_size))
+    if block_size == 1:
+        chunks = max_num_batched_tokens
+    else:
+        k = min(max_num_seqs, max_num_batched_tokens // 2)
+        chunks = k + (max_num_batched_tokens - 2 * k) // block_size
+    return min(max_num_seqs * full, windows + chunks)
+
+
+__all__ = ["PAD_BLOCK_ID", "check_sliding_window", "first_needed_block", "max_blocks_in_use",
+           "min_blocks_to_run", "window_blocks"]

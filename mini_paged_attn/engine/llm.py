@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,8 @@ from .config import EngineConfig
 from .llm_engine import LLMEngine
 from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
+from .tool_calls import PARSERS, ToolCallMode, parser_for_template
+from .tools import tool_constraint
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]
@@ -88,22 +91,73 @@ class LLM:
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"sampling_params: expected one per prompt ({len(prompts)}), "
-                                 f"got {len(sampling_params)}")
-            params_list = list(sampling_params)
-        else:
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        params_list = _params_per_prompt(sampling_params, len(prompts))
         return self._run(prompts, params_list, use_tqdm)
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool = True, **chat_template_kwargs: Any) -> list[RequestOutput]:
-        """Generate replies to one conversation or several, through the model's chat template."""
+             use_tqdm: bool = True, tools: list[dict[str, Any]] | None = None,
+             tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool = True,
+             tool_call_parser: str | None = None,
+             **chat_template_kwargs: Any) -> list[RequestOutput]:
+        """Generate replies to one conversation or several, through the model's chat template.
+
+        Args:
+            tools: OpenAI-style function specs, ``[{"type": "function", "function": {"name",
+                "description", "parameters"}}]``, rendered into the prompt by the template;
+                each output's ``tool_calls`` then holds the calls read from its text (see
+                :class:`~.outputs.CompletionOutput`).
+            tool_choice: "auto" (the default with tools: the model may call), "none",
+                "required" (the output is constrained to one or more valid calls) or
+                ``{"type": "function", "function": {"name": ...}}`` (constrained to that
+                function's arguments); see ``engine/tools.py``. "required" and a named
+                function need llguidance and no ``structured_outputs`` in sampling_params.
+            parallel_tool_calls: False: "required" allows one call only.
+            tool_call_parser: the call format "auto" reads ("hermes", "llama3_json"); None:
+                the one the chat template shows.
+
+        Raises:
+            ValueError: naming the argument (``tools[i].function.name``, ``tool_choice``, ...),
+                before any request is queued.
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        params_list = _params_per_prompt(sampling_params, len(conversations))
+        if tools is None and tool_choice is None:
+            modes = [None] * len(params_list)
+        else:
+            params_list, modes = self._with_tools(params_list, tools, tool_choice,
+                                                  parallel_tool_calls, tool_call_parser)
+            chat_template_kwargs["tools"] = tools
         prompts = [self._chat_prompt(c, chat_template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        outputs = self._run(prompts, params_list, use_tqdm)
+        for output, mode in zip(outputs, modes):
+            if mode is not None:
+                for completion in output.outputs:
+                    _, completion.tool_calls = mode.extract(completion.text,
+                                                            completion.finish_reason)
+        return outputs
+
+    def _with_tools(self, params_list: list[SamplingParams], tools, tool_choice,
+                    parallel_tool_calls: bool, parser: str | None
+                    ) -> tuple[list[SamplingParams], list[ToolCallMode | None]]:
+        """Each request's params with the constraint ``tool_choice`` asks for, and its mode."""
+        if parser is None:
+            parser = parser_for_template(
+                getattr(getattr(self.engine.tokenizer, "hf", None), "chat_template", None))
+        elif parser not in PARSERS:
+            raise ValueError(f"tool_call_parser: expected one of {sorted(PARSERS)}, got "
+                             f"{parser!r}")
+        out_params, modes = [], []
+        for params in params_list:
+            constraint, mode = tool_constraint(
+                tools, tool_choice, parser=parser, parallel_tool_calls=parallel_tool_calls,
+                constrained_by=("sampling_params.structured_outputs"
+                                if params.structured_outputs is not None else None))
+            if constraint is not None:
+                params = dataclasses.replace(params, structured_outputs=constraint)
+            out_params.append(params)
+            modes.append(mode)
+        return out_params, modes
 
     def _chat_prompt(self, messages: Messages, kwargs: dict) -> list[int]:
         return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
@@ -184,6 +238,17 @@ class LLM:
             if not finished:
                 self.engine.abort_request(request_id)
                 self._drain({request_id})
+
+
+def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                       n: int) -> list[SamplingParams]:
+    """One SamplingParams for each of ``n`` prompts (a single one is shared)."""
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != n:
+            raise ValueError(f"sampling_params: expected one per prompt ({n}), "
+                             f"got {len(sampling_params)}")
+        return list(sampling_params)
+    return [sampling_params or SamplingParams()] * n
 
 
 def _progress(total: int, use_tqdm: bool):

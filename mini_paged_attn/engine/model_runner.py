@@ -23,6 +23,7 @@ import torch
 from ..cache.manager import PagedAttentionManager
 from ..core.args import cdiv
 from ..core.scheduler import SchedulerOutput
+from ..core.sliding_window import max_blocks_in_use
 from ..models.attention import AttentionMetadata
 from ..models.config import ModelConfig
 from ..ops.dispatch import resolve_backend
@@ -123,8 +124,11 @@ class ModelRunner:
                                    self.layout.num_kv_heads)
         if self.device.type != "cuda":
             budget = self.config.cpu_kv_cache_bytes
-            # More than every sequence at full length is never needed.
-            cap = self.config.max_num_seqs * self.max_blocks_per_seq
+            # More than the running sequences can ever hold is never used (under a window,
+            # each holds about one window of blocks, not its full length).
+            cap = max_blocks_in_use(self.config.max_num_seqs, max_model_len,
+                                    self.config.max_num_batched_tokens, self.block_size,
+                                    self.model_config.uniform_sliding_window)
             num_blocks = min(budget // per_block, cap)
             where = f"the CPU budget of {budget / 2**30:.2f} GiB"
         else:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .tool_calls import ToolCall
+
 
 class GrowingListView(Sequence):
     """Read-only view of items ``start .. stop-1`` of a list that is only ever appended to.
@@ -66,6 +68,10 @@ class CompletionOutput:
     running request they are :class:`GrowingListView` snapshots instead (read-only, made in O(1)
     so a streaming step costs O(new tokens), not O(tokens so far)); to keep track of what is
     new, keep ``len(token_ids)`` / ``len(text)`` and slice from there next time.
+
+    ``tool_calls``: set only by :meth:`LLM.chat <.llm.LLM.chat>` with ``tools``: the calls
+    read from the finished ``text`` (``[]``: none, the text is all content); ``text`` itself
+    stays the model's whole output.
     """
 
     index: int
@@ -74,6 +80,7 @@ class CompletionOutput:
     finish_reason: str | None = None          # "stop" | "length" | "abort" | None (running)
     cumulative_logprob: float | None = None
     logprobs: Sequence[dict[int, float]] | None = None
+    tool_calls: list[ToolCall] | None = None
 
     @property
     def finished(self) -> bool:

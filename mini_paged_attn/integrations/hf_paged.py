@@ -14,6 +14,12 @@ of its read indices divided by ``block_size`` (a full-attention group reads bloc
 offset 0). A batch with nothing cached (only whole prompts) has no read indices: its keys are the
 new tokens, and :func:`~mini_paged_attn.ops.flash_attn_varlen_func` runs over them.
 
+A sliding-window layer (``sliding_window = W``) keeps a ring of ``W`` slots per request, which a
+chunk's new tokens may overwrite while its earlier queries still need them: there the cache's
+own ``update`` reads a request's last ``min(past, W - 1)`` keys before writing and returns them
+packed with the new ones (``cu_seq_lens_k["sliding_attention"]``), and the varlen op runs over
+them with ``window_size=(W - 1, 0)``, causal and bottom-right aligned.
+
 From 5.23 on transformers accepts only its own implementations for continuous batching, and
 does not call this function (see :mod:`.transformers`).
 """
@@ -72,13 +78,17 @@ def mini_paged_attention_paged_forward(module: torch.nn.Module, query: torch.Ten
         raise ValueError(f"{PAGED_IMPLEMENTATION_NAME} needs transformers' paged cache (it serves "
                          f"generate_batch); use attn_implementation='{IMPLEMENTATION_NAME}' for "
                          "generate() and forward calls")
-    if cache.sliding_windows[module.layer_idx] != 1:
-        raise NotImplementedError(f"{PAGED_IMPLEMENTATION_NAME}: sliding-window layers are not "
-                                  "implemented")
     check_supported(module, 0, dropout, kwargs)
     variant = variant_kwargs(module, query, kwargs)   # soft-capping and sinks
     _, num_heads, total_q, head_dim = query.shape
+    q = query[0].transpose(0, 1)                                   # [total_q, heads, head_dim]
     cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)
+    max_q = int(kwargs["max_seqlen_q"])
+    window = cache.sliding_windows[module.layer_idx]
+    if window != 1:
+        out = _sliding_window_attention(module, q, key, value, cache, window, cu_q, max_q,
+                                         scaling, variant, kwargs)
+        return out.view(1, total_q, num_heads, head_dim), None
     cu_k = _layer_kwarg(kwargs["cu_seq_lens_k"]).to(torch.int32)
     max_k = int(_layer_kwarg(kwargs["max_seqlen_k"]))
     group, layer_in_group = cache.layer_index_to_group_indices[module.layer_idx]
@@ -87,10 +97,9 @@ def mini_paged_attention_paged_forward(module: torch.nn.Module, query: torch.Ten
     no_reads = [index[:0] for index in kwargs["read_index"]]
     new_k, new_v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
                                 read_index=no_reads, write_index=kwargs["write_index"])
-    q = query[0].transpose(0, 1)                                   # [total_q, heads, head_dim]
     if read_index.numel() == 0:
-        out = flash_attn_varlen_func(q, new_k, new_v, cu_q, cu_k, int(kwargs["max_seqlen_q"]),
-                                     max_k, softmax_scale=scaling, causal=True, **variant)
+        out = flash_attn_varlen_func(q, new_k, new_v, cu_q, cu_k, max_q, max_k,
+                                     softmax_scale=scaling, causal=True, **variant)
     else:
         block_size = cache.block_size
         pages = (-1, block_size, cache.num_key_value_heads, head_dim)
@@ -100,3 +109,30 @@ def mini_paged_attention_paged_forward(module: torch.nn.Module, query: torch.Ten
         out = paged_prefill(q, key_cache, value_cache, tables, cu_q, cu_k[1:] - cu_k[:-1],
                             causal=True, scale=scaling, **variant)
     return out.view(1, total_q, num_heads, head_dim), None
+
+
+def _sliding_window_attention(module: torch.nn.Module, q: torch.Tensor, key: torch.Tensor,
+                              value: torch.Tensor, cache, window: int, cu_q: torch.Tensor,
+                              max_q: int, scaling: float | None, variant: dict,
+                              kwargs: dict) -> torch.Tensor:
+    """A sliding-window layer over the keys the cache's ring still holds.
+
+    Args:
+        q: ``[total_q, num_heads, head_dim]``; key, value: ``[1, num_kv_heads, total_q,
+            head_dim]``, the new tokens' K/V; query's dtype.
+        window: the layer's ``W`` (a query sees itself and the ``W - 1`` keys before it).
+        cu_q: int32 ``[num_seqs + 1]``.
+
+    Returns:
+        ``[total_q, num_heads, head_dim]`` in q's dtype.
+    """
+    # The cache reads each request's last min(past, W - 1) keys before the new tokens overwrite
+    # their ring slots, then writes: [total_k, num_kv_heads, head_dim], packed per request.
+    keys, values = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                                read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+    cu_k = _layer_kwarg(kwargs["cu_seq_lens_k"], "sliding_attention").to(torch.int32)
+    max_k = int(_layer_kwarg(kwargs["max_seqlen_k"], "sliding_attention"))
+    # The cache's window is the one its ring holds; the model's sliding_window kwarg agrees.
+    variant = {**variant, "window_size": (window - 1, 0)}
+    return flash_attn_varlen_func(q, keys, values, cu_q, cu_k, max_q, max_k,
+                                  softmax_scale=scaling, causal=True, **variant)

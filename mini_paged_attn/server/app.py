@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from ..engine.engine_client import EngineClient, InprocEngineClient
 from ..engine.llm_engine import LLMEngine
+from ..engine.tool_calls import PARSERS
 from .async_engine import AsyncEngine
 from .cross_site import CrossSiteGuard
 from .errors import ENGINE_DEAD, APIError
@@ -40,7 +41,6 @@ from .limits import RequestSizeLimit, ServerLimits
 from .metrics import ServerMetrics
 from .openai_api import create_chat_completion, create_completion
 from .prepare import ServedModel, model_not_found
-from .tool_parsers import PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str
         allowed_hosts: if set, a request whose Host header names another host gets 400 (a
             DNS-rebinding web page); ``cross_site.LOOPBACK_HOSTS`` for a server on 127.0.0.1.
         tool_call_parser: the tool-call format ``tool_choice`` "auto" reads
-            (``tool_parsers.PARSERS``: "hermes", "llama3_json"); None: the chat template's.
+            (``engine.tool_calls.PARSERS``: "hermes", "llama3_json"); None: the chat template's.
     """
     if not model_name:
         raise ValueError(f"model_name: expected a non-empty string, got {model_name!r}")

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .tool_parsers import ToolCallMode
+from ..engine.tool_calls import ToolCallMode
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ..engine.tool_calls import parser_for_template
 from .async_engine import AsyncEngine
 from .formats import Logprobs, ResponseFormat
 from .limits import ServerLimits, check_request
@@ -22,7 +23,6 @@ from .errors import APIError, bad_request
 from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
                        parse_request, to_sampling_params)
 from .structured import chat_constraint, completion_constraint
-from .tool_parsers import parser_for_template
 
 T = TypeVar("T")
 
@@ -35,7 +35,7 @@ class ServedModel:
     ``workers`` runs the CPU-heavy part of a request (JSON, validation, tokenizer and chat
     template) off the event loop; ``max_queue`` is the engine's queue limit, for requests that
     could never be admitted. ``tool_call_parser``: the format of tool calls ``tool_choice``
-    "auto" looks for (a ``tool_parsers.PARSERS`` key); None: the one the chat template shows.
+    "auto" looks for (a ``engine.tool_calls.PARSERS`` key); None: the one the chat template shows.
     """
 
     name: str

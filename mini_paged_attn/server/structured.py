@@ -2,41 +2,31 @@
 ask the engine for: one :class:`StructuredOutputsParams` (or none) and how tool calls are read
 back (:class:`ToolCallMode`). Everything is checked here, before the request is queued: a schema
 or grammar that does not compile, a function that does not exist, a ``tool_choice`` without
-``tools`` are 400s naming the parameter.
+``tools`` are 400s naming the parameter. What ``tools`` / ``tool_choice`` mean is
+``engine/tools.py``'s, shared with ``LLM.chat``.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from ..engine.structured import INSTALL_HINT, StructuredOutputsParams, check_grammar
+from ..engine.structured import StructuredOutputsParams
+from ..engine.tool_calls import ToolCallMode
+from ..engine.tools import ToolArgumentError, checked_constraint, tool_constraint
 from .errors import bad_request
 from .protocol import ChatCompletionRequest, _SamplingFields
-from .tool_parsers import PARSERS, ToolCallMode
-
-# OpenAI's rule for function names.
-_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-# A function without ``parameters`` takes none.
-_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def _checked(make: Any, param: str) -> StructuredOutputsParams:
     """``make()`` checked to compile; a 400 naming ``param`` if it does not."""
     try:
-        params = make()
-        check_grammar(params)
-    except ValueError as exc:
-        message = str(exc)
-        if INSTALL_HINT in message:
-            message = f"{param}: structured outputs need llguidance on the server ({INSTALL_HINT})"
-        elif not message.startswith(param):
-            # The engine names its own field (structured_outputs.json: ...): name the request's.
-            if message.startswith("structured_outputs"):
-                message = message.split(": ", 1)[-1]
-            message = f"{param}: {message}"
-        raise bad_request(message, param=param) from None
-    return params
+        return checked_constraint(make, param)
+    except ToolArgumentError as exc:
+        raise bad_request(_on_the_server(str(exc)), param=exc.param) from None
+
+
+def _on_the_server(message: str) -> str:
+    return message.replace("need llguidance (", "need llguidance on the server (")
 
 
 def _from_response_format(req: _SamplingFields) -> StructuredOutputsParams | None:
@@ -75,57 +65,25 @@ def completion_constraint(req: _SamplingFields) -> StructuredOutputsParams | Non
                    ("structured_outputs", _from_extension(req)))
 
 
-def _check_tools(req: ChatCompletionRequest) -> dict[str, dict[str, Any]]:
-    """Function name -> its parameters schema."""
-    functions: dict[str, dict[str, Any]] = {}
-    for i, tool in enumerate(req.tools or ()):
-        name = tool.function.name
-        param = f"tools[{i}].function.name"
-        if not _FUNCTION_NAME.fullmatch(name):
-            raise bad_request(f"{param}: expected 1-64 letters, digits, '_' or '-', got "
-                              f"{name[:80]!r}", param=param)
-        if name in functions:
-            raise bad_request(f"{param}: {name!r} is defined twice", param=param)
-        functions[name] = tool.function.parameters or _NO_PARAMETERS
-    return functions
-
-
 def chat_constraint(req: ChatCompletionRequest, default_parser: str
                     ) -> tuple[StructuredOutputsParams | None, ToolCallMode | None]:
     """The constraint of a chat request and how its tool calls are read (APIError 400 on a
     bad one). ``default_parser``: the tool-call format "auto" looks for (``PARSERS`` key)."""
     choice = req.tool_choice
-    if choice is not None and not req.tools:
-        raise bad_request("tool_choice: only allowed when tools are given", param="tool_choice")
-    functions = _check_tools(req)
+    if choice is not None and not isinstance(choice, str):
+        choice = choice.model_dump()
     constraint = _one_of(("response_format", _from_response_format(req)),
                          ("structured_outputs", _from_extension(req)))
-    if not functions or choice == "none":
-        return constraint, None
-    if choice is None or choice == "auto":
-        return constraint, ToolCallMode("auto", parser=PARSERS[default_parser])
-    if constraint is not None:
-        raise bad_request("tool_choice: a required or named tool call cannot be combined with "
-                          "response_format or structured_outputs", param="tool_choice")
-    if choice == "required":
-        for i, (name, schema) in enumerate(functions.items()):
-            _checked(lambda: StructuredOutputsParams(json=schema),
-                     f"tools[{i}].function.parameters")
-        calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-            {"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
-             "required": ["name", "arguments"], "additionalProperties": False}
-            for name, schema in functions.items()]}}
-        if req.parallel_tool_calls is False:
-            calls["maxItems"] = 1
-        return _checked(lambda: StructuredOutputsParams(json=calls), "tools"), \
-            ToolCallMode("required")
-    name = choice.function.name
-    if name not in functions:
-        raise bad_request(f"tool_choice: no function named {name[:80]!r} in tools (there are "
-                          f"{', '.join(sorted(functions))})", param="tool_choice")
-    index = list(functions).index(name)
-    return _checked(lambda: StructuredOutputsParams(json=functions[name]),
-                    f"tools[{index}].function.parameters"), ToolCallMode("named", function=name)
+    named = ("response_format" if req.response_format is not None
+             and req.response_format.type != "text" else "structured_outputs")
+    try:
+        tools_constraint, mode = tool_constraint(
+            req.template_tools(), choice, parser=default_parser,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            constrained_by=None if constraint is None else named)
+    except ToolArgumentError as exc:
+        raise bad_request(_on_the_server(str(exc)), param=exc.param) from None
+    return (constraint if tools_constraint is None else tools_constraint), mode
 
 
 __all__ = ["chat_constraint", "completion_constraint"]
