@@ -1,6 +1,8 @@
-"""``paged|mini_paged_attn``: our paged kernel inside transformers' continuous batching (< 5.23).
+"""``paged|mini_paged_attn``: our paged kernel inside transformers' continuous batching.
 
-transformers' ``generate_batch`` (``ContinuousBatchingManager``) up to 5.22 switches a model's
+Tested with transformers 5.17; 5.22 and later no longer take custom implementations there.
+
+transformers' ``generate_batch`` (``ContinuousBatchingManager``, 5.17) switches a model's
 attention to ``"paged|<name>"`` and calls that function with its ``PagedAttentionCache``: all the
 scheduled requests' query tokens packed in one row, ``cu_seq_lens_q`` / ``cu_seq_lens_k``, and
 per-token page indices (``write_index`` for the new tokens, ``read_index`` for every token of

@@ -17,10 +17,10 @@ When it runs: importing this module registers. ``import mini_paged_attn`` import
 (about 3 s on a CPU machine, several times ``import mini_paged_attn``); otherwise call
 :func:`register` (idempotent, cheap once transformers is loaded).
 
-Continuous batching (``generate_batch``): transformers up to 5.22 switches the model to
+Continuous batching (``generate_batch``): transformers 5.17 switches the model to
 ``"paged|mini_paged_attn"``, registered here when the installed transformers still has its
-``paged|`` implementations (:mod:`.hf_paged`: our paged kernel over its cache's pages). From 5.23
-on it accepts only ``"sdpa"``, ``"paged|eager"`` and names containing ``"flash"`` (and a
+``paged|`` implementations (:mod:`.hf_paged`: our paged kernel over its cache's pages). From 5.22
+on (checked on its wheel) it accepts only ``"sdpa"``, ``"paged|eager"`` and names containing ``"flash"`` (and a
 ``"flash"`` name makes transformers load a FlashAttention package or Hub kernel of that name),
 so ``generate_batch`` on a ``"mini_paged_attn"`` model raises its ValueError.
 """
