@@ -15,8 +15,9 @@ import json
 
 import pytest
 import torch
+from helpers.model_parity import assert_prefill_then_decode_match, load_with_reference
 from helpers.paged_batch import PagedBatchBuilder
-from helpers.tiny_models import TINY_WINDOW, hf_logits, hf_reference_model, random_prompts
+from helpers.tiny_models import TINY_WINDOW
 
 from mini_paged_attn.models.config import ModelConfig
 from mini_paged_attn.models.loader import load_model
@@ -38,32 +39,11 @@ PROMPT_LENS = (1, 3, BLOCK_SIZE + 1, 11)
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def models(request, tiny_model_factory):
     arch, kwargs = VARIANTS[request.param]
-    model_dir = tiny_model_factory(arch, **kwargs)
-    model, config = load_model(model_dir, dtype=torch.float32)
-    return model, config, hf_reference_model(model_dir)
+    return load_with_reference(tiny_model_factory(arch, **kwargs))
 
 
-@torch.inference_mode()
 def test_prefill_then_decode_match_transformers(models):
-    model, config, hf = models
-    prompts = random_prompts(config.vocab_size, PROMPT_LENS)
-    batch = PagedBatchBuilder(config, block_size=BLOCK_SIZE)
-    ids, pos, meta = batch.step(dict(enumerate(prompts)))
-    logits = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
-    cu = meta.cu_seqlens_q.tolist()
-    for i, prompt in enumerate(prompts):
-        torch.testing.assert_close(logits[cu[i]:cu[i + 1]], hf_logits(hf, prompt), atol=ATOL,
-                                   rtol=0)
-    seqs = [list(p) for p in prompts]
-    next_tokens = logits[[c - 1 for c in cu[1:]]].argmax(-1).tolist()
-    for _ in range(3):
-        for seq, tok in zip(seqs, next_tokens):
-            seq.append(tok)
-        ids, pos, meta = batch.step({i: [tok] for i, tok in enumerate(next_tokens)})
-        logits = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
-        for i, seq in enumerate(seqs):
-            torch.testing.assert_close(logits[i], hf_logits(hf, seq)[-1], atol=ATOL, rtol=0)
-        next_tokens = logits.argmax(-1).tolist()
+    assert_prefill_then_decode_match(*models, PROMPT_LENS, block_size=BLOCK_SIZE, atol=ATOL)
 
 
 def test_sparse_layers_follow_the_config(models):
