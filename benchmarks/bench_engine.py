@@ -381,14 +381,11 @@ def engine_tool_main(doc: str, add: Callable[[argparse.ArgumentParser], None],
                      run_tool: Callable[[argparse.Namespace], int], argv: list[str] | None) -> int:
     """Parse ``argv`` with the tool's arguments and ``--log-level``, set up logging, run it
     (shared by the engine-level tools: this one and ``bench_tp``)."""
-    import logging
+    from benchmarks.cli import add_log_level, parse_and_log
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     add(parser)
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_tool(args)
+    add_log_level(parser)
+    return run_tool(parse_and_log(parser, argv))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.cli import add_log_level, add_output_arguments, parse_and_log, replot_if_asked
+
 logger = logging.getLogger("benchmarks.bench_families")
 
 WINDOW = 256
@@ -123,10 +125,7 @@ def plot(path: Path, rows: list[dict]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from benchmarks.common import environment, print_table
-    if args.replot:
-        source = Path(args.replot)
-        data = json.loads(source.read_text())
-        plot(source.with_suffix(".png"), data.get("rows") or data["bf16"])
+    if replot_if_asked(args, plot, lambda data: data.get("rows") or data["bf16"]):
         return 0
     if not torch.cuda.is_available():
         logger.error("bench_families needs a CUDA device")
@@ -162,18 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="weights and activations (float32: parity should be exact)")
     parser.add_argument("--steps", type=int, default=32, help="greedy tokens per request")
-    parser.add_argument("--out", default=None, help="directory for results.json")
-    parser.add_argument("--replot", metavar="JSON",
-                        help="draw a results.json's plot beside it (no GPU needed), then exit")
-    parser.add_argument("--log-level", default="INFO")
+    add_output_arguments(parser, "directory for results.json")
+    add_log_level(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(args)
+    return run(parse_and_log(build_parser(), argv))
 
 
 if __name__ == "__main__":

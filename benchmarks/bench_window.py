@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.cli import add_log_level, add_output_arguments, parse_and_log, replot_if_asked
+
 logger = logging.getLogger("benchmarks.bench_window")
 
 MISTRAL_SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -111,9 +113,7 @@ def plot(path: Path, results: dict) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from benchmarks.common import environment, print_table
-    if args.replot:
-        source = Path(args.replot)
-        plot(source.with_suffix(".png"), json.loads(source.read_text()))
+    if replot_if_asked(args, plot):
         return 0
     if not torch.cuda.is_available():
         logger.error("bench_window needs a CUDA device")
@@ -153,18 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="(ops) sequences per decode call")
     parser.add_argument("--engine-batch", type=int, default=8, help="(engine) requests")
     parser.add_argument("--steps", type=int, default=10, help="(engine) profiled steps")
-    parser.add_argument("--out", default=None, help="directory for results.json")
-    parser.add_argument("--replot", metavar="JSON",
-                        help="draw a results.json's plot beside it (no GPU needed), then exit")
-    parser.add_argument("--log-level", default="INFO")
+    add_output_arguments(parser, "directory for results.json")
+    add_log_level(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_and_log(build_parser(), argv)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run(args)
 
 
