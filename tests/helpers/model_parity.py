@@ -1,6 +1,7 @@
 """A paged model against transformers' own forward, token for token.
 
     from helpers.model_parity import assert_prefill_then_decode_match, load_with_reference
+    from helpers.model_parity import assert_triton_backend_matches_torch
 """
 
 from __future__ import annotations
@@ -48,3 +49,24 @@ def assert_prefill_then_decode_match(model, config, hf, prompt_lens: tuple[int, 
         for i, seq in enumerate(seqs):
             torch.testing.assert_close(logits[i], hf_logits(hf, seq)[-1], atol=atol, rtol=0)
         next_tokens = logits.argmax(-1).tolist()
+
+
+@torch.inference_mode()
+def assert_triton_backend_matches_torch(model_dir, prompt: list[int], *, block_size: int) -> None:
+    """The model through the Triton kernels (the interpreter on CPU; the GPU when there is one)
+    against its torch path, over strided pool views: a mixed prefill step (``prompt`` and a
+    2-token prompt) and a decode step padded to 3 rows."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, config = load_model(model_dir, device=device)
+    outs = {}
+    for backend in ("torch", "triton"):
+        batch = PagedBatchBuilder(config, block_size=block_size, seed=1, interleaved=True,
+                                  device=device)
+        ids, pos, meta = batch.step({0: prompt, 1: [5, 6]}, backend=backend)
+        prefill = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
+        ids, pos, meta = batch.step({0: [7], 1: [9]}, pad_to=3, backend=backend)
+        decode = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
+        outs[backend] = (prefill, decode[:2])
+    atol = 1e-4 if device == "cpu" else 1e-2    # tf32 dots on the GPU
+    for got, want in zip(outs["triton"], outs["torch"]):
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.model_parity import assert_prefill_then_decode_match, load_with_reference
+from helpers.model_parity import (assert_prefill_then_decode_match,
+                                  assert_triton_backend_matches_torch, load_with_reference)
 from helpers.paged_batch import PagedBatchBuilder
 from helpers.tiny_models import (LLAMA3_ROPE_SCALING, PHI3_LONGROPE, hf_logits,
                                  hf_reference_model, random_prompts)
@@ -107,21 +108,8 @@ def test_bf16_error_is_within_transformers_bf16_noise(tiny_model_factory, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gemma3"])
-@torch.inference_mode()
 def test_triton_backend_matches_torch_backend(tiny_model_factory, arch):
     """The model through the Triton kernels (the interpreter on CPU; the GPU when there is one)
     with strided pool views, a mixed prefill step and a padded decode step."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, config = load_model(tiny_model_factory(arch), device=device)
-    outs = {}
-    for backend in ("torch", "triton"):
-        batch = PagedBatchBuilder(config, block_size=BLOCK_SIZE, seed=1, interleaved=True,
-                                  device=device)
-        ids, pos, meta = batch.step({0: list(range(3, 12)), 1: [5, 6]}, backend=backend)
-        prefill = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
-        ids, pos, meta = batch.step({0: [7], 1: [9]}, pad_to=3, backend=backend)
-        decode = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
-        outs[backend] = (prefill, decode[:2])
-    atol = 1e-4 if device == "cpu" else 1e-2    # tf32 dots on the GPU
-    for got, want in zip(outs["triton"], outs["torch"]):
-        torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    assert_triton_backend_matches_torch(tiny_model_factory(arch), list(range(3, 12)),
+                                        block_size=BLOCK_SIZE)

@@ -15,8 +15,8 @@ import json
 
 import pytest
 import torch
-from helpers.model_parity import assert_prefill_then_decode_match, load_with_reference
-from helpers.paged_batch import PagedBatchBuilder
+from helpers.model_parity import (assert_prefill_then_decode_match,
+                                  assert_triton_backend_matches_torch, load_with_reference)
 from helpers.tiny_models import TINY_WINDOW
 
 from mini_paged_attn.models.config import ModelConfig
@@ -55,25 +55,12 @@ def test_sparse_layers_follow_the_config(models):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
-@torch.inference_mode()
 def test_triton_backend_matches_torch_backend(tiny_model_factory, arch):
     """The whole model through the Triton kernels (the interpreter on CPU; the GPU when there
     is one): experts, and for gpt-oss sinks and a window shorter than the prompt, over strided
     pool views, a mixed prefill step and a padded decode step."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, config = load_model(tiny_model_factory(arch), device=device)
-    outs = {}
-    for backend in ("torch", "triton"):
-        batch = PagedBatchBuilder(config, block_size=BLOCK_SIZE, seed=1, interleaved=True,
-                                  device=device)
-        ids, pos, meta = batch.step({0: list(range(3, 14)), 1: [5, 6]}, backend=backend)
-        prefill = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
-        ids, pos, meta = batch.step({0: [7], 1: [9]}, pad_to=3, backend=backend)
-        decode = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
-        outs[backend] = (prefill, decode[:2])
-    atol = 1e-4 if device == "cpu" else 1e-2    # tf32 dots on the GPU
-    for got, want in zip(outs["triton"], outs["torch"]):
-        torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    assert_triton_backend_matches_torch(tiny_model_factory(arch), list(range(3, 14)),
+                                        block_size=BLOCK_SIZE)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
