@@ -63,18 +63,11 @@ FAMILIES = {
 def model_dir(family: str, root: Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
     import transformers
 
-    from mini_paged_attn.models.tiny import byte_level_hf_tokenizer, write_tokenizer_files
+    from benchmarks.bench_engine import save_random_model
     cls, fields = FAMILIES[family]
     config = getattr(transformers, cls)(**{**COMMON, **fields})
-    torch.manual_seed(seed)
-    with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    path = root / f"{family}-{str(dtype).replace('torch.', '')}"
-    model.save_pretrained(path)
-    write_tokenizer_files(byte_level_hf_tokenizer(), path)
-    del model
-    torch.cuda.empty_cache()
-    return path
+    return save_random_model(config, root / f"{family}-{str(dtype).replace('torch.', '')}",
+                             seed=seed, dtype=dtype)
 
 
 def family_row(family: str, root: Path, args: argparse.Namespace) -> dict:

@@ -61,19 +61,12 @@ def ops_rows(context: int, windows: list[int], batches: list[int]) -> list[dict]
 def _model_dir(root: Path, window: int | None) -> Path:
     import transformers
 
-    from mini_paged_attn.models.tiny import byte_level_hf_tokenizer, write_tokenizer_files
+    from benchmarks.bench_engine import save_random_model
     config = transformers.MistralConfig(**MISTRAL_SHAPE, sliding_window=window,
                                         max_position_embeddings=131072, bos_token_id=0,
                                         eos_token_id=1)
-    torch.manual_seed(0)    # the same weights for both runs
-    with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    path = root / f"mistral-window-{window}"
-    model.save_pretrained(path)
-    write_tokenizer_files(byte_level_hf_tokenizer(), path)
-    del model
-    torch.cuda.empty_cache()
-    return path
+    # Seed 0 for both runs: the same weights, windowed or not.
+    return save_random_model(config, root / f"mistral-window-{window}", seed=0)
 
 
 def engine_rows(context: int, window: int, batch: int, steps: int) -> list[dict]:
