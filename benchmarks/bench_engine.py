@@ -75,24 +75,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where --replot draws (default: beside the JSON, same name)")
 
 
-def random_model_dir(shape: str, root: Path, seed: int = 0) -> Path:
-    """A Hugging Face directory with ``shape``'s config and random bf16 weights (+ a byte
-    tokenizer, so the engine loads it; the benchmark passes token ids)."""
+def save_random_model(config, path: Path, *, seed: int = 0,
+                      dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write a Hugging Face directory at ``path``: a model of transformers ``config`` with random
+    ``dtype`` weights drawn on the GPU from ``seed`` (+ a byte tokenizer, so the engine loads
+    it; the benchmarks pass token ids)."""
     import transformers
     from mini_paged_attn.models.tiny import byte_level_hf_tokenizer, write_tokenizer_files
 
-    spec = dict(SHAPES[shape])
-    arch = spec.pop("arch")
-    config = getattr(transformers, f"{arch}Config")(**spec, bos_token_id=0, eos_token_id=1)
     torch.manual_seed(seed)
     with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    path = root / shape
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(path)
     write_tokenizer_files(byte_level_hf_tokenizer(), path)
     del model
     torch.cuda.empty_cache()
     return path
+
+
+def random_model_dir(shape: str, root: Path, seed: int = 0) -> Path:
+    """A Hugging Face directory with ``shape``'s config and random bf16 weights (see
+    :func:`save_random_model`)."""
+    import transformers
+
+    spec = dict(SHAPES[shape])
+    arch = spec.pop("arch")
+    config = getattr(transformers, f"{arch}Config")(**spec, bos_token_id=0, eos_token_id=1)
+    return save_random_model(config, root / shape, seed=seed)
 
 
 def hf_model(path: Path):
@@ -381,14 +390,11 @@ def engine_tool_main(doc: str, add: Callable[[argparse.ArgumentParser], None],
                      run_tool: Callable[[argparse.Namespace], int], argv: list[str] | None) -> int:
     """Parse ``argv`` with the tool's arguments and ``--log-level``, set up logging, run it
     (shared by the engine-level tools: this one and ``bench_tp``)."""
-    import logging
+    from benchmarks.cli import add_log_level, parse_and_log
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     add(parser)
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_tool(args)
+    add_log_level(parser)
+    return run_tool(parse_and_log(parser, argv))
 
 
 def main(argv: list[str] | None = None) -> int:

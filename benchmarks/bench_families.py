@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.cli import add_log_level, add_output_arguments, parse_and_log, replot_if_asked
+
 logger = logging.getLogger("benchmarks.bench_families")
 
 WINDOW = 256
@@ -61,18 +63,11 @@ FAMILIES = {
 def model_dir(family: str, root: Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
     import transformers
 
-    from mini_paged_attn.models.tiny import byte_level_hf_tokenizer, write_tokenizer_files
+    from benchmarks.bench_engine import save_random_model
     cls, fields = FAMILIES[family]
     config = getattr(transformers, cls)(**{**COMMON, **fields})
-    torch.manual_seed(seed)
-    with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    path = root / f"{family}-{str(dtype).replace('torch.', '')}"
-    model.save_pretrained(path)
-    write_tokenizer_files(byte_level_hf_tokenizer(), path)
-    del model
-    torch.cuda.empty_cache()
-    return path
+    return save_random_model(config, root / f"{family}-{str(dtype).replace('torch.', '')}",
+                             seed=seed, dtype=dtype)
 
 
 def family_row(family: str, root: Path, args: argparse.Namespace) -> dict:
@@ -123,10 +118,7 @@ def plot(path: Path, rows: list[dict]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from benchmarks.common import environment, print_table
-    if args.replot:
-        source = Path(args.replot)
-        data = json.loads(source.read_text())
-        plot(source.with_suffix(".png"), data.get("rows") or data["bf16"])
+    if replot_if_asked(args, plot, lambda data: data.get("rows") or data["bf16"]):
         return 0
     if not torch.cuda.is_available():
         logger.error("bench_families needs a CUDA device")
@@ -162,18 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="weights and activations (float32: parity should be exact)")
     parser.add_argument("--steps", type=int, default=32, help="greedy tokens per request")
-    parser.add_argument("--out", default=None, help="directory for results.json")
-    parser.add_argument("--replot", metavar="JSON",
-                        help="draw a results.json's plot beside it (no GPU needed), then exit")
-    parser.add_argument("--log-level", default="INFO")
+    add_output_arguments(parser, "directory for results.json")
+    add_log_level(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(args)
+    return run(parse_and_log(build_parser(), argv))
 
 
 if __name__ == "__main__":

@@ -34,12 +34,13 @@ from types import SimpleNamespace
 
 import torch
 
+from benchmarks.cli import add_log_level, add_output_arguments, parse_and_log, replot_if_asked
+
 logger = logging.getLogger("benchmarks.bench_fp8")
 
 DECODE_SHAPES = ((64, 4096), (256, 4096), (128, 16384), (32, 65536))
 MODELS = ("qwen3-0.6b", "qwen2.5-0.5b")
 TOP_LOGPROBS = 20
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _free() -> None:
@@ -176,9 +177,7 @@ def plot(path: Path, results: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     from benchmarks.common import environment, markdown_table, print_table, start_gpu_run
 
-    if args.replot:
-        source = Path(args.replot)
-        plot(source.with_suffix(".png"), json.loads(source.read_text()))
+    if replot_if_asked(args, plot):
         return 0
     if args.out is None:
         print("--out: required (a directory for results.json, report.md)", file=sys.stderr)
@@ -226,10 +225,7 @@ def run(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None,
-                        help="directory for results.json, report.md (required)")
-    parser.add_argument("--replot", metavar="JSON",
-                        help="draw a results JSON's plot beside it (no GPU needed), then exit")
+    add_output_arguments(parser, "directory for results.json, report.md (required)")
     parser.add_argument("--parts", default="decode,accuracy",
                         help="comma-separated subset of decode,accuracy (default: both)")
     parser.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in DECODE_SHAPES),
@@ -238,14 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bench models for the accuracy part (bench_engine's shapes)")
     parser.add_argument("--requests", type=int, default=32, help="accuracy: prompts per model")
     parser.add_argument("--steps", type=int, default=32, help="accuracy: greedy tokens each")
-    parser.add_argument("--log-level", default="INFO")
+    add_log_level(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
-    return run(args)
+    return run(parse_and_log(build_parser(), argv))
 
 
 if __name__ == "__main__":

@@ -31,12 +31,13 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.cli import add_log_level, add_output_arguments, parse_and_log, replot_if_asked
+
 logger = logging.getLogger("benchmarks.bench_moe")
 
 TOKENS = (1, 16, 128, 1024, 4096)
 COLUMNS = ("tokens", "experts_hit", "triton_us", "plan_us", "torch_us", "speedup",
            "triton_tflops", "torch_tflops", "weights_pct_copy_bw", "max_abs_diff")
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def make_layer(hidden: int, inter: int, experts: int, seed: int = 0) -> dict:
@@ -99,9 +100,7 @@ def plot(path: Path, results: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     from benchmarks.common import environment, measure_ceilings, print_table
 
-    if args.replot:
-        source = Path(args.replot)
-        plot(source.with_suffix(".png"), json.loads(source.read_text()))
+    if replot_if_asked(args, plot):
         return 0
     if args.out is None:
         print("--out: required (the JSON results file)", file=sys.stderr)
@@ -141,9 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="path of the JSON results file (required)")
-    parser.add_argument("--replot", metavar="JSON",
-                        help="draw a results JSON's plot beside it (no GPU needed), then exit")
+    add_output_arguments(parser, "path of the JSON results file (required)")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)),
                         help="token counts, comma-separated (default: 1,16,128,1024,4096)")
     parser.add_argument("--hidden", type=int, default=2048, help="hidden size (default 2048)")
@@ -151,14 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="expert intermediate size (default 768)")
     parser.add_argument("--experts", type=int, default=128, help="experts (default 128)")
     parser.add_argument("--top-k", type=int, default=8, help="experts per token (default 8)")
-    parser.add_argument("--log-level", default="INFO")
+    add_log_level(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
-    return run(args)
+    return run(parse_and_log(build_parser(), argv))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.cli import add_output_arguments, replot_if_asked
+
 # Strings without a length bound: noise keeps writing them until max_tokens.
 SCHEMA = {"type": "object",
           "properties": {"title": {"type": "string"},
@@ -40,9 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
-    parser.add_argument("--replot", metavar="JSON",
-                        help="draw a results JSON's plot beside it (no GPU needed), then exit")
+    add_output_arguments(parser, "write the results as JSON here")
 
 
 def _run(llm, prompts, params) -> dict:
@@ -90,9 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from mini_paged_attn.engine import LLM, SamplingParams
     from mini_paged_attn.engine.structured import StructuredOutputsParams
 
-    if args.replot:
-        source = Path(args.replot)
-        plot(source.with_suffix(".png"), json.loads(source.read_text()))
+    if replot_if_asked(args, plot):
         return 0
     if not torch.cuda.is_available():
         print("bench_structured needs a CUDA GPU", file=sys.stderr)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.cli import add_log_level, add_output_arguments, parse_and_log, replot_if_asked
+
 logger = logging.getLogger("benchmarks.bench_window")
 
 MISTRAL_SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -59,19 +61,12 @@ def ops_rows(context: int, windows: list[int], batches: list[int]) -> list[dict]
 def _model_dir(root: Path, window: int | None) -> Path:
     import transformers
 
-    from mini_paged_attn.models.tiny import byte_level_hf_tokenizer, write_tokenizer_files
+    from benchmarks.bench_engine import save_random_model
     config = transformers.MistralConfig(**MISTRAL_SHAPE, sliding_window=window,
                                         max_position_embeddings=131072, bos_token_id=0,
                                         eos_token_id=1)
-    torch.manual_seed(0)    # the same weights for both runs
-    with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    path = root / f"mistral-window-{window}"
-    model.save_pretrained(path)
-    write_tokenizer_files(byte_level_hf_tokenizer(), path)
-    del model
-    torch.cuda.empty_cache()
-    return path
+    # Seed 0 for both runs: the same weights, windowed or not.
+    return save_random_model(config, root / f"mistral-window-{window}", seed=0)
 
 
 def engine_rows(context: int, window: int, batch: int, steps: int) -> list[dict]:
@@ -111,9 +106,7 @@ def plot(path: Path, results: dict) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from benchmarks.common import environment, print_table
-    if args.replot:
-        source = Path(args.replot)
-        plot(source.with_suffix(".png"), json.loads(source.read_text()))
+    if replot_if_asked(args, plot):
         return 0
     if not torch.cuda.is_available():
         logger.error("bench_window needs a CUDA device")
@@ -153,18 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="(ops) sequences per decode call")
     parser.add_argument("--engine-batch", type=int, default=8, help="(engine) requests")
     parser.add_argument("--steps", type=int, default=10, help="(engine) profiled steps")
-    parser.add_argument("--out", default=None, help="directory for results.json")
-    parser.add_argument("--replot", metavar="JSON",
-                        help="draw a results.json's plot beside it (no GPU needed), then exit")
-    parser.add_argument("--log-level", default="INFO")
+    add_output_arguments(parser, "directory for results.json")
+    add_log_level(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_and_log(build_parser(), argv)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run(args)
 
 

@@ -11,111 +11,17 @@ import sys
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, rule
 
+from helpers.scheduler_sim import (SchedulerMachine, assert_all_free, check_blocks, drain, held,
+                                   machine_test, make_scheduler, step, submit)
 from mini_paged_attn.core.args import cdiv
 from mini_paged_attn.core.block_manager import BlockManager
 from mini_paged_attn.core.kv_cache_manager import KVCacheManager
 from mini_paged_attn.core.request import FinishReason, Request, Sequence, SequenceStatus
-from mini_paged_attn.core.scheduler import Scheduler, SchedulerConfig
 from mini_paged_attn.core.sliding_window import (PAD_BLOCK_ID, check_sliding_window,
                                                  first_needed_block, min_blocks_to_run,
                                                  window_blocks)
-
-STOP = 0
-
-
-class WindowDevice:
-    """The KV pool as token ids. A step writes its tokens' slots, then every query of the step
-    reads the keys of its window and must find its own tokens there."""
-
-    def __init__(self, num_blocks: int, block_size: int, window: int):
-        self.block_size, self.window = block_size, window
-        self.slots = [[None] * block_size for _ in range(num_blocks)]
-
-    def run(self, out):
-        for src, dst in out.block_copies:
-            self.slots[dst] = list(self.slots[src])
-        bs = self.block_size
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-                self.slots[seq.block_ids[p // bs]][p % bs] = seq.token_ids[p]
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            start = seq.num_computed_tokens
-            # The earliest query of the step has the earliest window: the others see a suffix.
-            first = max(0, start - self.window + 1)
-            assert first // bs >= seq.num_dropped_blocks, seq   # no query reads a dropped block
-            seen = [self.slots[seq.block_ids[p // bs]][p % bs] for p in range(first, start + n)]
-            assert seen == seq.token_ids[first:start + n], (seq, seen)
-
-
-def make_scheduler(num_blocks, block_size, window, *, max_num_seqs=8, max_num_batched_tokens=64,
-                   max_model_len=256, prefix_caching=True):
-    kv = KVCacheManager(BlockManager(num_blocks), block_size, prefix_caching, window)
-    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
-    return Scheduler(config, kv), WindowDevice(num_blocks, block_size, window)
-
-
-def submit(sched, rid, prompt, max_tokens=4, n=1):
-    request = Request(rid, list(prompt), max_tokens, frozenset({STOP}), n)
-    sched.add_request(request)
-    return request
-
-
-def step(sched, device, rng, stop_prob=0.0):
-    out = sched.schedule()
-    device.run(out)
-    sampled = [[STOP if rng.random() < stop_prob else rng.randrange(1, 50) for _ in range(k)]
-               for k in out.num_samples]
-    sched.update(out, sampled)
-    return out
-
-
-def held(seq: Sequence) -> list[int]:
-    return seq.block_ids[seq.num_dropped_blocks:]
-
-
-def check_blocks(sched):
-    """Every reference is accounted for and no block is counted twice; a running sequence holds
-    exactly the blocks from its window's first to its last computed token (at most one window's
-    worth), and its dropped entries are pads; waiting and finished ones hold none."""
-    kv = sched.kv
-    bm, cache, bs, window = kv.block_manager, kv.prefix_cache, kv.block_size, kv.sliding_window
-    holders = [0] * bm.num_blocks
-    for seq in sched.running:
-        assert seq.status is SequenceStatus.RUNNING
-        assert len(seq.block_ids) == kv.blocks_for(seq.num_computed_tokens), seq
-        assert seq.num_dropped_blocks == first_needed_block(seq.num_computed_tokens, window, bs)
-        assert seq.block_ids[:seq.num_dropped_blocks] == [PAD_BLOCK_ID] * seq.num_dropped_blocks
-        assert len(held(seq)) <= window_blocks(window, bs), seq
-        for b in held(seq):
-            holders[b] += 1
-    for seq in sched.waiting:
-        assert seq.block_ids == [] and seq.num_dropped_blocks == 0
-    for b in range(bm.num_blocks):
-        assert bm.get_ref_count(b) == holders[b] + cache.is_evictable(b), b
-    free = set(bm.get_free_blocks())
-    assert all(bm.get_ref_count(b) == 0 for b in free)
-    assert bm.get_num_free_blocks() + bm.get_num_used_blocks() == bm.num_blocks
-    assert kv.num_free_blocks() == sum(1 for h in holders if h == 0)
-
-
-def drain(sched, device, rng, max_steps=3000):
-    for _ in range(max_steps):
-        if not sched.has_unfinished():
-            break
-        out = step(sched, device, rng)
-        assert not out.is_empty, "no progress"
-        check_blocks(sched)
-    assert not sched.has_unfinished()
-
-
-def assert_all_free(sched):
-    sched.kv.reset_prefix_cache()
-    bm = sched.kv.block_manager
-    assert bm.get_num_free_blocks() == bm.num_blocks
-    assert all(bm.get_ref_count(b) == 0 for b in range(bm.num_blocks))
 
 
 # ---- the arithmetic ---------------------------------------------------------------------------
@@ -305,7 +211,7 @@ def test_rollback_of_a_windowed_step_requeues_without_double_free():
 
 # ---- the state machine ------------------------------------------------------------------------
 
-class WindowedSchedulerMachine(RuleBasedStateMachine):
+class WindowedSchedulerMachine(SchedulerMachine):
     """Random submit / step / failed step / stop / abort with a sliding window on a pool smaller
     than the prompts: no block is leaked or freed twice, progress is always made, a running
     sequence holds exactly its window, and every query reads its own tokens in its window."""
@@ -315,66 +221,20 @@ class WindowedSchedulerMachine(RuleBasedStateMachine):
                 max_num_seqs=st.integers(1, 4), caching=st.booleans(),
                 seed=st.integers(0, 2**16))
     def setup(self, num_blocks, block_size, window, budget, max_num_seqs, caching, seed):
-        self.sched, self.device = make_scheduler(
+        self.start(*make_scheduler(
             num_blocks, block_size, window, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=budget, max_model_len=64, prefix_caching=caching)
-        self.rng = random.Random(seed)
-        self.prefixes = [[self.rng.randrange(1, 50) for _ in range(16)] for _ in range(2)]
-        self.next_id = 0
+            max_num_batched_tokens=budget, max_model_len=64, prefix_caching=caching),
+            seed, prefix_len=16)
+
+    def fits(self, prompt_len, max_tokens):
+        kv = self.sched.kv
+        need = min_blocks_to_run(prompt_len + max_tokens - 1, kv.block_size, kv.sliding_window)
+        return need <= kv.num_blocks
 
     @rule(prefix=st.integers(0, 2), prompt_len=st.integers(1, 30), max_tokens=st.integers(1, 12),
           n=st.integers(1, 3))
     def submit(self, prefix, prompt_len, max_tokens, n):
-        # Shared prefixes make prefix-cache hits; admission's rule decides what can run.
-        prompt = (self.prefixes[prefix] if prefix < 2 else [])[:prompt_len]
-        prompt += [self.rng.randrange(1, 50) for _ in range(prompt_len - len(prompt))]
-        kv, config = self.sched.kv, self.sched.config
-        need = min_blocks_to_run(prompt_len + max_tokens - 1, kv.block_size, kv.sliding_window)
-        if need > kv.num_blocks or n > config.max_num_seqs:
-            return
-        submit(self.sched, f"r{self.next_id}", prompt, max_tokens, n)
-        self.next_id += 1
-
-    @precondition(lambda self: self.sched.has_unfinished())
-    @rule(stop_prob=st.sampled_from([0.0, 0.2]))
-    def step(self, stop_prob):
-        out = step(self.sched, self.device, self.rng, stop_prob)
-        assert not out.is_empty, "no progress with unfinished requests"
-        assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
-
-    @precondition(lambda self: self.sched.has_unfinished())
-    @rule()
-    def failed_step(self):
-        out = self.sched.schedule()
-        self.sched.rollback(out)
-        assert all(s.status is not SequenceStatus.RUNNING for s in out.seqs)
-
-    @precondition(lambda self: self.sched.running)
-    @rule(data=st.data())
-    def stop_string(self, data):
-        seq = data.draw(st.sampled_from(self.sched.running))
-        self.sched.finish_sequence(seq, FinishReason.STOP)
-        assert seq.block_ids == [] and seq.num_dropped_blocks == 0
-
-    @precondition(lambda self: self.sched.requests)
-    @rule(data=st.data())
-    def abort(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
-        request = self.sched.abort_request(rid)
-        assert request.is_finished and all(not s.block_ids for s in request.sequences)
-
-    @invariant()
-    def blocks_consistent(self):
-        if hasattr(self, "sched"):
-            check_blocks(self.sched)
-
-    def teardown(self):
-        if hasattr(self, "sched"):
-            drain(self.sched, self.device, self.rng)
-            assert_all_free(self.sched)
+        self.submit_random(prefix, prompt_len, max_tokens, n)
 
 
-WindowedSchedulerMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
-test_windowed_scheduler_state_machine = WindowedSchedulerMachine.TestCase
+test_windowed_scheduler_state_machine = machine_test(WindowedSchedulerMachine)

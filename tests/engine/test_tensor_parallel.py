@@ -21,8 +21,7 @@ import pytest
 import torch
 
 from helpers.engine_clients import run_requests
-from helpers.engines import assert_pool_whole
-from helpers.tiny_models import hf_greedy
+from helpers.engines import ENGINE, assert_greedy_matches_transformers
 from mini_paged_attn.distributed import ShardLayout, TPGroup
 from mini_paged_attn.engine import InprocEngineClient, LLMEngine, MPEngineClient
 from mini_paged_attn.engine.config import EngineConfig
@@ -32,24 +31,10 @@ from mini_paged_attn.errors import TensorParallelError
 from mini_paged_attn.models.config import ModelConfig
 from mini_paged_attn.models.loader import load_model
 
-MAX_TOKENS = 8
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-PROMPT_LENS = (3, 13, 21, 30)
-# One engine exercises everything at once: blocks of 4, a pool of 12 blocks (the longest request
-# needs 10, so the others are preempted), 8 tokens a step (prompts are chunked), prefix caching.
-ENGINE = dict(block_size=4, num_kv_blocks=12, max_num_seqs=4, max_num_batched_tokens=8,
-              max_model_len=64, enable_prefix_caching=True)
 # (arch, tensor-parallel size, config overrides): qkv bias (Qwen2), q/k norms and a head size
 # that is not hidden / heads (Qwen3), tied embeddings, and 2 KV heads over 4 ranks.
 CASES = [("llama", 2, {"tie_word_embeddings": True}), ("qwen2", 2, {}), ("qwen3", 4, {}),
          ("llama", 4, {})]
-
-
-def make_prompts(vocab_size: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    prompts[3][:12] = prompts[1][:12]           # a shared prefix of 3 blocks
-    return prompts
 
 
 def worker_pids(llm: LLM) -> list[int]:
@@ -75,15 +60,7 @@ def tp_case(request, tiny_model_factory):
 
 def test_greedy_matches_transformers(tp_case):
     llm, model_dir = tp_case
-    prompts = make_prompts(llm.engine.model_config.vocab_size)
-    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    for _ in range(2):          # the second round hits the prefix cache
-        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] == expected
-    stats = llm.stats()
-    assert stats.num_preemptions > 0
-    assert stats.prefix_cache_hit_rate > 0
-    assert_pool_whole(llm.engine)
+    assert_greedy_matches_transformers(llm, model_dir)
 
 
 def test_a_killed_worker_fails_the_next_call_at_once():

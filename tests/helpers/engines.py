@@ -1,15 +1,27 @@
-"""Engines for tests: the tiny models in fp32, and the check that a drained engine
-holds no KV block.
+"""Engines for tests: the tiny models in fp32, the check that a drained engine holds no KV
+block, and the greedy end-to-end check against transformers' ``generate``.
 
     from helpers.engines import make_engine, assert_pool_whole, run_to_finish
+    from helpers.engines import ENGINE, assert_greedy_matches_transformers
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from helpers.tiny_models import hf_greedy
 from mini_paged_attn.engine import LLMEngine, SamplingParams
 from mini_paged_attn.engine.config import EngineConfig
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+PROMPT_LENS = (3, 13, 21, 30)
+# One engine exercises everything at once: blocks of 4, a pool of 12 blocks (the longest request
+# needs 10, so the others are preempted), 8 tokens a step (prompts are chunked), prefix caching.
+ENGINE = dict(block_size=4, num_kv_blocks=12, max_num_seqs=4, max_num_batched_tokens=8,
+              max_model_len=64, enable_prefix_caching=True)
 
 
 def make_engine(model_dir, *, device: str = "cpu", **config) -> LLMEngine:
@@ -43,3 +55,26 @@ def assert_pool_whole(engine: LLMEngine) -> None:
     bm = kv.block_manager
     assert bm.get_num_free_blocks() == bm.num_blocks
     assert all(bm.get_ref_count(b) == 0 for b in range(bm.num_blocks))
+
+
+def make_prompts(vocab_size: int) -> list[list[int]]:
+    """Seeded prompts of ``PROMPT_LENS`` tokens; the last shares the second's first 3 blocks."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    prompts[3][:12] = prompts[1][:12]           # a shared prefix of 3 blocks
+    return prompts
+
+
+def assert_greedy_matches_transformers(llm, model_dir, *, expect_hits: bool = True) -> None:
+    """Two rounds of ``make_prompts`` through ``llm`` (an ``LLM`` built with ``ENGINE``-like
+    settings) give transformers' greedy tokens; the pool preempted, hit its prefix cache
+    (unless ``expect_hits`` is False) and is whole afterwards."""
+    prompts = make_prompts(llm.engine.model_config.vocab_size)
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    for _ in range(2):          # the second round hits the prefix cache
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    stats = llm.stats()
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hit_rate > 0 or not expect_hits
+    assert_pool_whole(llm.engine)

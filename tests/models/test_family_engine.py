@@ -9,41 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.engines import assert_pool_whole
-from helpers.tiny_models import TINY_WINDOW, hf_greedy
+from helpers.engines import ENGINE, assert_greedy_matches_transformers
+from helpers.tiny_models import TINY_WINDOW
 
 from mini_paged_attn.distributed import TPGroup
 from mini_paged_attn.engine.llm import LLM
-from mini_paged_attn.engine.sampling_params import SamplingParams
 from mini_paged_attn.models.loader import load_model
-
-MAX_TOKENS = 8
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-PROMPT_LENS = (3, 13, 21, 30)
-# Blocks of 4, a pool of 12 blocks (the longest request needs 10, so others are preempted),
-# 8 tokens a step (prompts are chunked), prefix caching.
-ENGINE = dict(block_size=4, num_kv_blocks=12, max_num_seqs=4, max_num_batched_tokens=8,
-              max_model_len=64, enable_prefix_caching=True)
-
-
-def make_prompts(vocab_size: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    prompts[3][:12] = prompts[1][:12]           # a shared prefix of 3 blocks
-    return prompts
-
-
-def check_engine(llm: LLM, model_dir, *, expect_hits: bool = True) -> None:
-    prompts = make_prompts(llm.engine.model_config.vocab_size)
-    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    for _ in range(2):          # the second round hits the prefix cache
-        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] == expected
-    stats = llm.stats()
-    assert stats.num_preemptions > 0
-    assert stats.prefix_cache_hit_rate > 0 or not expect_hits
-    assert_pool_whole(llm.engine)
-
 
 # Mistral's sequences give back the blocks left of their window (3 blocks each at most), so
 # preemption needs a smaller pool, one where a prompt's chain of cached blocks does not survive
@@ -57,7 +28,7 @@ def test_windowed_families_match_transformers_through_the_engine(tiny_model_fact
     llm = LLM(model_dir, dtype="float32", device="cpu",
               **dict(ENGINE, num_kv_blocks=num_kv_blocks))
     assert llm.engine.model_config.sliding_window == TINY_WINDOW
-    check_engine(llm, model_dir, expect_hits=arch != "mistral")
+    assert_greedy_matches_transformers(llm, model_dir, expect_hits=arch != "mistral")
 
 
 class _FakeGroup:
@@ -100,6 +71,6 @@ def test_tensor_parallel_size_2(tiny_model_factory, arch, window):
               **dict(ENGINE, num_kv_blocks=blocks))
     try:
         assert llm.engine.model_config.uniform_sliding_window == window
-        check_engine(llm, model_dir, expect_hits=window is None)
+        assert_greedy_matches_transformers(llm, model_dir, expect_hits=window is None)
     finally:
         llm.shutdown()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.model_parity import (assert_prefill_then_decode_match,
+                                  assert_triton_backend_matches_torch, load_with_reference)
 from helpers.paged_batch import PagedBatchBuilder
 from helpers.tiny_models import (LLAMA3_ROPE_SCALING, PHI3_LONGROPE, hf_logits,
                                  hf_reference_model, random_prompts)
@@ -41,36 +43,11 @@ PROMPT_LENS = (1, 3, BLOCK_SIZE, BLOCK_SIZE + 1, 11)   # 11: nearly two windows 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def models(request, tiny_model_factory):
     arch, kwargs = VARIANTS[request.param]
-    model_dir = tiny_model_factory(arch, **kwargs)
-    model, config = load_model(model_dir, dtype=torch.float32)
-    return model, config, hf_reference_model(model_dir)
+    return load_with_reference(tiny_model_factory(arch, **kwargs))
 
 
-@torch.inference_mode()
 def test_prefill_then_decode_match_transformers(models):
-    model, config, hf = models
-    prompts = random_prompts(config.vocab_size, PROMPT_LENS)
-    batch = PagedBatchBuilder(config, block_size=BLOCK_SIZE)
-    ids, pos, meta = batch.step(dict(enumerate(prompts)))
-    assert not meta.decode_only
-    logits = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
-    assert logits.dtype == torch.float32 and logits.shape == (sum(PROMPT_LENS), config.vocab_size)
-    cu = meta.cu_seqlens_q.tolist()
-    for i, prompt in enumerate(prompts):
-        torch.testing.assert_close(logits[cu[i]:cu[i + 1]], hf_logits(hf, prompt), atol=ATOL, rtol=0)
-
-    # Decode: one greedy token per sequence per step, compared with a full forward of the sequence.
-    seqs = [list(p) for p in prompts]
-    next_tokens = logits[[c - 1 for c in cu[1:]]].argmax(-1).tolist()
-    for _ in range(3):
-        for seq, tok in zip(seqs, next_tokens):
-            seq.append(tok)
-        ids, pos, meta = batch.step({i: [tok] for i, tok in enumerate(next_tokens)})
-        assert meta.decode_only
-        logits = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
-        for i, seq in enumerate(seqs):
-            torch.testing.assert_close(logits[i], hf_logits(hf, seq)[-1], atol=ATOL, rtol=0)
-        next_tokens = logits.argmax(-1).tolist()
+    assert_prefill_then_decode_match(*models, PROMPT_LENS, block_size=BLOCK_SIZE, atol=ATOL)
 
 
 @torch.inference_mode()
@@ -131,21 +108,8 @@ def test_bf16_error_is_within_transformers_bf16_noise(tiny_model_factory, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gemma3"])
-@torch.inference_mode()
 def test_triton_backend_matches_torch_backend(tiny_model_factory, arch):
     """The model through the Triton kernels (the interpreter on CPU; the GPU when there is one)
     with strided pool views, a mixed prefill step and a padded decode step."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, config = load_model(tiny_model_factory(arch), device=device)
-    outs = {}
-    for backend in ("torch", "triton"):
-        batch = PagedBatchBuilder(config, block_size=BLOCK_SIZE, seed=1, interleaved=True,
-                                  device=device)
-        ids, pos, meta = batch.step({0: list(range(3, 12)), 1: [5, 6]}, backend=backend)
-        prefill = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
-        ids, pos, meta = batch.step({0: [7], 1: [9]}, pad_to=3, backend=backend)
-        decode = model.compute_logits(model(ids, pos, batch.kv_caches, meta))
-        outs[backend] = (prefill, decode[:2])
-    atol = 1e-4 if device == "cpu" else 1e-2    # tf32 dots on the GPU
-    for got, want in zip(outs["triton"], outs["torch"]):
-        torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    assert_triton_backend_matches_torch(tiny_model_factory(arch), list(range(3, 12)),
+                                        block_size=BLOCK_SIZE)

@@ -14,7 +14,7 @@ import sys
 import pytest
 from helpers.json_checks import assert_valid
 
-from server_harness import API_KEY, CHAT_GOOD, GOOD, TIMEOUT_S, assert_error, served
+from server_harness import API_KEY, CHAT_GOOD, GOOD, assert_error, served
 
 openai = pytest.importorskip("openai", reason="the openai client (pip install .[test])")
 pytest.importorskip("llguidance", reason='structured outputs need pip install -e ".[structured]"')
@@ -27,18 +27,6 @@ SCHEMA = {"type": "object",
 JSON_SCHEMA_FORMAT = {"type": "json_schema",
                       "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
 MAX_TOKENS = 80
-
-
-@pytest.fixture(scope="module")
-def server(llm):
-    with served(llm.engine, api_key=API_KEY) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
-                         timeout=TIMEOUT_S)
 
 
 def _adds(server) -> int:

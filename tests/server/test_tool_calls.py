@@ -12,7 +12,7 @@ import json
 import pytest
 from helpers.json_checks import assert_valid
 
-from server_harness import API_KEY, CHAT_GOOD, TIMEOUT_S, assert_error, served
+from server_harness import CHAT_GOOD, assert_error
 
 openai = pytest.importorskip("openai", reason="the openai client (pip install .[test])")
 pytest.importorskip("llguidance", reason='tool calls need pip install -e ".[structured]"')
@@ -29,18 +29,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 HERMES_CALL = '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def server(llm):
-    with served(llm.engine, api_key=API_KEY) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
-                         timeout=TIMEOUT_S)
 
 
 def _check_call(call, names=tuple(SCHEMAS)) -> None:
