@@ -1,7 +1,7 @@
 """The new families end to end: the engine's greedy outputs equal transformers' ``generate``
-for a sliding-window family (Mistral: every layer windowed) and Gemma 2 (alternating windowed
-and full layers, soft-caps), with prefix caching, chunked prefill and forced preemption in one
-engine, prompts several windows long; Phi-3's fused checkpoint tensors split over two ranks,
+for every family (Mistral and Mixtral: every layer windowed; Gemma 2/3 and gpt-oss: windowed
+and full layers), with prefix caching, chunked prefill and forced preemption in one engine,
+prompts several windows long; Phi-3's fused checkpoint tensors split over two ranks,
 and a windowed Phi-3 and Gemma 3 at tensor-parallel size 2 (gloo processes).
 """
 
@@ -29,6 +29,22 @@ def test_windowed_families_match_transformers_through_the_engine(tiny_model_fact
               **dict(ENGINE, num_kv_blocks=num_kv_blocks))
     assert llm.engine.model_config.sliding_window == TINY_WINDOW
     assert_greedy_matches_transformers(llm, model_dir, expect_hits=arch != "mistral")
+
+
+# The other families through the same engine: Phi-3 (fused tensors, full attention), Gemma 3
+# (sliding and full layers, two rope tables), and the MoE families: Qwen3-MoE (full attention),
+# Mixtral with a window on every layer (so it gives blocks back and needs the smaller pool) and
+# gpt-oss (alternating windowed and full layers, sinks).
+@pytest.mark.parametrize("arch, overrides, num_kv_blocks",
+                         [("phi3", {}, 12), ("gemma3", {}, 12), ("qwen3_moe", {}, 12),
+                          ("mixtral", {"sliding_window": TINY_WINDOW}, 6), ("gpt_oss", {}, 12)])
+def test_every_family_matches_transformers_through_the_engine(tiny_model_factory, arch,
+                                                              overrides, num_kv_blocks):
+    model_dir = tiny_model_factory(arch, **overrides)
+    llm = LLM(model_dir, dtype="float32", device="cpu",
+              **dict(ENGINE, num_kv_blocks=num_kv_blocks))
+    windowed = llm.engine.model_config.uniform_sliding_window is not None
+    assert_greedy_matches_transformers(llm, model_dir, expect_hits=not windowed)
 
 
 class _FakeGroup:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server_harness import API_KEY, CHAT_GOOD, GOOD, MODEL_NAME, TIMEOUT_S, assert_error, served
+from server_harness import API_KEY, CHAT_GOOD, GOOD, MODEL_NAME, TIMEOUT_S, assert_error
 
 # The official client comes with the test extra; the GPU machines run these modules without it.
 openai = pytest.importorskip("openai", reason="the openai client (pip install .[test])")
@@ -43,12 +43,6 @@ BAD_INPUTS = [
     ("chat/completions", {**CHAT_GOOD, "messages": [{"role": "user", "content": "x" * 300}]},
      400, "messages"),
 ]
-
-
-@pytest.fixture(scope="module")
-def server(llm):
-    with served(llm.engine, api_key=API_KEY) as s:
-        yield s
 
 
 @pytest.mark.parametrize("endpoint,body,status,param", BAD_INPUTS,

@@ -16,19 +16,13 @@ from typing import Any
 
 import pytest
 
-from server_harness import API_KEY, CHAT_GOOD, GOOD, TIMEOUT_S, served
+from server_harness import API_KEY, CHAT_GOOD, GOOD, TIMEOUT_S
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 GOOD_BODY = {COMPLETIONS: GOOD, CHAT: CHAT_GOOD}
 HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
 LONE = "\ud800"  # a lone surrogate: json.dumps writes it as the escape "\ud800"
 VALID_TOO = "*"  # a case that may also be a valid request (200)
-
-
-@pytest.fixture(scope="module")
-def server(llm):
-    with served(llm.engine, api_key=API_KEY) as s:
-        yield s
 
 
 @pytest.fixture

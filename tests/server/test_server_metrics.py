@@ -4,21 +4,14 @@ observed as requests finish, and one registry per app (two apps in one process k
 from __future__ import annotations
 
 import httpx
-import pytest
 
-from server_harness import API_KEY, GOOD, TIMEOUT_S, served
+from server_harness import GOOD, TIMEOUT_S
 
 HISTOGRAMS = ("time_to_first_token_seconds", "time_per_output_token_seconds",
               "e2e_request_latency_seconds", "request_queue_time_seconds")
 GAUGES_AND_COUNTERS = ("requests_running", "requests_waiting", "kv_blocks_total",
                        "kv_blocks_free", "prefix_cache_hit_rate", "preemptions_total",
                        "generation_tokens_total", "generation_tokens_per_second", "engine_up")
-
-
-@pytest.fixture(scope="module")
-def server(llm):
-    with served(llm.engine, api_key=API_KEY) as s:
-        yield s
 
 
 def test_histograms_count_finished_requests(server):
