@@ -9,24 +9,13 @@ import json
 import pytest
 from helpers.engines import assert_pool_whole
 from helpers.json_checks import assert_valid
+from helpers.tool_specs import CLOCK, HERMES_CALL, MESSAGES, SCHEMAS, TOOLS, WEATHER
 
 from mini_paged_attn.engine import LLM, SamplingParams, StructuredOutputsParams
 from mini_paged_attn.engine.tool_calls import ToolCall
 
 pytest.importorskip("llguidance", reason='tool calls need pip install -e ".[structured]"')
 
-WEATHER = {"type": "object",
-           "properties": {"city": {"type": "string", "maxLength": 6},
-                          "unit": {"enum": ["C", "F"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-CLOCK = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}},
-         "required": ["tz"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}}]
-SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
-MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-HERMES_CALL = '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
 # Renders the tools' names, so a test can see that they reached the template.
 TOOLS_TEMPLATE = ("{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}"
                   "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")

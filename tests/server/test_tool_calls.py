@@ -11,24 +11,13 @@ import json
 
 import pytest
 from helpers.json_checks import assert_valid
+from helpers.tool_specs import HERMES_CALL, MESSAGES, SCHEMAS, TOOLS
 
 from server_harness import CHAT_GOOD, assert_error
 
 openai = pytest.importorskip("openai", reason="the openai client (pip install .[test])")
 pytest.importorskip("llguidance", reason='tool calls need pip install -e ".[structured]"')
 
-WEATHER = {"type": "object",
-           "properties": {"city": {"type": "string", "maxLength": 6},
-                          "unit": {"enum": ["C", "F"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-CLOCK = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}},
-         "required": ["tz"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}}]
-SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
-MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-HERMES_CALL = '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
 
 
 def _check_call(call, names=tuple(SCHEMAS)) -> None:
