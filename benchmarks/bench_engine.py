@@ -157,6 +157,23 @@ def timed_generate(llm, prompts, params):
     return time.perf_counter() - start, outputs
 
 
+def step_to_steady_decode(engine) -> None:
+    """Step ``engine`` until a step is decode-only with no request waiting."""
+    engine.step()
+    while not (engine.last_schedule.decode_only and engine.scheduler.num_waiting == 0):
+        engine.step()
+
+
+def wall_ms_per_step(engine, steps: int = 20) -> float:
+    """Mean wall milliseconds of ``steps`` engine steps, the GPU drained before and after."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
 def profile_decode(llm, prompts: list[list[int]], max_tokens: int, steps: int = 5) -> dict:
     """Steady decode steps of ``prompts``: wall time per step, GPU kernel time per step (so the
     share the GPU is busy), kernels per step, the kernels that take the most time, and the KV
@@ -167,15 +184,8 @@ def profile_decode(llm, prompts: list[list[int]], max_tokens: int, steps: int = 
     engine = llm.engine
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens)
     ids = [engine.add_request(p, params) for p in prompts]
-    engine.step()
-    while not (engine.last_schedule.decode_only and engine.scheduler.num_waiting == 0):
-        engine.step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        engine.step()
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - start) / 20 * 1e3
+    step_to_steady_decode(engine)
+    wall_ms = wall_ms_per_step(engine)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()

@@ -16,14 +16,13 @@ import io
 import pstats
 import random
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 
 def main(argv=None) -> None:
-    from benchmarks.bench_engine import random_model_dir
+    from benchmarks.bench_engine import random_model_dir, step_to_steady_decode, wall_ms_per_step
     from mini_paged_attn.engine import LLM, SamplingParams
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -39,17 +38,10 @@ def main(argv=None) -> None:
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=400)
     for _ in range(args.batch):
         engine.add_request([rng.randint(0, 10000) for _ in range(1000)], params)
-    while not (engine.last_schedule is not None and engine.last_schedule.decode_only
-               and engine.scheduler.num_waiting == 0):
-        engine.step()
+    step_to_steady_decode(engine)
     for _ in range(5):
         engine.step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        engine.step()
-    torch.cuda.synchronize()
-    plain_ms = (time.perf_counter() - start) / 20 * 1e3
+    plain_ms = wall_ms_per_step(engine)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(20):

@@ -117,9 +117,24 @@ SPLIT_TILES = ((32, 4, 5), (64, 4, 6), (64, 2, 6), (64, 2, 8), (64, 1, 6), (32, 
                (128, 2, 4))
 
 
+def _inputs(batch: int, ctx: int):
+    """A bench_attention decode case, the same K/V in an fp8 pool, the library's fp8 output
+    (the reference each variant is checked against), and the bytes read besides K/V."""
+    from benchmarks.bench_attention import DecodeCase, make_inputs
+    from mini_paged_attn.ops import paged_decode
+    from mini_paged_attn.ops.kv_quant import FP8_DTYPE
+
+    case = DecodeCase(batch, ctx)
+    x = make_inputs(case, 0)
+    pool8 = torch.stack([x.key_cache, x.value_cache], dim=2).to(FP8_DTYPE)
+    k8, v8 = pool8[:, :, 0], pool8[:, :, 1]
+    ref = paged_decode(x.query, k8, v8, x.block_tables, x.context_lens).float()
+    other = 2 * x.query.numel() * 2 + x.block_tables.numel() * 4   # query, output, table
+    return case, x, k8, v8, ref, other
+
+
 def split_rows(copy: float) -> list[dict]:
     """Small batches (split-KV) through the library's kernel, fp8 split tiles forced."""
-    from benchmarks.bench_attention import DecodeCase, make_inputs
     from benchmarks.common import time_us
     from mini_paged_attn.ops import paged_decode
     from mini_paged_attn.ops.checks import check_paged_decode_args
@@ -129,12 +144,7 @@ def split_rows(copy: float) -> list[dict]:
 
     rows = []
     for batch, ctx in ((1, 16384), (4, 16384), (8, 16384), (1, 65536), (8, 65536)):
-        case = DecodeCase(batch, ctx)
-        x = make_inputs(case, 0)
-        pool8 = torch.stack([x.key_cache, x.value_cache], dim=2).to(FP8_DTYPE)
-        k8, v8 = pool8[:, :, 0], pool8[:, :, 1]
-        ref = paged_decode(x.query, k8, v8, x.block_tables, x.context_lens).float()
-        other = 2 * x.query.numel() * 2 + x.block_tables.numel() * 4
+        case, x, k8, v8, ref, other = _inputs(batch, ctx)
         label = f"{batch}x{ctx}"
         us = time_us(lambda: paged_decode(x.query, x.key_cache, x.value_cache, x.block_tables,
                                           x.context_lens, out=x.out, workspace=x.workspace))
@@ -164,10 +174,8 @@ def split_rows(copy: float) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    from benchmarks.bench_attention import DecodeCase, make_inputs
     from benchmarks.common import measure_ceilings, print_table, time_us
     from mini_paged_attn.ops import paged_decode
-    from mini_paged_attn.ops.kv_quant import FP8_DTYPE
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path)
@@ -175,9 +183,7 @@ def main(argv=None) -> None:
     p.add_argument("--part", choices=("unsplit", "split", "both"), default="both")
     args = p.parse_args(argv)
     copy = measure_ceilings().copy_gbps
-    if args.part == "unsplit":
-        pass
-    else:
+    if args.part != "unsplit":
         split = split_rows(copy)
         print_table(split, ["shape", "variant", "us", "pct", "err"])
         if args.out:
@@ -193,12 +199,7 @@ def main(argv=None) -> None:
         (128, 2, 3), (128, 4, 5))]
     rows = []
     for batch, ctx in shapes:
-        case = DecodeCase(batch, ctx)
-        x = make_inputs(case, 0)
-        pool8 = torch.stack([x.key_cache, x.value_cache], dim=2).to(FP8_DTYPE)
-        k8, v8 = pool8[:, :, 0], pool8[:, :, 1]
-        ref = paged_decode(x.query, k8, v8, x.block_tables, x.context_lens).float()
-        other = 2 * x.query.numel() * 2 + x.block_tables.numel() * 4
+        case, x, k8, v8, ref, other = _inputs(batch, ctx)
         kv16 = case.kv_bytes
         us = time_us(lambda: paged_decode(x.query, x.key_cache, x.value_cache, x.block_tables,
                                           x.context_lens, out=x.out))
