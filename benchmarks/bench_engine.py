@@ -65,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                         help="the engine's KV cache: the model dtype (auto) or fp8 (e4m3)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    add_async_argument(parser)
     parser.add_argument("--profile", action="store_true",
                         help="also profile steady decode steps (kernels per step, GPU busy share)")
     parser.add_argument("--out", default=None,
@@ -73,6 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draw the plot of a results.json (no GPU needed), then exit")
     parser.add_argument("--plot", metavar="PNG",
                         help="where --replot draws (default: beside the JSON, same name)")
+
+
+ASYNC_CHOICES = {"auto": None, "on": True, "off": False}
+
+
+def add_async_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--async-scheduling", default="auto", choices=tuple(ASYNC_CHOICES),
+                        help="the engine's asynchronous scheduling (auto: on with CUDA)")
 
 
 def save_random_model(config, path: Path, *, seed: int = 0,
@@ -143,7 +152,8 @@ def engine_llm(path: Path, args, **overrides):
     from mini_paged_attn.engine import LLM
     options = dict(dtype="bfloat16", max_model_len=4096, enforce_eager=args.enforce_eager,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   kv_cache_dtype=args.kv_cache_dtype)
+                   kv_cache_dtype=args.kv_cache_dtype,
+                   async_scheduling=ASYNC_CHOICES[getattr(args, "async_scheduling", "auto")])
     options.update(overrides)
     return LLM(str(path), **options)
 
@@ -376,7 +386,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import transformers
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d")}
+           "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
+           "async_scheduling": args.async_scheduling, "kv_cache_dtype": args.kv_cache_dtype}
     results: dict = {"env": env}
     workloads = {"parity": workload_parity, "a": workload_a, "b": workload_b}
     with tempfile.TemporaryDirectory() as tmp:

@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
+    from .bench_engine import add_async_argument
+    add_async_argument(parser)
     add_output_arguments(parser, "write the results as JSON here")
 
 
@@ -90,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from mini_paged_attn.engine import LLM, SamplingParams
     from mini_paged_attn.engine.structured import StructuredOutputsParams
 
+    from .bench_engine import ASYNC_CHOICES
     if replot_if_asked(args, plot):
         return 0
     if not torch.cuda.is_available():
@@ -101,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
             from .bench_engine import random_model_dir
             path = random_model_dir("qwen2.5-0.5b", Path(tmp))
         llm = LLM(str(path), dtype="bfloat16", max_model_len=args.prompt_len + args.max_tokens,
-                  max_num_seqs=max(args.batch, 1), enforce_eager=args.enforce_eager)
+                  max_num_seqs=max(args.batch, 1), enforce_eager=args.enforce_eager,
+                  async_scheduling=ASYNC_CHOICES[args.async_scheduling])
         rng = random.Random(0)
         vocab = min(llm.engine.tokenizer.vocab_size, llm.engine.model_config.vocab_size)
         prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)]
@@ -116,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         results = {"batch": args.batch, "prompt_len": args.prompt_len,
                    "max_tokens": args.max_tokens, "model": str(args.model or "random"),
                    "device": torch.cuda.get_device_name(),
+                   "async_scheduling": args.async_scheduling,
                    "unconstrained": _run(llm, prompts, plain),
                    "json_schema": _run(llm, prompts, constrained)}
         llm.engine.shutdown()

@@ -27,7 +27,7 @@ from ..errors import OutOfBlocksError
 from .args import cdiv, positive_int
 from .block_manager import BlockManager
 from .prefix_cache import ROOT_HASH, PrefixCache, hash_block
-from .request import Sequence
+from .request import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from .sliding_window import PAD_BLOCK_ID, check_sliding_window, first_needed_block
 
 
@@ -245,6 +245,12 @@ class KVCacheManager:
         """
         if stop <= start:
             return
+        if seq.token_ids[stop * self.block_size - 1] == PLACEHOLDER_TOKEN:
+            # Its last token is still being sampled: hashed once it is known.
+            stop -= 1
+            seq.deferred_block = stop
+            if stop <= start:
+                return
         self._extend_hashes(seq, stop)
         bs, hashes = self.block_size, seq.block_hashes
         for i in range(start, stop):
@@ -252,6 +258,17 @@ class KVCacheManager:
             if self.prefix_cache.insert(hashes[i], parent, seq.token_ids[i * bs:(i + 1) * bs],
                                         seq.block_ids[i]):
                 self._step_registrations.append(seq.block_ids[i])
+
+    def register_deferred(self, seq: Sequence) -> None:
+        """Register the block whose last token was a placeholder when it was allocated (see
+        ``Sequence.deferred_block``), now that the token is known. Nothing for a sequence
+        without one, or one that no longer holds it (finished, preempted)."""
+        index = seq.deferred_block
+        if index is None:
+            return
+        seq.deferred_block = None
+        if index < len(seq.block_ids) and seq.status is SequenceStatus.RUNNING:
+            self._register_full_blocks(seq, index, index + 1)
 
     def begin_step(self) -> None:
         """A new step is being scheduled: the previous one's registrations are final."""
@@ -289,6 +306,7 @@ class KVCacheManager:
         if seq.num_dropped_blocks and self.enable_prefix_caching:
             self._refresh_dropped(seq)
         seq.block_ids = []
+        seq.deferred_block = None
         seq.num_dropped_blocks = 0
         seq.num_computed_tokens = 0
         seq.blocks_changed_from = 0

@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+PLACEHOLDER_TOKEN = -1
+"""Stands in ``Sequence.token_ids`` for a token sampled by a step still running on the device
+(asynchronous scheduling); the step's results replace it before anything reads it."""
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"     # queued: not admitted yet, or preempted (its KV was dropped)
     RUNNING = "running"     # admitted: holds blocks, gets tokens every step
@@ -62,6 +67,9 @@ class Sequence:
     # Per generated token, whatever the sampler attached (logprobs); None when not asked for.
     logprobs: list[Any] | None = None
     cumulative_logprob: float = 0.0
+    # A full block whose prefix-cache registration waits for its last token, a
+    # PLACEHOLDER_TOKEN when it was allocated (see KVCacheManager.register_deferred).
+    deferred_block: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -132,4 +140,4 @@ class Request:
 
 
 
-__all__ = ["FinishReason", "Request", "Sequence", "SequenceStatus"]
+__all__ = ["FinishReason", "PLACEHOLDER_TOKEN", "Request", "Sequence", "SequenceStatus"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from .args import positive_int
 from .kv_cache_manager import KVCacheManager
-from .request import FinishReason, Request, Sequence, SequenceStatus
+from .request import PLACEHOLDER_TOKEN, FinishReason, Request, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -294,16 +294,86 @@ class Scheduler:
                 token = tokens[j]
                 target.token_ids.append(token)
                 if logprobs is not None and logprobs[i]:
-                    lp = logprobs[i][j]
-                    if target.logprobs is None:
-                        target.logprobs = []
-                    target.logprobs.append(lp[1])
-                    target.cumulative_logprob += lp[0]
+                    _add_logprob(target, logprobs[i][j])
                 grew.append(target)
                 if token in request.stop_token_ids:
                     self.finish_sequence(target, FinishReason.STOP)
                 elif len(target.token_ids) >= max_len:     # max_tokens or max_model_len
                     self.finish_sequence(target, FinishReason.LENGTH)
+        return grew
+
+    # ---- asynchronous scheduling: step t + 1 is scheduled before step t's tokens are known --
+    def advance_in_flight(self, out: SchedulerOutput) -> list[int]:
+        """Step ``out`` is running on the device, its tokens not yet known: advance progress as
+        :meth:`update` does and append a ``PLACEHOLDER_TOKEN`` for each sample, so the next
+        step can be scheduled now (its inputs take the tokens from the device). A sequence
+        whose placeholder reaches max_tokens or max_model_len finishes now (reason "length").
+        Every ``out.num_samples[i]`` must be 0 or 1: a fork needs its tokens.
+
+        Returns:
+            Per sequence of ``out``, the index of its placeholder in ``token_ids``, or -1.
+        """
+        max_model_len = self.config.max_model_len
+        windowed = self.kv.sliding_window is not None
+        where: list[int] = []
+        for i, seq in enumerate(out.seqs):
+            seq.num_computed_tokens += out.num_new_tokens[i]
+            if seq.status is SequenceStatus.FINISHED:
+                where.append(-1)
+                continue
+            if windowed:
+                self.kv.drop_out_of_window(seq)
+            if not out.num_samples[i]:
+                where.append(-1)
+                continue
+            assert out.num_samples[i] == 1, out.num_samples[i]
+            where.append(len(seq.token_ids))
+            seq.token_ids.append(PLACEHOLDER_TOKEN)
+            request = seq.request
+            if len(seq.token_ids) >= min(max_model_len,
+                                         request.num_prompt_tokens + request.max_tokens):
+                self.finish_sequence(seq, FinishReason.LENGTH)
+        return where
+
+    def resolve_in_flight(self, out: SchedulerOutput, where: list[int], sampled: list[int],
+                          logprobs: list[tuple[float, object] | None] | None = None
+                          ) -> list[Sequence]:
+        """Step ``out``'s tokens arrived: each replaces its placeholder (``where``, from
+        :meth:`advance_in_flight`), and a stop token finishes its sequence, as in
+        :meth:`update`.
+
+        Args:
+            sampled: one token id per sample row of ``out`` (a sequence aborted since it was
+                launched has a row, ignored).
+            logprobs: optional, one entry per sample row, as in :meth:`update`.
+
+        Returns:
+            The sequences that got a token, in batch order (finished ones included).
+        """
+        now = time.time()
+        grew: list[Sequence] = []
+        row = -1
+        for seq, k, at in zip(out.seqs, out.num_samples, where):
+            row += k
+            if at < 0:
+                continue
+            token = sampled[row]
+            lp = logprobs[row] if logprobs is not None else None
+            seq.token_ids[at] = token
+            request = seq.request
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            if lp is not None:
+                _add_logprob(seq, lp)
+            grew.append(seq)
+            if token in request.stop_token_ids:
+                if seq.is_finished:     # by length, with a stop token: a stop, as update says
+                    seq.finish_reason = FinishReason.STOP
+                else:
+                    self.finish_sequence(seq, FinishReason.STOP)
+            elif seq.deferred_block is not None:
+                self.kv.register_deferred(seq)
         return grew
 
     def _fork(self, parent: Sequence, num_children: int) -> list[Sequence]:
@@ -320,6 +390,14 @@ class Scheduler:
             family.append(child)
         self.running[at:at] = family[1:]
         return family
+
+
+def _add_logprob(seq: Sequence, entry: tuple[float, object]) -> None:
+    """Keep a sampled token's ``(logprob, what the sampler attached)`` on its sequence."""
+    if seq.logprobs is None:
+        seq.logprobs = []
+    seq.logprobs.append(entry[1])
+    seq.cumulative_logprob += entry[0]
 
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput"]

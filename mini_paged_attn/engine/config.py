@@ -41,6 +41,12 @@ class EngineConfig:
             (checked when the model is read, before any process starts).
         distributed_timeout_s: how long a tensor-parallel rank waits for the others (the
             rendezvous, one collective, a worker's start) before the engine gives up.
+        async_scheduling: schedule and launch step t + 1 before step t's tokens reach the
+            host (they stay on the device as t + 1's inputs), so the host's scheduling and
+            output handling run while the GPU computes. ``step()`` then returns a step's
+            outputs one call later. None: on with CUDA and one rank. Steps that need their
+            tokens on the host at once (forking n > 1 samples, prompt logprobs) and tensor
+            parallelism run synchronously.
     """
 
     block_size: int = 16
@@ -58,6 +64,7 @@ class EngineConfig:
     log_stats_interval_s: float = 10.0
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 120.0
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         # positive_int returns a Python int (numpy / torch integers come in as well).
@@ -85,6 +92,8 @@ class EngineConfig:
             raise ValueError(f"distributed_timeout_s: expected a number > 0, got {t!r}")
         for name in ("enable_prefix_caching", "enforce_eager"):
             check_bool(name, getattr(self, name))
+        if self.async_scheduling is not None:
+            check_bool("async_scheduling", self.async_scheduling)
 
 
 def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) -> int:

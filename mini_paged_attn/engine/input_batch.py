@@ -62,6 +62,28 @@ class StepInputs:
     max_seqlen_q: int
     num_sample_rows: int
     sample_rows: torch.Tensor | None
+    # Input tokens still on the device (asynchronous scheduling), see TokenFill.
+    fill: TokenFill | None = None
+
+
+@dataclass(frozen=True)
+class TokenFill:
+    """Input tokens that the previous step sampled and the host does not know yet: token
+    ``dst[j]`` of this step is row ``src[j]`` of the previous step's sampled ids. ``dst`` and
+    ``src`` are int64 ``[count]`` device views, or both None when they are ``0 .. count - 1``
+    (a steady decode batch)."""
+
+    count: int
+    dst: torch.Tensor | None
+    src: torch.Tensor | None
+
+    def apply(self, input_ids: torch.Tensor, sampled: torch.Tensor) -> None:
+        """Write the tokens into ``input_ids`` (int64, on the device) from the previous step's
+        ``sampled`` ids (int64 ``[num_sample_rows]``), in stream order: no host sync."""
+        if self.dst is None:
+            input_ids[:self.count].copy_(sampled[:self.count])
+        else:
+            input_ids.index_copy_(0, self.dst, sampled.index_select(0, self.src))
 
 
 def table_width(max_blocks_per_seq: int) -> int:
@@ -112,7 +134,7 @@ class InputBuilder:
         assert w % TABLE_WIDTH_MULTIPLE == 0 and tables.num_rows >= max_num_seqs, tables
         s, t = max_num_seqs, max_num_tokens
         self._i64_regions = _layout({"input_ids": t, "positions": t, "slot_mapping": t,
-                                     "sample_rows": s})
+                                     "sample_rows": s, "fill": 2 * s})
         self._i32_regions = _layout({"cu_seqlens_q": s + 1, "context_lens": s,
                                      "block_tables": s * w})
         self.i64 = StagingBuffer(self._i64_regions["end"], torch.int64, device)
@@ -174,9 +196,13 @@ class InputBuilder:
         start = self._i32_regions[name]
         return self.i32.np[start:start + n]
 
-    def build(self, out: SchedulerOutput, pad_to: int | None = None) -> StepInputs:
+    def build(self, out: SchedulerOutput, pad_to: int | None = None,
+              pending: dict[int, int] | None = None) -> StepInputs:
         """Fill and upload the inputs of ``out``. ``pad_to`` (decode-only steps): pad the batch
-        to this many sequences (slot -1, context length 0) for a captured CUDA graph."""
+        to this many sequences (slot -1, context length 0) for a captured CUDA graph.
+        ``pending``: ``seq_id -> row`` of the previous step's sampled ids, for sequences whose
+        input token is still a placeholder (always their one token this step): the inputs'
+        :class:`TokenFill`."""
         seqs = out.seqs
         n = len(seqs)
         num_tokens = out.num_batched_tokens
@@ -232,7 +258,9 @@ class InputBuilder:
             i64[at:at + num_sample_rows] = np.repeat(cu[1:] - 1, num_samples)
             sample_rows = self.i64.upload(at, at + num_sample_rows)
 
+        fill = self._fill(seqs, cu, pending) if pending else None
         inputs = StepInputs(
+            fill=fill,
             input_ids=self.i64.upload(ids_at, ids_at + m),
             positions=self.i64.upload(pos_at, pos_at + m),
             slot_mapping=self.i64.upload(slots_at, slots_at + m),
@@ -246,6 +274,24 @@ class InputBuilder:
         return inputs
 
 
+    def _fill(self, seqs, cu: np.ndarray, pending: dict[int, int]) -> TokenFill | None:
+        dst, src = [], []
+        for i, seq in enumerate(seqs):
+            row = pending.get(seq.seq_id)
+            if row is not None:
+                dst.append(int(cu[i + 1]) - 1)
+                src.append(row)
+        count = len(dst)
+        if not count:
+            return None
+        if dst[-1] == count - 1 and src == dst:    # rows 0 .. count - 1 in order, both sides
+            return TokenFill(count, None, None)
+        at = self._i64_regions["fill"]
+        self.i64.np[at:at + 2 * count] = dst + src
+        both = self.i64.upload(at, at + 2 * count)
+        return TokenFill(count, both[:count], both[count:])
+
+
 def _layout(sizes: dict[str, int]) -> dict[str, int]:
     """Start offset of each region (elements), each a multiple of REGION_ALIGN; "end": total."""
     offsets, at = {}, 0
@@ -256,4 +302,4 @@ def _layout(sizes: dict[str, int]) -> dict[str, int]:
     return offsets
 
 
-__all__ = ["InputBuilder", "StagingBuffer", "StepInputs", "dummy_inputs", "table_width"]
+__all__ = ["InputBuilder", "StagingBuffer", "StepInputs", "TokenFill", "dummy_inputs", "table_width"]

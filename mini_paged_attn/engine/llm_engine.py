@@ -19,12 +19,13 @@ from pathlib import Path
 import torch
 
 from ..cache.memory_map import MemoryMap
-from ..core.request import FinishReason, Request
+from ..core.request import PLACEHOLDER_TOKEN, FinishReason, Request
 from ..core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ..models.config import ModelConfig
 from ..models.tokenizer import Tokenizer
 from .admission import Admission
 from .config import EngineConfig, resolve_max_model_len
+from .in_flight import InFlightStep
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor, RequestState
 from .outputs import EngineStats, RequestOutput
@@ -98,6 +99,15 @@ class LLMEngine:
             GrammarCompiler(getattr(tokenizer, "hf", None), model_config.vocab_size,
                             sorted(self.eos_token_ids)), self.runner.device)
         self._num_structured = 0      # live requests with structured outputs (stepping thread)
+        # Live requests whose steps may need their tokens at once (n > 1, prompt logprobs).
+        self._num_sync_only = 0
+        async_on = config.async_scheduling
+        if async_on is None:
+            async_on = self.runner.device.type == "cuda"
+        # Tensor-parallel ranks build their inputs from rank 0's host arrays: synchronous.
+        self._async = bool(async_on) and peers is None
+        self._in_flight: InFlightStep | None = None    # see in_flight.py
+        self._carried: dict[str, RequestState] = {}
         self._lock = threading.Lock()
         # Held for the whole of step(): two threads stepping at once would corrupt the scheduler
         # and overwrite each other's staging buffers mid-forward, so the second one raises.
@@ -217,6 +227,11 @@ class LLMEngine:
     def step(self, overlap: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Run one scheduler step; an output for every request that got tokens or finished.
 
+        Under asynchronous scheduling (``EngineConfig.async_scheduling``, see
+        :mod:`.in_flight`) the step launches the next batch and reports the tokens of the
+        batch the previous call launched: outputs arrive one call later, and a call may
+        return none while a step is in flight.
+
         ``overlap``: called exactly once during the step, once its device work is enqueued
         and before the host waits for the sampled tokens (at the end, for a step without
         device work): host work that then costs no step time. The server's engine process
@@ -253,58 +268,47 @@ class LLMEngine:
         with self._lock:
             adds, self._pending_adds = self._pending_adds, []
             aborts, self._pending_aborts = self._pending_aborts, []
-        touched: dict[str, RequestState] = {}
+        # Results of an in-flight step that a failed step took in, reported now.
+        touched, self._carried = self._carried, {}
+        aborted: list[str] = []
         for state in adds:
             self._states[state.request.request_id] = state
             self.scheduler.add_request(state.request)
             self._num_structured += state.request.params.structured_outputs is not None
+            self._num_sync_only += _needs_sync(state.request)
         for request_id in aborts:
             if self.scheduler.abort_request(request_id) is not None:
                 touched[request_id] = self._states[request_id]
+                aborted.append(request_id)
 
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None:
+            prev.where = self.scheduler.advance_in_flight(prev.out)
         out = self.scheduler.schedule()
         self.last_schedule = out
         if out.is_empty:
             for seq_id in out.released_seq_ids:
                 self.runner.release(seq_id)
+            if prev is not None:
+                self._finish_in_flight(prev, touched)
         else:
             try:
-                if self._num_structured:
-                    result = self.runner.execute(out, overlap, self.structured.start(out))
-                else:
-                    result = self.runner.execute(out, overlap)
+                self._run(out, prev, overlap, touched, start)
             except BaseException:
                 # Requeue the step's sequences and drop the prefix-cache entries it registered
                 # (their K/V were never written), so the engine stays usable. Requests aborted
                 # at this step's start are gone from the scheduler: retire them too (no output
-                # reports them), else their ids would stay live forever.
+                # reports them), else their ids would stay live forever. The in-flight step
+                # before it did finish: its tokens are taken and reported by the next step.
                 self.scheduler.rollback(out)
-                self._retire([r for r, state in touched.items() if state.request.is_finished])
+                if prev is not None:
+                    self._settle_after_failure(prev, touched)
+                gone = [r for r in aborted if touched[r].request.is_finished]
+                self._retire(gone)
+                for request_id in gone:
+                    touched.pop(request_id)
+                self._carried = touched
                 raise
-            for computed in self.runner.prompt_logprobs:
-                self._states[computed.request_id].add_prompt_logprobs(computed.start,
-                                                                      computed.entries)
-            sampled, logprobs = [], None
-            if result is not None:
-                ids, lps = result.token_ids, result.logprobs
-                logprobs = [] if lps is not None else None
-                at = 0
-                for k in out.num_samples:
-                    sampled.append(ids[at:at + k])
-                    if logprobs is not None:
-                        logprobs.append(lps[at:at + k] if k and lps[at] is not None else None)
-                    at += k
-            else:
-                sampled = [[] for _ in out.seqs]
-            grew = self.scheduler.update(out, sampled, logprobs)
-            for seq in grew:
-                if seq.request.params.structured_outputs is not None:
-                    self._advance_grammar(seq)
-                state = self._states[seq.request.request_id]
-                if self.output_processor.process(state, seq):
-                    self.scheduler.finish_sequence(seq, FinishReason.STOP)
-                touched[seq.request.request_id] = state
-            self._count(out, len(grew), start)
 
         outputs = []
         finished_ids = []
@@ -320,6 +324,110 @@ class LLMEngine:
         self._retire(finished_ids)
         self._maybe_log()
         return outputs
+
+    def _run(self, out: SchedulerOutput, prev: InFlightStep | None,
+             overlap: Callable[[], None], touched: dict[str, RequestState], start: float) -> None:
+        """Launch ``out``; finish ``prev`` (the in-flight step, if any) meanwhile; then either
+        keep ``out`` in flight or wait for its tokens and apply them (a synchronous step)."""
+        logits = self.runner.forward(out, prev.pending_rows() if prev else None,
+                                     prev.sample if prev else None)
+        masks = None
+        if self._num_structured:
+            # The grammars must see the previous tokens before this step's masks are filled;
+            # the masks then fill (on a worker) while the host handles those tokens' outputs.
+            grew = self._resolve_in_flight(prev) if prev is not None else None
+            if grew is not None:
+                self._advance_grammars(grew)
+            masks = self.structured.start(out)
+            if grew is not None:
+                self._after_tokens(prev, grew, touched, grammars=False)
+                prev = None
+        pending = self.runner.sample(out, logits, overlap, masks) if logits is not None else None
+        if prev is not None:    # while the device computes ``out``
+            self._after_tokens(prev, self._resolve_in_flight(prev), touched)
+        if pending is not None and self._may_stay_in_flight(out):
+            self._in_flight = InFlightStep(out, pending, start)
+            return
+        result = pending.read() if pending is not None else None
+        self.runner.read_prompt_logprobs()
+        for computed in self.runner.prompt_logprobs:
+            self._states[computed.request_id].add_prompt_logprobs(computed.start,
+                                                                  computed.entries)
+        sampled, logprobs = [], None
+        if result is not None:
+            ids, lps = result.token_ids, result.logprobs
+            logprobs = [] if lps is not None else None
+            at = 0
+            for k in out.num_samples:
+                sampled.append(ids[at:at + k])
+                if logprobs is not None:
+                    logprobs.append(lps[at:at + k] if k and lps[at] is not None else None)
+                at += k
+        else:
+            sampled = [[] for _ in out.seqs]
+        grew = self.scheduler.update(out, sampled, logprobs)
+        self._process_tokens(grew, touched, grammars=True)
+        self._count(out, len(grew), start)
+
+    def _may_stay_in_flight(self, out: SchedulerOutput) -> bool:
+        """Whether ``out``'s tokens may wait on the device for the next step: asynchronous
+        scheduling is on, and no sample forks and no request wants its prompt logprobs."""
+        if not self._async:
+            return False
+        if not self._num_sync_only:     # no live request forks or wants prompt logprobs
+            return True
+        return max(out.num_samples) <= 1 and not any(
+            seq.request.params.prompt_logprobs is not None for seq in out.seqs)
+
+    def _resolve_in_flight(self, step: InFlightStep) -> list:
+        """Wait for ``step``'s tokens and put them in place (see ``Scheduler.resolve_in_flight``);
+        returns the sequences that got one."""
+        result = step.sample.read()
+        step.read = True
+        return self.scheduler.resolve_in_flight(step.out, step.where, result.token_ids,
+                                                result.logprobs)
+
+    def _after_tokens(self, step: InFlightStep, grew: list, touched: dict[str, RequestState],
+                      grammars: bool = True) -> None:
+        """The in-flight ``step``'s tokens are in place: grammars (unless advanced already),
+        stop strings and text, statistics."""
+        self._process_tokens(grew, touched, grammars=grammars)
+        self._count(step.out, len(grew), step.start)
+
+    def _finish_in_flight(self, step: InFlightStep, touched: dict[str, RequestState]) -> None:
+        self._after_tokens(step, self._resolve_in_flight(step), touched)
+
+    def _process_tokens(self, grew: list, touched: dict[str, RequestState], *,
+                        grammars: bool) -> None:
+        """Per sequence that got a token: its grammar (``grammars``), stop strings and text."""
+        if grammars and self._num_structured:
+            self._advance_grammars(grew)
+        for seq in grew:
+            state = self._states[seq.request.request_id]
+            if self.output_processor.process(state, seq):
+                self.scheduler.finish_sequence(seq, FinishReason.STOP)
+            touched[seq.request.request_id] = state
+
+    def _settle_after_failure(self, step: InFlightStep, touched: dict[str, RequestState]) -> None:
+        """The step after ``step`` failed: take ``step``'s tokens if they can still be read,
+        else end its samples (reason "error"), whose placeholders no token will replace."""
+        try:
+            if not step.read:
+                self._finish_in_flight(step, touched)
+                return
+        except Exception:
+            logger.exception("the tokens of the step before the failed one are lost")
+        for seq, at in zip(step.out.seqs, step.where):
+            if at >= 0 and seq.token_ids[at] == PLACEHOLDER_TOKEN:
+                del seq.token_ids[at:]
+                self.scheduler.finish_sequence(seq, FinishReason.ERROR)
+                seq.finish_reason = FinishReason.ERROR
+                touched[seq.request.request_id] = self._states[seq.request.request_id]
+
+    def _advance_grammars(self, grew: list) -> None:
+        for seq in grew:
+            if seq.request.params.structured_outputs is not None:
+                self._advance_grammar(seq)
 
     def _advance_grammar(self, seq) -> None:
         """Feed the sample's new token to its grammar. The end-of-sequence token its complete
@@ -349,6 +457,7 @@ class LLMEngine:
         for request_id in finished_ids:
             state = self._states.pop(request_id)
             self.runner.sampler.release(request_id)
+            self._num_sync_only -= _needs_sync(state.request)
             if state.request.params.structured_outputs is not None:
                 self._num_structured -= 1
                 self.structured.release(request_id)
@@ -405,6 +514,12 @@ class LLMEngine:
         if now - self._last_log >= self.config.log_stats_interval_s:
             self._last_log = now
             logger.info("engine: %s", self.stats().summary())
+
+
+def _needs_sync(request: Request) -> bool:
+    """Some step of the request needs its tokens on the host at once: to fork its samples, or
+    to read the prompt logprobs the step computed."""
+    return request.n > 1 or request.params.prompt_logprobs is not None
 
 
 __all__ = ["LLMEngine", "TINY_MODEL", "load_model_and_tokenizer"]

@@ -33,7 +33,7 @@ from .cuda_graphs import DecodeGraphs
 from .input_batch import InputBuilder, dummy_inputs, table_width
 from .prompt_logprobs import (PendingPromptLogprobs, PromptLogprobs, PromptRows,
                               compute_prompt_logprobs, prompt_logprob_rows)
-from .sampler import SampleRow, Sampler
+from .sampler import PendingSample, SampleRow, Sampler
 from .sampling_params import SamplingParams
 from .step_message import StepMessage
 from .structured.bitmask import TokenMasks
@@ -233,6 +233,24 @@ class ModelRunner:
         is enqueued, only if some row has them). The prompt logprobs the step computed are
         in :attr:`prompt_logprobs` afterwards (empty when no request asked).
         """
+        logits = self.forward(out)
+        if logits is None:
+            self.read_prompt_logprobs()
+            return None
+        sampled = self.sample(out, logits, overlap, masks).read()
+        self.read_prompt_logprobs()    # after the sampled tokens' sync: no extra wait
+        return sampled
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput, pending: dict[int, int] | None = None,
+                previous: PendingSample | None = None) -> torch.Tensor | None:
+        """Enqueue a step's forward: float32 logits ``[sum(out.num_samples), vocab_size]`` of
+        its sample rows, or None when none samples (no host sync either way).
+
+        ``pending`` / ``previous`` (asynchronous scheduling): ``seq_id -> row`` of
+        ``previous.token_ids`` for the sequences whose input token the previous step sampled
+        and the host does not know yet; those inputs are copied on the device.
+        """
         self.prompt_logprobs = []
         self._prompt_device = None
         for seq_id in out.released_seq_ids:
@@ -241,7 +259,10 @@ class ModelRunner:
         bucket = None
         if self.graphs is not None and out.decode_only:
             bucket = self.graphs.bucket_for(n)
-        step = self.inputs.build(out, pad_to=bucket)
+        step = self.inputs.build(out, pad_to=bucket, pending=pending)
+        if step.fill is not None:
+            assert previous is not None and self.peers is None, "a fill needs the sampled ids"
+            step.fill.apply(step.input_ids, previous.token_ids)
         if self.peers is not None:
             self.peers.send(StepMessage(
                 self.inputs.host_arrays(step), num_seqs=n, table_width=step.block_tables.shape[1],
@@ -250,14 +271,17 @@ class ModelRunner:
                 block_copies=list(out.block_copies)))
         wanted = prompt_logprob_rows(out)
         try:
-            logits = self._forward(step, n, out.decode_only, bucket, out.block_copies, wanted)
+            return self._forward(step, n, out.decode_only, bucket, out.block_copies, wanted)
         except Exception as exc:
             if self.peers is not None:
                 self.peers.check_after_failure(exc)   # raises naming a dead rank, if one is
             raise
-        if logits is None:
-            self._read_prompt_logprobs()
-            return None
+
+    def sample(self, out: SchedulerOutput, logits: torch.Tensor,
+               overlap: Callable[[], None] | None = None,
+               masks: Callable[[], TokenMasks | None] | None = None) -> PendingSample:
+        """Enqueue the sampling of :meth:`forward`'s ``logits`` (arguments as :meth:`execute`);
+        the ids stay on the device until :meth:`PendingSample.read`."""
         params, seeds = [], []
         for seq, k in zip(out.seqs, out.num_samples):
             if not k:
@@ -268,10 +292,8 @@ class ModelRunner:
                 seeds.append(None if p.seed is None else
                              (seq.request.request_id, seq.index if k == 1 else j))
         # Made only if some row uses penalties or min_tokens.
-        sampled = self.sampler(logits, params, seeds, overlap, lambda: _sample_rows(out),
-                               masks)
-        self._read_prompt_logprobs()    # after the sampled tokens' sync: no extra wait
-        return sampled
+        return self.sampler.sample(logits, params, seeds, overlap, lambda: _sample_rows(out),
+                                   masks)
 
     @torch.inference_mode()
     def execute_message(self, message: StepMessage) -> None:
@@ -309,8 +331,9 @@ class ModelRunner:
             hidden = hidden.index_select(0, step.sample_rows)
         return self.model.compute_logits(hidden)
 
-    def _read_prompt_logprobs(self) -> None:
-        """The step's prompt logprobs, to the host, into :attr:`prompt_logprobs`."""
+    def read_prompt_logprobs(self) -> None:
+        """The latest step's prompt logprobs, to the host, into :attr:`prompt_logprobs`
+        (nothing when it computed none)."""
         if self._prompt_device is not None:
             self.prompt_logprobs = self._prompt_device.read()
             self._prompt_device = None

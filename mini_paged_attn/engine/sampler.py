@@ -53,6 +53,25 @@ class SamplerOutput:
     logprobs: list[tuple[float, dict[int, float]] | None] | None = None
 
 
+@dataclass
+class PendingSample:
+    """Sampled ids still on the device: ``token_ids`` int64 ``[num_rows]`` (and the float32
+    log-softmax ``[num_rows, vocab_size]`` when some row asked for logprobs). :meth:`read`
+    waits for them."""
+
+    token_ids: torch.Tensor
+    raw_logprobs: torch.Tensor | None
+    want_logprobs: list[int | None]
+
+    def read(self) -> SamplerOutput:
+        """The sampled ids (and logprobs) on the host: the one host sync of a step."""
+        ids = self.token_ids.tolist()
+        if self.raw_logprobs is None:
+            return SamplerOutput(ids)
+        return SamplerOutput(ids, _logprobs(self.raw_logprobs, self.token_ids,
+                                            self.want_logprobs))
+
+
 class Sampler:
     """Samples one token per logits row. Holds one torch.Generator per sample of each seeded
     request (keyed by request id and sample index, so a forked sample keeps its stream)."""
@@ -85,7 +104,7 @@ class Sampler:
                  overlap: Callable[[], None] | None = None,
                  rows: Callable[[], list[SampleRow]] | None = None,
                  masks: Callable[[], TokenMasks | None] | None = None) -> SamplerOutput:
-        """Sample one token per row.
+        """Sample one token per row: :meth:`sample`, then wait for the ids.
 
         Args:
             logits: float32 ``[num_rows, vocab_size]`` on the device (modified in place).
@@ -102,6 +121,17 @@ class Sampler:
         Returns:
             :class:`SamplerOutput` (one host sync: the sampled ids).
         """
+        return self.sample(logits, params, seeds, overlap, rows, masks).read()
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               seeds: list[tuple[int, int] | None],
+               overlap: Callable[[], None] | None = None,
+               rows: Callable[[], list[SampleRow]] | None = None,
+               masks: Callable[[], TokenMasks | None] | None = None) -> PendingSample:
+        """Enqueue the sampling of one token per row and return without waiting for it
+        (arguments as :meth:`__call__`). The ids stay on the device until
+        :meth:`PendingSample.read`; the next step may use them as inputs before that."""
         want_logprobs = [p.logprobs for p in params]
         raw_logprobs = None
         if any(k is not None for k in want_logprobs):
@@ -117,17 +147,13 @@ class Sampler:
             sampled = logits.argmax(dim=-1)
         else:
             sampled = self._sample(logits, params, seeds, greedy)
-
         if overlap is not None:
             overlap()
         if counted is not None:
             # After overlap: a step that raises there is rolled back, its tokens never counted.
             history_rows, at = counted
             self.history.record(history_rows, sampled if at is None else sampled[at])
-        token_ids = sampled.tolist()
-        if raw_logprobs is None:
-            return SamplerOutput(token_ids)
-        return SamplerOutput(token_ids, self._logprobs(raw_logprobs, sampled, want_logprobs))
+        return PendingSample(sampled, raw_logprobs, want_logprobs)
 
     def _process(self, logits: torch.Tensor, params: list[SamplingParams],
                  rows: Callable[[], list[SampleRow]] | None,
@@ -244,24 +270,25 @@ class Sampler:
             threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
             probs.masked_fill_(probs < threshold, 0.0)
 
-    @staticmethod
-    def _logprobs(raw: torch.Tensor, sampled: torch.Tensor,
-                  want: list[int | None]) -> list[tuple[float, dict[int, float]] | None]:
-        chosen = raw.gather(1, sampled[:, None])[:, 0].tolist()
-        k = max(v for v in want if v is not None)
-        top_values, top_ids = (raw.topk(k, dim=-1) if k > 0 else (None, None))
-        top_values = top_values.tolist() if k > 0 else None
-        top_ids = top_ids.tolist() if k > 0 else None
-        ids = sampled.tolist()
-        out: list[tuple[float, dict[int, float]] | None] = []
-        for i, w in enumerate(want):
-            if w is None:
-                out.append(None)
-                continue
-            entry = {top_ids[i][j]: top_values[i][j] for j in range(w)} if w else {}
-            entry[ids[i]] = chosen[i]
-            out.append((chosen[i], entry))
-        return out
+def _logprobs(raw: torch.Tensor, sampled: torch.Tensor,
+              want: list[int | None]) -> list[tuple[float, dict[int, float]] | None]:
+    """Per row (``SamplerOutput.logprobs``), from the float32 log-softmax ``raw``
+    ``[num_rows, vocab_size]`` and the int64 ids ``sampled`` ``[num_rows]``."""
+    chosen = raw.gather(1, sampled[:, None])[:, 0].tolist()
+    k = max(v for v in want if v is not None)
+    top_values, top_ids = (raw.topk(k, dim=-1) if k > 0 else (None, None))
+    top_values = top_values.tolist() if k > 0 else None
+    top_ids = top_ids.tolist() if k > 0 else None
+    ids = sampled.tolist()
+    out: list[tuple[float, dict[int, float]] | None] = []
+    for i, w in enumerate(want):
+        if w is None:
+            out.append(None)
+            continue
+        entry = {top_ids[i][j]: top_values[i][j] for j in range(w)} if w else {}
+        entry[ids[i]] = chosen[i]
+        out.append((chosen[i], entry))
+    return out
 
 
-__all__ = ["SampleRow", "Sampler", "SamplerOutput"]
+__all__ = ["PendingSample", "SampleRow", "Sampler", "SamplerOutput"]

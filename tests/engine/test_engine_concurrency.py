@@ -230,14 +230,14 @@ def test_two_threads_stepping_is_refused(case):
     model_dir, prompts, _ = case
     engine = make_engine(model_dir)
     inside, release = threading.Event(), threading.Event()
-    execute = engine.runner.execute
+    forward = engine.runner.forward
 
-    def slow_execute(out, overlap=None):
+    def slow_forward(out, *args):
         inside.set()
         assert release.wait(30)
-        return execute(out, overlap)
+        return forward(out, *args)
 
-    engine.runner.execute = slow_execute
+    engine.runner.forward = slow_forward
     engine.add_request(prompts[1], GREEDY, request_id="a")
     thread = threading.Thread(target=engine.step)
     thread.start()
@@ -248,7 +248,7 @@ def test_two_threads_stepping_is_refused(case):
     finally:
         release.set()
         thread.join(30)
-    engine.runner.execute = execute
+    engine.runner.forward = forward
     while engine.has_unfinished_requests():
         engine.step()
     assert_pool_whole(engine)

@@ -114,28 +114,28 @@ def test_a_failed_step_leaves_the_engine_usable_and_the_prefix_cache_clean(arch_
     model_dir, prompts, expected = arch_case
     engine = make_engine(model_dir)
     llm = LLM.from_engine(engine)
-    execute = engine.runner.execute
+    forward = engine.runner.forward
     calls = []
 
-    def fail_on_the_first_step(out, overlap=None):
+    def fail_on_the_first_step(out, *args):
         calls.append(out)
         if len(calls) == 1:
             raise KeyboardInterrupt
-        return execute(out, overlap)
+        return forward(out, *args)
 
-    engine.runner.execute = fail_on_the_first_step
+    engine.runner.forward = fail_on_the_first_step
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, GREEDY, use_tqdm=False)
     # Every prompt was in the failed step, the last two hitting blocks the third registered.
     assert calls[0].num_seqs == len(prompts)
     assert calls[0].num_prefill_tokens < sum(map(len, prompts))
-    engine.runner.execute = execute
+    engine.runner.forward = forward
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] \
         == expected
     # The engine also survives a failed step mid-generation (some requests decoding).
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     engine.step()
-    engine.runner.execute = fail_on_the_first_step
+    engine.runner.forward = fail_on_the_first_step
     calls.clear()
     with pytest.raises(KeyboardInterrupt):
         engine.step()
@@ -147,21 +147,21 @@ def test_a_failed_step_leaves_the_engine_usable_and_the_prefix_cache_clean(arch_
 
 
 def test_steps_failing_before_the_runner_releases_anything_leak_nothing(tiny_model_factory):
-    """Steps that fail at the very start of ``execute`` (before it drops the state of the
+    """Steps that fail at the very start of the forward (before it drops the state of the
     sequences that finished since the last step), more often than there are batch rows: the
     engine still serves every request and ends with a whole pool."""
     engine = make_engine(tiny_model_factory("llama"), max_num_seqs=2)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    execute = engine.runner.execute
+    forward = engine.runner.forward
     failures = []
 
-    def fail_when_something_was_released(out, overlap=None):
+    def fail_when_something_was_released(out, *args):
         if out.released_seq_ids and len(failures) < 6:
             failures.append(list(out.released_seq_ids))
             raise RuntimeError("device lost")
-        return execute(out, overlap)
+        return forward(out, *args)
 
-    engine.runner.execute = fail_when_something_was_released
+    engine.runner.forward = fail_when_something_was_released
     ids = [engine.add_request([5 + i, 6, 7], params) for i in range(8)]
     finished = {}
     for _ in range(200):
@@ -196,17 +196,17 @@ def test_a_request_aborted_in_a_failed_step_is_retired(tiny_llm):
     aborted = engine.add_request("aborted", params, request_id="aborted")
     engine.step()
     assert engine.abort_request(aborted)
-    execute = engine.runner.execute
+    forward = engine.runner.forward
 
-    def fail(out, overlap=None):
+    def fail(out, *args):
         raise RuntimeError("device lost")
 
-    engine.runner.execute = fail
+    engine.runner.forward = fail
     try:
         with pytest.raises(RuntimeError, match="device lost"):
             engine.step()
     finally:
-        engine.runner.execute = execute
+        engine.runner.forward = forward
     finished = {}
     for _ in range(20):
         if not engine.has_unfinished_requests():

@@ -85,13 +85,13 @@ def _failing_engine(model: str, llm_kwargs: dict, prefix: str, fail) -> Any:
     from mini_paged_attn.engine import LLM
 
     engine = LLM(model, **llm_kwargs).engine
-    execute = engine.runner.execute
+    forward = engine.runner.forward
 
-    def execute_or_fail(out, overlap=None):
+    def forward_or_fail(out, *args):
         if any(seq.request.request_id.startswith(prefix) for seq in out.seqs):
             fail()
-        return execute(out, overlap)
-    engine.runner.execute = execute_or_fail
+        return forward(out, *args)
+    engine.runner.forward = forward_or_fail
     return engine
 
 

@@ -94,7 +94,9 @@ class StructuredOutputs:
         at = 0
         for seq, k in zip(out.seqs, out.num_samples):
             request = seq.request
-            if k and request.params.structured_outputs is not None:
+            # A sample that ended since it was scheduled (asynchronous scheduling) gets no
+            # mask: its token is dropped, and its matcher may be gone.
+            if k and request.params.structured_outputs is not None and not seq.is_finished:
                 for j in range(k):
                     rows.append(at + j)
                     matchers.append(self._matcher(request, seq.index if k == 1 else j))
