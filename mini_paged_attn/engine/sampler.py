@@ -53,23 +53,62 @@ class SamplerOutput:
     logprobs: list[tuple[float, dict[int, float]] | None] | None = None
 
 
-@dataclass
 class PendingSample:
-    """Sampled ids still on the device: ``token_ids`` int64 ``[num_rows]`` (and the float32
-    log-softmax ``[num_rows, vocab_size]`` when some row asked for logprobs). :meth:`read`
-    waits for them."""
+    """Sampled ids still on the device, and their copy to the host under way.
 
-    token_ids: torch.Tensor
-    raw_logprobs: torch.Tensor | None
-    want_logprobs: list[int | None]
+    ``token_ids``: int64 ``[num_rows]`` on the device (the next step's inputs may read them
+    there). At construction, right behind the sampling in the stream, the ids (and, when some
+    row asked, each row's logprob and top-k) start copying to pinned host memory and an event
+    is recorded: :meth:`read` waits for that event only, not for work enqueued after it (a
+    plain ``tolist()`` would also wait for the next step's forward).
+
+    Args:
+        token_ids: int64 ``[num_rows]``, the sampled ids.
+        raw_logprobs: float32 ``[num_rows, vocab_size]`` log-softmax, or None when no row
+            asked for logprobs.
+        want_logprobs: per row, the top-k it asked for (None: no logprobs).
+    """
+
+    def __init__(self, token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
+                 want_logprobs: list[int | None]) -> None:
+        self.token_ids = token_ids
+        self.want_logprobs = want_logprobs
+        device = token_ids.device
+        pending = [token_ids]
+        if raw_logprobs is not None:
+            pending.append(raw_logprobs.gather(1, token_ids[:, None])[:, 0])
+            k = max(v for v in want_logprobs if v is not None)
+            if k > 0:
+                pending.extend(raw_logprobs.topk(k, dim=-1))
+        self._event = None
+        if device.type == "cuda":
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in pending]
+            for h, t in zip(host, pending):
+                h.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            pending = host
+        self._host = pending
 
     def read(self) -> SamplerOutput:
-        """The sampled ids (and logprobs) on the host: the one host sync of a step."""
-        ids = self.token_ids.tolist()
-        if self.raw_logprobs is None:
+        """The sampled ids (and logprobs) on the host: waits for this step's copy only."""
+        if self._event is not None:
+            self._event.synchronize()
+        ids = self._host[0].tolist()
+        if len(self._host) == 1:
             return SamplerOutput(ids)
-        return SamplerOutput(ids, _logprobs(self.raw_logprobs, self.token_ids,
-                                            self.want_logprobs))
+        chosen = self._host[1].tolist()
+        top_values, top_ids = ((self._host[2].tolist(), self._host[3].tolist())
+                               if len(self._host) == 4 else (None, None))
+        logprobs: list[tuple[float, dict[int, float]] | None] = []
+        for i, w in enumerate(self.want_logprobs):
+            if w is None:
+                logprobs.append(None)
+                continue
+            entry = {top_ids[i][j]: top_values[i][j] for j in range(w)} if w else {}
+            entry[ids[i]] = chosen[i]
+            logprobs.append((chosen[i], entry))
+        return SamplerOutput(ids, logprobs)
 
 
 class Sampler:
@@ -269,26 +308,5 @@ class Sampler:
             min_p = _upload([p.min_p for p in params], torch.float32, device)
             threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
             probs.masked_fill_(probs < threshold, 0.0)
-
-def _logprobs(raw: torch.Tensor, sampled: torch.Tensor,
-              want: list[int | None]) -> list[tuple[float, dict[int, float]] | None]:
-    """Per row (``SamplerOutput.logprobs``), from the float32 log-softmax ``raw``
-    ``[num_rows, vocab_size]`` and the int64 ids ``sampled`` ``[num_rows]``."""
-    chosen = raw.gather(1, sampled[:, None])[:, 0].tolist()
-    k = max(v for v in want if v is not None)
-    top_values, top_ids = (raw.topk(k, dim=-1) if k > 0 else (None, None))
-    top_values = top_values.tolist() if k > 0 else None
-    top_ids = top_ids.tolist() if k > 0 else None
-    ids = sampled.tolist()
-    out: list[tuple[float, dict[int, float]] | None] = []
-    for i, w in enumerate(want):
-        if w is None:
-            out.append(None)
-            continue
-        entry = {top_ids[i][j]: top_values[i][j] for j in range(w)} if w else {}
-        entry[ids[i]] = chosen[i]
-        out.append((chosen[i], entry))
-    return out
-
 
 __all__ = ["PendingSample", "SampleRow", "Sampler", "SamplerOutput"]

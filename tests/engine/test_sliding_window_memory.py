@@ -77,7 +77,12 @@ def test_many_windows_on_a_small_pool_match_a_run_that_keeps_every_block(windowe
     # 6 blocks of 4 hold 24 tokens: less than any prompt. A sequence needs 3 (one window).
     pool = 6
     assert window_blocks(WINDOW, BLOCK) == 3 and WINDOW < 24
-    small = make(windowed_tiny, window=True, num_kv_blocks=pool, max_num_batched_tokens=16)
+    # Synchronous steps: between two of them a sequence holds exactly its window (with a step
+    # in flight it also holds that step's new blocks); the asynchronous run must agree.
+    small = make(windowed_tiny, window=True, num_kv_blocks=pool, max_num_batched_tokens=16,
+                 async_scheduling=False)
+    assert run(make(windowed_tiny, window=True, num_kv_blocks=pool, max_num_batched_tokens=16,
+                    async_scheduling=True), prompts, max_tokens) == expected
     most = []
 
     def watch(engine):
