@@ -102,14 +102,18 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile each shape too")
     args = parser.parse_args()
     from mini_paged_attn.ops import dispatch, paged_decode
+    from mini_paged_attn.ops.decode import workspace_size
     with fake_cuda_launches():
         print(f"{'shape':>10} {'variant':>22} {'runs':>16} {'us/call':>8}")
         for num_seqs, ctx in SHAPES:
             inputs = decode_inputs(num_seqs, ctx)
             out = torch.empty_like(inputs[0])
+            ws = torch.empty(workspace_size(num_seqs, H_Q, D), dtype=torch.float32)
             variants = {
                 "plain": lambda: paged_decode(*inputs, backend="triton"),
                 "out=": lambda: paged_decode(*inputs, backend="triton", out=out),
+                "out= workspace=": lambda: paged_decode(*inputs, backend="triton", out=out,
+                                                        workspace=ws),
             }
             for name, fn in variants.items():
                 dispatch._DECODE_RUNS.clear()

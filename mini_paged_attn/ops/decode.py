@@ -296,9 +296,11 @@ def _constexprs(plan: DecodePlan) -> dict:
         BLOCK_N=plan.tiles.block_n, BLOCK_SIZE=plan.block_size,
         DOT_PRECISION="ieee" if plan.dtype == torch.float32 else "tf32",
         FP16_DOTS=plan.fp16_dots,
-        FUSED_MERGE=plan.fused_merge, MERGE_ROWS=merge_rows(plan.group_size),
+        FUSED_MERGE=plan.fused_merge,
+        # Fixed when unused, so the other launches compile no variant per split count.
+        MERGE_ROWS=merge_rows(plan.group_size) if plan.fused_merge else 2,
         MERGE_CHUNK=merge_chunk(plan.group_size, plan.head_size_padded, plan.num_splits,
-                                plan.tiles.num_warps),
+                                plan.tiles.num_warps) if plan.fused_merge else 1,
         num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
     )
 

@@ -126,8 +126,8 @@ class LaunchCache:
     """A bounded map from an op call's key to what it prepared (emptied when full).
 
     Entries hold kernels, sizes and the runs' own scratch (:class:`StreamScratch`), never
-    tensors of a call. Thread-safe for the use
-    here: a lost or doubled entry costs one slow call.
+    tensors of a call. Thread-safe for the use here: a lost or doubled entry costs one slow
+    call.
 
     Args:
         max_entries: entries kept before the map is emptied.
