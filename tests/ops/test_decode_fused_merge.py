@@ -44,10 +44,12 @@ def _fused(batch, num_splits, counters, *, with_lse=True, **kwargs):
 CASES = [
     pytest.param(4, 4, 32, 16, [1, 15, 16, 17, 40], torch.float16, 2, id="mha-bs16-s2"),
     pytest.param(8, 2, 32, 4, [1, 3, 4, 5, 33], torch.float32, 3, id="gqa4-bs4-s3"),
-    # Group 5 pads to 8 merge rows; head 128: 4 splits a chunk, so 8 splits take 2 chunks,
-    # and at 128 tokens (8 tiles of 16) every split has work: the second chunk's max often
-    # exceeds the first's, which the online merge must rescale.
-    pytest.param(10, 2, 128, 8, [7, 9, 70, 128], torch.float32, 8, id="gqa5-d128-s8"),
+    # Group 5 pads to 8 merge rows.
+    pytest.param(10, 2, 128, 8, [7, 9, 70, 128], torch.float32, 7, id="gqa5-d128-s7"),
+    # 16 rows x 256 dims: 2 splits a chunk, so 8 splits take 4 chunks, and at 128 tokens
+    # (8 tiles of 16) every split has work: a later chunk's max often exceeds the earlier
+    # ones', which the online merge must rescale.
+    pytest.param(16, 1, 256, 16, [5, 128], torch.float32, 8, id="mqa16-d256-s8-chunks"),
     pytest.param(8, 1, 64, 32, [1, 31, 32, 33, 100], torch.float16, 6, id="mqa8-bs32-s6"),
     pytest.param(6, 3, 48, 16, [1, 15, 17, 64], torch.float16, 5, id="gqa2-d48-s5"),
 ]
@@ -165,9 +167,10 @@ def test_plan_and_merge_tiles():
     assert not explain.plan_decode(256, 32, 8, 128, 4096, 16, torch.bfloat16, 132,
                                    fused_merge=True).fused_merge
     assert merge_rows(1) == 2 and merge_rows(4) == 4 and merge_rows(5) == 8
-    # rows x chunk x head values within 32 a thread (4 warps: 4096), capped by the splits
-    assert merge_chunk(4, 128, 32, 4) == 8 and merge_chunk(8, 256, 32, 4) == 2
+    # rows x chunk x head values within 64 a thread (4 warps: 8192), capped by the splits
+    assert merge_chunk(4, 128, 32, 4) == 16 and merge_chunk(8, 256, 32, 4) == 4
     assert merge_chunk(1, 64, 3, 4) == 4 and merge_chunk(16, 256, 64, 1) == 1
+    assert merge_chunk(16, 256, 8, 4) == 2 and merge_chunk(1, 128, 100, 4) == 32
 
 
 # ---- GPU: programs race for real ------------------------------------------------------------
