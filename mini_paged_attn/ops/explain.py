@@ -4,8 +4,8 @@
 One program of the decode kernel serves one (sequence, KV head, split): all ``group_size``
 query heads of that KV head, so each K/V tile is read once per group. When ``num_seqs x
 num_kv_heads`` programs cannot fill the GPU, each sequence's KV is split into ``num_splits``
-chunks ("flash decoding"); a second kernel merges the chunks' partial results by their
-log-sum-exp. The number of splits comes from FlashAttention's heuristic (seed 003), fed with
+chunks ("flash decoding"); their partial results are merged by their log-sum-exp, in a
+second kernel or by each group's last split inside the decode kernel (:data:`FUSED_MERGE`). The number of splits comes from FlashAttention's heuristic (seed 003), fed with
 this kernel's own figures: its KV tile (``block_n``) and how many of its programs fit on one SM.
 
 Planning reads nothing from the device but its SM count, so a launch needs no host sync: the
@@ -279,9 +279,10 @@ def explain_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size
 
     ``device``: the CUDA device whose SM count to plan for; None uses the current CUDA device
     if there is one, else assumes an H100's 132 SMs. ``window_size``: the layer's sliding
-    window (as ``paged_decode``'s); a left window plans for the tiles it can touch. Returns a
+    window (as ``paged_decode``'s); a left window plans for the tiles it can touch. The plan
+    is that of a call without a workspace (its merge as :data:`FUSED_MERGE` says). Returns a
     :class:`DecodePlan`; print it for a short explanation. ``paged_decode(..., explain=True)``
-    logs the same plan.
+    logs the plan of the call itself.
     """
     num_seqs = positive_int("num_seqs", num_seqs)
     num_q_heads = positive_int("num_q_heads", num_q_heads)
