@@ -2,8 +2,9 @@
 their log-sum-exp (the online-softmax merge), in one of two places.
 
 - A second, tiny launch (:func:`prepare_merge`): one program per (sequence, query head), with
-  its own launch options. Under CUDA graphs only GPU time counts, and there it measured faster
-  at batch 1 than merging inside the decode kernel.
+  its own launch options. Under CUDA graphs only GPU time counts, and there an earlier merge
+  inside the decode kernel measured 3-5 us slower at batch 1 (docs/performance-notes.md);
+  ``benchmarks/experiments/fused_merge_ab.py`` times this one against it.
 - Inside the decode kernel (:func:`merge_group_splits`, ``FUSED_MERGE``): the program that
   finishes a (sequence, KV head) last merges that group's query heads. One launch instead of
   two saves the host the second launch (eager calls are host-bound at small batches).

@@ -41,9 +41,10 @@ FUSED_MERGE = True
 the decode kernel (one launch; the last program of each sequence and KV head merges, see
 :mod:`.decode_kernel`) rather than in a second kernel. Such calls are eager loops at small
 batches, host-bound: a launch less is ~4 us less host time. Calls with a workspace, what
-CUDA-graph capture takes (the engine's decode steps), keep the separate merge kernel, which
-measured faster on the GPU at batch 1, whether eager or captured: the warm-up call before a
-capture then compiles what the capture launches."""
+CUDA-graph capture takes (the engine's decode steps), keep the separate merge kernel, whether
+eager or captured: the warm-up call before a capture then compiles what the capture launches,
+and graphs keep the merge that measured faster on the GPU at batch 1 (see
+:mod:`.decode_merge`)."""
 
 MAX_SPLITS = 128
 """The most KV splits of one sequence (FlashAttention's cap, too)."""
