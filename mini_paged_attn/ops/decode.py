@@ -12,22 +12,31 @@ sequence's last tile load nothing and write 0 with lse ``-inf`` (weight 0 in the
 grid is fixed by the launch arguments alone (CUDA-graph friendly) and nothing is read
 uninitialised. ``num_splits == 1`` is one launch writing ``out`` directly: a sequence's result
 then depends only on its own data (batch-invariant, deterministic).
+
+A fused merge (``fused_merge``, :data:`~.explain.FUSED_MERGE`) makes a split call one launch:
+the decode kernel's last program of each (sequence, KV head) merges, counting finished splits
+in int32 counters that start at 0 and are left at 0. The counters never live in a caller's
+workspace (one made with ``torch.empty`` would hold garbage): an eager run keeps them in its
+own zeroed scratch (:class:`~.launch.StreamScratch`), which also holds the partials of calls
+without a workspace. Either way the merge reads the splits in the same order, so results are
+deterministic.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import operator
 from dataclasses import dataclass
 
 import torch
 
 from .checks import PagedShapes
 from .decode_kernel import _paged_decode_kernel
-from .decode_merge import prepare_merge
+from .decode_merge import merge_chunk, merge_rows, prepare_merge
 from .explain import MAX_SPLITS, DecodePlan, DecodeTiles, num_sms_of, plan_decode
 from .kv_quant import scale_pointers, scale_stride
-from .launch import PreparedLaunch
+from .launch import ALIGNMENT, PreparedLaunch, StreamScratch
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +81,23 @@ def _workspace_splits(workspace: torch.Tensor, shapes: PagedShapes,
 @dataclass(frozen=True)
 class DecodeRun:
     """The prepared launches of one paged decode call shape (see :mod:`.launch`): the decode
-    kernel and, when the plan splits, the merge kernel, with where the split partials sit in
-    the float32 workspace."""
+    kernel and, when the plan splits without a fused merge, the merge kernel, with where the
+    split partials sit in the float32 workspace.
+
+    Split calls need ``scratch_numel`` float32 elements besides a caller's workspace: the
+    partials when there is no workspace (at the front), then a fused merge's int32 counters
+    (at ``counters_offset``, zero before and after each launch). An eager run keeps them in
+    ``scratch``, one buffer per stream; a run made under CUDA-graph capture (``scratch``
+    None) allocates them per call, from the graph's pool, which the graph keeps.
+    """
 
     decode: PreparedLaunch
     merge: PreparedLaunch | None
     workspace_numel: int      # float32 elements of the split partials (0 when unsplit)
     lse_offset: int           # element offset of the partial lse in the workspace
+    scratch: StreamScratch | None = None
+    counters_offset: int | None = None     # None: no fused merge
+    scratch_numel: int = 0
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
@@ -87,20 +106,51 @@ class DecodeRun:
                  sinks: torch.Tensor | None = None) -> bool:
         """Launch for tensors of the prepared shapes; False (nothing launched) if a pointer's
         alignment differs from the prepared one."""
-        lse_arg = lse if lse is not None else out
-        k_arg, v_arg = scale_pointers(key_cache, k_scale, v_scale)
-        sinks_arg = sinks if sinks is not None else query
-        if self.merge is None:
-            return self.decode((query, key_cache, value_cache, k_arg, v_arg, block_tables,
-                                context_lens, out, lse_arg, sinks_arg))
-        if workspace is None:
-            workspace = torch.empty(self.workspace_numel, dtype=torch.float32,
-                                    device=query.device)
-        part_out = workspace.data_ptr()
+        q, kc = query.data_ptr(), key_cache.data_ptr()
+        o, ctx = out.data_ptr(), context_lens.data_ptr()
+        lse_p = o if lse is None else lse.data_ptr()
+        head = (q, kc, value_cache.data_ptr(),
+                kc if k_scale is None else k_scale.data_ptr(),
+                kc if v_scale is None else v_scale.data_ptr(),
+                block_tables.data_ptr(), ctx)
+        sinks_p = q if sinks is None else sinks.data_ptr()
+        decode = self.decode
+        stream = decode.stream()
+        if self.merge is None and self.counters_offset is None:        # unsplit
+            return _launch(decode, head + (o, lse_p, sinks_p, o, lse_p, ctx), stream)
+        held, base = None, 0     # memory allocated here, alive until the launches are queued
+        if self.scratch is not None:
+            base = self.scratch.pointer(stream)
+        elif self.scratch_numel:
+            held = _call_scratch(self.scratch_numel, self.counters_offset, query.device)
+            base = held.data_ptr()
+        part_out = workspace.data_ptr() if workspace is not None else base
         part_lse = part_out + 4 * self.lse_offset
-        return (self.decode((query, key_cache, value_cache, k_arg, v_arg, block_tables,
-                             context_lens, part_out, part_lse, sinks_arg))
-                and self.merge((part_out, part_lse, out, lse_arg)))
+        if self.counters_offset is not None:                             # fused merge
+            counters = base + 4 * self.counters_offset
+            return _launch(decode, head + (part_out, part_lse, sinks_p, o, lse_p, counters),
+                           stream)
+        return (_launch(decode, head + (part_out, part_lse, sinks_p, o, lse_p, ctx), stream)
+                and _launch(self.merge, (part_out, part_lse, o, lse_p), stream))
+
+
+def _call_scratch(numel: int, counters_offset: int | None,
+                  device: torch.device) -> torch.Tensor:
+    """One call's float32 scratch of ``numel`` elements, its counters (from
+    ``counters_offset``, int32) zeroed."""
+    scratch = torch.empty(numel, dtype=torch.float32, device=device)
+    if counters_offset is not None:
+        scratch[counters_offset:].view(torch.int32).zero_()
+    return scratch
+
+
+def _launch(launch: PreparedLaunch, ptrs: tuple[int, ...], stream: int) -> bool:
+    """Launch with raw pointers; False (nothing launched) if their 16-byte alignment differs
+    from the prepared launch's. The common case, all aligned, is one OR over the pointers."""
+    if launch.all_aligned and not functools.reduce(operator.or_, ptrs) % ALIGNMENT:
+        launch.launch_pointers(ptrs, stream)
+        return True
+    return launch(ptrs)
 
 
 def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -111,7 +161,9 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
                         k_scale: torch.Tensor | None = None,
                         v_scale: torch.Tensor | None = None,
                         window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                        sinks: torch.Tensor | None = None) -> DecodeRun | None:
+                        sinks: torch.Tensor | None = None, fused_merge: bool = False,
+                        counters: torch.Tensor | None = None,
+                        keep_scratch: bool = False) -> DecodeRun | None:
     """Launch paged decode; arguments as :func:`~mini_paged_attn.ops.paged_decode`, validated.
 
     Writes ``out`` ``[num_seqs, num_q_heads, head_size]`` (query dtype) and, if given, ``lse``
@@ -122,6 +174,15 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     ``window_size`` (checked pair), ``softcap`` (float >= 0), ``sinks`` (None or float32
     ``[num_q_heads]``): see :mod:`.variants`; a left window plans the splits for the window's
     tiles only.
+
+    ``fused_merge``: a split launch merges inside the decode kernel (one launch, see
+    :mod:`.decode_kernel`); its tickets are taken from ``counters``, int32, contiguous, at
+    least ``num_seqs * num_kv_heads`` elements, all 0 (the launch leaves them 0, so one buffer
+    serves every call on one stream), or None: zeroed counters next to the partials.
+    ``keep_scratch`` (not under CUDA-graph capture): the partials of a call without a
+    workspace and the counters live in buffers the returned run keeps, one per stream (see
+    :class:`~.launch.StreamScratch`), so its repeats allocate nothing; else each call
+    allocates them.
 
     Returns:
         The launches as a :class:`DecodeRun` that repeats them for other tensors of the same
@@ -137,12 +198,14 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
                                   num_splits)
             raise ValueError(f"workspace: expected room for num_splits={num_splits} ({need} "
                              f"float32 elements), got {workspace.numel()}")
+    if counters is not None:
+        _check_counters(counters, shapes, device)
     plan = plan_decode(shapes.num_seqs, shapes.num_q_heads, shapes.num_kv_heads,
                        shapes.head_size, shapes.max_blocks_per_seq * shapes.block_size,
                        shapes.block_size, query.dtype, num_sms_of(device), num_splits,
                        max(1, min(max_splits, MAX_SPLITS)), device.type == "cuda", tiles,
                        kv_dtype=None if key_cache.dtype == query.dtype else key_cache.dtype,
-                       window_left=window_size[0])
+                       window_left=window_size[0], fused_merge=fused_merge)
     if explain:
         logger.info("%s", plan)
     if shapes.num_seqs == 0:
@@ -162,35 +225,66 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     lse_arg = lse if lse is not None else out  # never written when lse is None
     lse_seq, lse_head = lse.stride() if lse is not None else (0, 0)
     os_ = out.stride()
+    # The final output's strides, for a fused merge (the unsplit launch writes it directly).
+    merged = (os_[0], os_[1], os_[2], lse_seq, lse_head)
+    head_args = (query, key_cache, value_cache, *scales, block_tables, context_lens)
+    scalar_args = (scale_log2, *variant_args, *scale_strides, qs[0], qs[1], *cache_strides,
+                   block_tables.stride(0))
     if plan.num_splits == 1:
         decode = PreparedLaunch(_paged_decode_kernel, grid, (
-            query, key_cache, value_cache, *scales, block_tables, context_lens, out, lse_arg,
-            sinks_arg, scale_log2, *variant_args, *scale_strides, qs[0], qs[1], *cache_strides, block_tables.stride(0),
-            os_[0], os_[1], 0, os_[2], lse_seq, lse_head),
+            *head_args, out, lse_arg, sinks_arg, out, lse_arg, context_lens, *scalar_args,
+            os_[0], os_[1], 0, os_[2], lse_seq, lse_head, *merged),
             dict(SPLIT_KV=False, WRITE_LSE=lse is not None, **meta))
         return DecodeRun(decode, None, 0, 0) if decode.ready else None
 
     # Split-KV: partial outputs [num_seqs, num_q_heads, splits, head_size] then partial lse
-    # [num_seqs, num_q_heads, splits], both float32, at the front of the workspace.
+    # [num_seqs, num_q_heads, splits], both float32, at the front of the workspace (or of the
+    # run's scratch), and a fused merge's int32 counters [num_seqs, num_kv_heads] after them.
     n, h, d, splits = shapes.num_seqs, shapes.num_q_heads, shapes.head_size, plan.num_splits
     numel = workspace_size(n, h, d, splits)
+    num_counters = n * shapes.num_kv_heads
+    counters_offset = numel if workspace is None else 0
+    scratch_numel = counters_offset + (num_counters if plan.fused_merge else 0)
+    scratch = StreamScratch(scratch_numel, device) if keep_scratch and scratch_numel else None
+    buffer = None
+    if scratch is not None:
+        buffer = scratch.tensor()
+    elif scratch_numel:
+        buffer = _call_scratch(scratch_numel, counters_offset if plan.fused_merge else None,
+                               device)
     if workspace is None:
-        workspace = torch.empty(numel, dtype=torch.float32, device=device)
+        workspace = buffer
+    if plan.fused_merge and counters is None:
+        counters = buffer[counters_offset:].view(torch.int32)
     part_out = workspace
     part_lse = workspace[n * h * splits * d:]
     po_seq, po_head, po_split = h * splits * d, splits * d, d
     pl_seq, pl_head = h * splits, splits
     decode = PreparedLaunch(_paged_decode_kernel, grid, (
-        query, key_cache, value_cache, *scales, block_tables, context_lens, part_out, part_lse,
-        sinks_arg, scale_log2, *variant_args, *scale_strides, qs[0], qs[1], *cache_strides, block_tables.stride(0),
-        po_seq, po_head, po_split, 1, pl_seq, pl_head),
-        dict(SPLIT_KV=True, WRITE_LSE=True, **meta))
+        *head_args, part_out, part_lse, sinks_arg, out,
+        lse_arg, counters if plan.fused_merge else context_lens, *scalar_args,
+        po_seq, po_head, po_split, 1, pl_seq, pl_head, *merged),
+        dict(SPLIT_KV=True, WRITE_LSE=lse is not None or not plan.fused_merge, **meta))
+    if plan.fused_merge:
+        return (DecodeRun(decode, None, numel, n * h * splits * d, scratch, counters_offset,
+                          scratch_numel) if decode.ready else None)
     merge = prepare_merge(part_out, part_lse, (po_seq, po_head, po_split, pl_seq, pl_head),
                           splits, out, lse, num_seqs=n, num_q_heads=h, head_size=d,
                           head_size_padded=meta["HEAD_SIZE_PADDED"])
     if not (decode.ready and merge.ready):
         return None
-    return DecodeRun(decode, merge, numel, n * h * splits * d)
+    return DecodeRun(decode, merge, numel, n * h * splits * d, scratch, None, scratch_numel)
+
+
+def _check_counters(counters: torch.Tensor, shapes: PagedShapes, device: torch.device) -> None:
+    need = shapes.num_seqs * shapes.num_kv_heads
+    if (not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32
+            or counters.device != device or not counters.is_contiguous()
+            or counters.numel() < need):
+        got = (f"{counters.dtype} tensor of {counters.numel()} elements on {counters.device}"
+               if isinstance(counters, torch.Tensor) else type(counters).__name__)
+        raise ValueError(f"counters: expected a contiguous int32 tensor of at least {need} "
+                         f"elements (num_seqs * num_kv_heads) on {device}, got {got}")
 
 
 @functools.lru_cache(maxsize=256)
@@ -202,6 +296,11 @@ def _constexprs(plan: DecodePlan) -> dict:
         BLOCK_N=plan.tiles.block_n, BLOCK_SIZE=plan.block_size,
         DOT_PRECISION="ieee" if plan.dtype == torch.float32 else "tf32",
         FP16_DOTS=plan.fp16_dots,
+        FUSED_MERGE=plan.fused_merge,
+        # Fixed when unused, so the other launches compile no variant per split count.
+        MERGE_ROWS=merge_rows(plan.group_size) if plan.fused_merge else 2,
+        MERGE_CHUNK=merge_chunk(plan.group_size, plan.head_size_padded, plan.num_splits,
+                                plan.tiles.num_warps) if plan.fused_merge else 1,
         num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
     )
 

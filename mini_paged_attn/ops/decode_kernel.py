@@ -29,12 +29,21 @@ cache blocks wholly left of it are never read, so a windowed decode costs O(wind
 splits share out only the window's tiles); soft-capping maps the scores through
 :func:`soft_cap`; sinks start split 0's online softmax at ``m = sink, l = 1``, so the merged
 denominator holds the sink exactly once and the lse includes it.
+
+Fused merge (``FUSED_MERGE``, split launches only): after storing its partials, a program takes
+a ticket from its (sequence, KV head)'s int32 counter; the one that draws the last ticket
+merges the group's splits (:func:`~.decode_merge.merge_group_splits`) and sets the counter back
+to 0, so the counters stay zero between launches (and across CUDA-graph replays) without a
+memset. The ticket is an ``acq_rel`` atomic taken after a barrier: every thread's partial stores
+are issued before it releases them, and the merging program acquires all the others'.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .decode_merge import merge_group_splits
 
 
 @triton.jit
@@ -52,7 +61,8 @@ def soft_cap(s, cap):
 @triton.jit
 def _paged_decode_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
-    block_tables_ptr, context_lens_ptr, out_ptr, lse_ptr, sinks_ptr, scale_log2,
+    block_tables_ptr, context_lens_ptr, out_ptr, lse_ptr, sinks_ptr,
+    merged_out_ptr, merged_lse_ptr, counters_ptr, scale_log2,
     window_left, softcap_log2, stride_k_scale, stride_v_scale,
     stride_q_seq, stride_q_head,
     stride_k_block, stride_k_token, stride_k_head,
@@ -60,11 +70,13 @@ def _paged_decode_kernel(
     stride_bt_seq,
     stride_o_seq, stride_o_head, stride_o_split, stride_o_dim,
     stride_lse_seq, stride_lse_head,
+    stride_mo_seq, stride_mo_head, stride_mo_dim, stride_mlse_seq, stride_mlse_head,
     GROUP_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     K_SCALED: tl.constexpr, V_SCALED: tl.constexpr, FP16_DOTS: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
 ):
     """Grid ``(num_kv_heads, num_splits, num_seqs)``: the KV heads of one sequence run side by
     side, so the token rows of a block (all heads' K and V) are read at about the same time.
@@ -80,6 +92,10 @@ def _paged_decode_kernel(
     SOFTCAP: scores (log2 units) become ``soft_cap(s, softcap_log2)``.
     HAS_SINKS: split 0 starts its online softmax at ``m = sink, l = 1`` (a key of value 0 and
     logit ``sinks[head]``), so the sink enters the merged denominator exactly once.
+    FUSED_MERGE (with SPLIT_KV): the last program of each (sequence, KV head) to finish merges
+    the partials into ``merged_out`` (the query's dtype, strides ``stride_mo_*``) and, with
+    WRITE_LSE, ``merged_lse``; ``counters`` is int32 ``[num_seqs, num_kv_heads]``, zero
+    before the launch and after it. Without FUSED_MERGE these three pointers are never read.
     """
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -181,6 +197,22 @@ def _paged_decode_kernel(
         # split without first finding out which had work (one round trip fewer).
         tl.store(o_ptrs + split * stride_o_split, o, mask=o_valid)
         tl.store(lse_ptrs + split, lse, mask=row_valid)
+        if FUSED_MERGE:
+            # Every thread's stores are issued before the ticket releases them.
+            tl.debug_barrier()
+            counter = counters_ptr + seq * tl.num_programs(0) + kv_head
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel")
+            if ticket == num_splits - 1:
+                merge_group_splits(
+                    out_ptr, lse_ptr, merged_out_ptr, merged_lse_ptr, seq,
+                    kv_head * GROUP_SIZE, num_splits, stride_o_seq, stride_o_head,
+                    stride_o_split, stride_lse_seq, stride_lse_head, stride_mo_seq,
+                    stride_mo_head, stride_mo_dim, stride_mlse_seq, stride_mlse_head,
+                    GROUP_SIZE, MERGE_ROWS, HEAD_SIZE, HEAD_SIZE_PADDED, MERGE_CHUNK,
+                    WRITE_LSE)
+                # Every split has drawn its ticket: nothing else touches the counter in this
+                # launch, and the next launch finds it at 0.
+                tl.store(counter, 0)
     else:
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_valid)
         if WRITE_LSE:

@@ -25,7 +25,8 @@ from ..core.args import check_bool, non_negative_int
 from . import reference
 from .backend import BACKENDS, resolve_backend, triton_available
 from .kv_quant import check_kv_scales, scale_pointers
-from .launch import LaunchCache, tensor_key
+from . import explain as _explain
+from .launch import ALIGNMENT, LaunchCache
 from .variants import NO_WINDOW, check_variant
 from .checks import (FLOAT_DTYPES, PagedShapes, check_cache_pair, check_paged_decode_args,
                      check_paged_prefill_args, check_paged_values, check_tensor)
@@ -40,15 +41,26 @@ _STORE_RUNS = LaunchCache()
 
 def _call_key(tensors: tuple, options: tuple) -> tuple | None:
     """The cache key of a call on one CUDA device; None where there is no fast path (a
-    non-tensor argument, a CPU tensor, an unhashable option). Options are keyed with their
-    types, so ``1`` never matches an entry made for ``True``."""
+    non-tensor argument, a CPU first tensor, an unhashable option). Each tensor is keyed as
+    :func:`~.launch.tensor_key` keys it; options are keyed with their types, so ``1`` never
+    matches an entry made for ``True``. Written out inline: it runs on every repeated call."""
     try:
-        key = (tuple(None if t is None else tensor_key(t) for t in tensors)
-               + tuple((type(o), o) for o in options))
-        hash(key)
+        first = tensors[0]
+        if first.get_device() < 0:
+            return None
+        key = []
+        for t in tensors:
+            if t is None:
+                key.append(None)
+            else:       # flat: fewer tuples to build, hash and compare
+                key += (t.dtype, t.get_device(), t.shape, t.stride(),
+                        t.data_ptr() % ALIGNMENT == 0)
+        hash(options)
     except (AttributeError, TypeError):
         return None
-    return key if key[0][1] >= 0 else None
+    key.append(options)
+    key.append(tuple(map(type, options)))
+    return tuple(key)
 
 
 def _variant_options(window_size: object, softcap: object) -> tuple | None:
@@ -138,18 +150,25 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         ValueError: bad shapes, dtypes, devices or scales; for the torch backend also bad
             lengths or block ids. Nothing is written then.
     """
-    key = None
-    variant = _variant_options(window_size, softcap)
-    if backend != "torch" and explain is False and variant is not None:
+    key = capturing = None
+    # The repeat path, written out: every call pays it (see the module doc).
+    if (backend != "torch" and explain is False and type(window_size) is tuple
+            and len(window_size) == 2):
         key = _call_key((query, key_cache, value_cache, block_tables, context_lens, out,
                          workspace, k_scale, v_scale, sinks),
-                        (scale, return_lse, backend, num_splits, *variant))
-        run = _DECODE_RUNS.get(key) if key is not None else None
-        if run is not None:
-            out_, lse = _outputs(query, out, return_lse, query.shape[0], query.shape[1])
-            if run(query, key_cache, value_cache, k_scale, v_scale, block_tables, context_lens,
-                   out_, lse, workspace, sinks):
-                return (out_, lse) if return_lse else out_
+                        (scale, return_lse, backend, num_splits, *window_size, softcap))
+        if key is not None:
+            # A run made under CUDA-graph capture keeps no scratch of its own (see DecodeRun).
+            capturing = torch.cuda.is_current_stream_capturing()
+            run = _DECODE_RUNS.get((key, capturing))
+            if run is not None:
+                out_ = torch.empty_like(query) if out is None else out
+                lse = (torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+                       if return_lse else None)
+                if run(query, key_cache, value_cache, k_scale, v_scale, block_tables,
+                       context_lens, out_, lse, workspace, sinks):
+                    return (out_, lse) if return_lse else out_
+            key = (key, capturing)
     shapes = check_paged_decode_args(query, key_cache, value_cache, block_tables,
                                      context_lens, scale, out)
     check_kv_scales(k_scale, v_scale, key_cache.dtype, shapes.num_kv_heads, query.device)
@@ -170,11 +189,18 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     else:
         from .decode import triton_paged_decode
         out, lse = _outputs(query, out, return_lse, shapes.num_seqs, shapes.num_q_heads)
+        if capturing is None:
+            capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+        # Calls without a workspace merge the splits in the decode kernel (FUSED_MERGE); a
+        # workspace, what CUDA-graph capture takes, keeps the merge kernel, so the eager
+        # warm-up before a capture compiles the kernels the capture uses.
         run = triton_paged_decode(query, key_cache, value_cache, block_tables, context_lens,
                                   shapes, out=out, lse=lse, num_splits=num_splits,
                                   workspace=workspace, explain=explain, k_scale=k_scale,
                                   v_scale=v_scale, window_size=window, softcap=softcap,
-                                  sinks=sinks)
+                                  sinks=sinks,
+                                  fused_merge=_explain.FUSED_MERGE and workspace is None,
+                                  keep_scratch=key is not None and not capturing)
         if run is not None and key is not None:
             _DECODE_RUNS.put(key, run)
     return (out, lse) if return_lse else out

@@ -4,8 +4,8 @@
 One program of the decode kernel serves one (sequence, KV head, split): all ``group_size``
 query heads of that KV head, so each K/V tile is read once per group. When ``num_seqs x
 num_kv_heads`` programs cannot fill the GPU, each sequence's KV is split into ``num_splits``
-chunks ("flash decoding"); a second kernel merges the chunks' partial results by their
-log-sum-exp. The number of splits comes from FlashAttention's heuristic (seed 003), fed with
+chunks ("flash decoding"); their partial results are merged by their log-sum-exp, in a
+second kernel or by each group's last split inside the decode kernel (:data:`FUSED_MERGE`). The number of splits comes from FlashAttention's heuristic (seed 003), fed with
 this kernel's own figures: its KV tile (``block_n``) and how many of its programs fit on one SM.
 
 Planning reads nothing from the device but its SM count, so a launch needs no host sync: the
@@ -35,6 +35,16 @@ from ..core.args import cdiv, is_int, next_pow2, non_negative_int, positive_int
 from .decode_tiles import FP8_TILES, MAX_BLOCK_N, DecodeTiles, default_tiles
 from .heuristics import num_splits_heuristic
 from .variants import check_window
+
+FUSED_MERGE = True
+"""Whether a split-KV ``paged_decode`` call without a ``workspace`` merges the splits inside
+the decode kernel (one launch; the last program of each sequence and KV head merges, see
+:mod:`.decode_kernel`) rather than in a second kernel. Such calls are eager loops at small
+batches, host-bound: a launch less is ~4 us less host time. Calls with a workspace, what
+CUDA-graph capture takes (the engine's decode steps), keep the separate merge kernel, whether
+eager or captured: the warm-up call before a capture then compiles what the capture launches,
+and graphs keep the merge that measured faster on the GPU at batch 1 (see
+:mod:`.decode_merge`)."""
 
 MAX_SPLITS = 128
 """The most KV splits of one sequence (FlashAttention's cap, too)."""
@@ -110,6 +120,7 @@ class DecodePlan:
     heuristic_kv_tiles: int | None = None  # the num_n_blocks it was given (split tiles)
     kv_dtype: torch.dtype | None = None    # the cache's dtype when not the query's (fp8)
     window_left: int = -1     # the sliding window's left side (-1: none)
+    fused_merge: bool = False  # split launches: the decode kernel merges (no merge launch)
 
     @property
     def fp16_dots(self) -> bool:
@@ -146,12 +157,17 @@ class DecodePlan:
     @property
     def merge_programs(self) -> int:
         """Programs of the merge kernel (one per (sequence, query head)); 0 when unsplit."""
-        return self.num_seqs * self.num_q_heads if self.num_splits > 1 else 0
+        if self.num_splits == 1 or self.fused_merge:
+            return 0
+        return self.num_seqs * self.num_q_heads
 
     @property
     def kernel(self) -> str:
         if self.num_splits == 1:
             return "paged_decode (one pass, writes the output directly)"
+        if self.fused_merge:
+            return (f"paged_decode split-KV ({self.num_splits} splits), merged by each "
+                    "group's last split (one launch)")
         return f"paged_decode split-KV ({self.num_splits} splits) + merge"
 
     @property
@@ -181,7 +197,7 @@ class DecodePlan:
             f"  programs: {self.programs} = {seqs} x {self.num_kv_heads} kv heads"
             f" x {self.num_splits} split{'s' if self.num_splits != 1 else ''}, on "
             f"{self.wave_slots} slots ({self.num_sms} SMs x {PROGRAMS_PER_SM})"
-            + (f"; merge: {self.merge_programs}" if self.num_splits > 1 else ""),
+            + (f"; merge: {self.merge_programs}" if self.merge_programs else ""),
         ]
         unsplit = (f"{self.units} programs unsplit fill {self.efficiency_unsplit:.0%} "
                    "of their last wave")
@@ -208,7 +224,8 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
                 max_context_len: int, block_size: int, dtype: torch.dtype, num_sms: int,
                 num_splits: int | None = None, max_splits: int = MAX_SPLITS,
                 on_gpu: bool = True, tiles: DecodeTiles | None = None, *,
-                kv_dtype: torch.dtype | None = None, window_left: int = -1) -> DecodePlan:
+                kv_dtype: torch.dtype | None = None, window_left: int = -1,
+                fused_merge: bool = False) -> DecodePlan:
     """Plan one decode launch (pure; cached). The single place tiles and splits are chosen.
 
     num_splits: forced split count (1..MAX_SPLITS), or None for the heuristic.
@@ -217,6 +234,7 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
     kv_dtype: the cache's dtype when it differs from the query's (an fp8 cache), else None.
     window_left: a sliding window's left side (-1: none); the heuristic then counts only the
         tiles a window can touch.
+    fused_merge: if the plan splits, merge inside the decode kernel (see :data:`FUSED_MERGE`).
     """
     if num_splits is not None and not (is_int(num_splits) and 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits: expected an int in 1..{MAX_SPLITS} or None, "
@@ -241,7 +259,7 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
                                    kv_dtype=kv_dtype)
     return DecodePlan(num_seqs, num_q_heads, num_kv_heads, head_size, block_size, dtype,
                       max_context_len, tiles, num_sms, splits, reason, chosen, n_tiles,
-                      kv_dtype, window_left)
+                      kv_dtype, window_left, fused_merge and splits > 1)
 
 
 def window_kv_tiles(max_context_len: int, block_n: int, window_left: int = -1) -> int:
@@ -262,9 +280,10 @@ def explain_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size
 
     ``device``: the CUDA device whose SM count to plan for; None uses the current CUDA device
     if there is one, else assumes an H100's 132 SMs. ``window_size``: the layer's sliding
-    window (as ``paged_decode``'s); a left window plans for the tiles it can touch. Returns a
+    window (as ``paged_decode``'s); a left window plans for the tiles it can touch. The plan
+    is that of a call without a workspace (its merge as :data:`FUSED_MERGE` says). Returns a
     :class:`DecodePlan`; print it for a short explanation. ``paged_decode(..., explain=True)``
-    logs the same plan.
+    logs the plan of the call itself.
     """
     num_seqs = positive_int("num_seqs", num_seqs)
     num_q_heads = positive_int("num_q_heads", num_q_heads)
@@ -282,11 +301,12 @@ def explain_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size
     device = torch.device(device) if device is not None else None
     window = check_window(window_size)
     return plan_decode(num_seqs, num_q_heads, num_kv_heads, head_size, max_context_len,
-                       block_size, dtype, num_sms_of(device), window_left=window[0])
+                       block_size, dtype, num_sms_of(device), window_left=window[0],
+                       fused_merge=FUSED_MERGE)
 
 
 # DecodeTiles, default_tiles, FP8_TILES and MAX_BLOCK_N live in .decode_tiles; re-exported
 # here, where the plan that uses them is.
 __all__ = ["DecodePlan", "DecodeTiles", "plan_decode", "explain_decode", "default_tiles",
            "balance_splits", "window_kv_tiles", "FP8_TILES", "MAX_BLOCK_N",
-           "num_sms_of", "MAX_SPLITS", "PROGRAMS_PER_SM"]
+           "num_sms_of", "FUSED_MERGE", "MAX_SPLITS", "PROGRAMS_PER_SM"]

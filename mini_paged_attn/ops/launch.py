@@ -59,12 +59,7 @@ class PreparedLaunch:
                       and not any(isinstance(a, torch.Tensor) for a in args[num_tensors:]))
         if not self.ready:
             return
-        self._aligned = [a.data_ptr() % ALIGNMENT == 0 for a in args[:num_tensors]]
-        self._device_index = args[0].get_device()
-        # The kernel's remaining arguments in signature order, constexprs included (the
-        # launcher's argument format lists them too, and skips them).
-        self._tail = tuple(args[num_tensors:]) + tuple(
-            kwargs[name] for name in jit_fn.arg_names[len(args):])
+        self._bind_arguments(jit_fn, args, kwargs, num_tensors)
         compiled._init_handles()
         launcher = compiled.run
         if (getattr(launcher, "global_scratch_size", 0) or getattr(
@@ -79,6 +74,16 @@ class PreparedLaunch:
                           None, None)
         from triton.runtime import driver
         self._stream_of = driver.active.get_current_stream
+
+    def _bind_arguments(self, jit_fn, args: Sequence, kwargs: dict, num_tensors: int) -> None:
+        """What a repeat needs from the prepared arguments: the tensors' alignment and device,
+        and the kernel's remaining arguments in signature order, constexprs included (the
+        launcher's argument format lists them too, and skips them)."""
+        self._aligned = [a.data_ptr() % ALIGNMENT == 0 for a in args[:num_tensors]]
+        self.all_aligned = all(self._aligned)
+        self._device_index = args[0].get_device()
+        self._tail = tuple(args[num_tensors:]) + tuple(
+            kwargs[name] for name in jit_fn.arg_names[len(args):])
 
     def __call__(self, tensors: Sequence[torch.Tensor | int]) -> bool:
         """Launch with ``tensors`` in place of the prepared launch's tensor arguments, in their
@@ -98,6 +103,17 @@ class PreparedLaunch:
                      *self._tail)
         return True
 
+    def stream(self) -> int:
+        """The handle of the current CUDA stream of the launch's device (where it launches)."""
+        return self._stream_of(self._device_index)
+
+    def launch_pointers(self, ptrs: tuple[int, ...], stream: int) -> None:
+        """Launch on ``stream`` with raw device pointers in place of the tensor arguments,
+        without :meth:`__call__`'s checks: only for a ready launch and pointers whose 16-byte
+        alignment the caller has checked against the prepared one (:attr:`all_aligned`)."""
+        g0, g1, g2 = self.grid
+        self._launch(g0, g1, g2, stream, *self._head, *ptrs, *self._tail)
+
 
 def tensor_key(t: torch.Tensor) -> tuple:
     """What a prepared launch depends on in one tensor argument: dtype, device, shape, strides
@@ -109,8 +125,9 @@ def tensor_key(t: torch.Tensor) -> tuple:
 class LaunchCache:
     """A bounded map from an op call's key to what it prepared (emptied when full).
 
-    Entries hold only kernels and sizes, never tensors of a call. Thread-safe for the use
-    here: a lost or doubled entry costs one slow call.
+    Entries hold kernels, sizes and the runs' own scratch (:class:`StreamScratch`), never
+    tensors of a call. Thread-safe for the use here: a lost or doubled entry costs one slow
+    call.
 
     Args:
         max_entries: entries kept before the map is emptied.
@@ -119,9 +136,9 @@ class LaunchCache:
     def __init__(self, max_entries: int = 256) -> None:
         self.max_entries = max_entries
         self._entries: dict[Hashable, object] = {}
-
-    def get(self, key: Hashable):
-        return self._entries.get(key)
+        # The dict's own lookup (no Python frame on the repeat path); the dict is never
+        # replaced, only emptied. Raises TypeError for an unhashable key.
+        self.get = self._entries.get
 
     def put(self, key: Hashable, value: object) -> None:
         if len(self._entries) >= self.max_entries:
@@ -133,6 +150,46 @@ class LaunchCache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+
+class StreamScratch:
+    """Zero-initialised float32 device memory that a repeatable run keeps, one buffer per CUDA
+    stream, so its repeats allocate nothing (a ``torch.empty`` on CUDA costs 2-8 us of host
+    time). A buffer is only ever used by launches on its own stream, which run one after
+    another: a launch may rely on what the previous one left there (zeroed counters) and never
+    races another stream. Freed with the run; the caching allocator hands freed memory only to
+    later work on the same stream, so launches still in flight keep it.
+
+    Not for CUDA-graph capture: a graph would keep the buffer's address after the run (and
+    the buffer) is gone.
+
+    Args:
+        numel: float32 elements of each buffer.
+        device: the CUDA device (or CPU, where the interpreter runs the kernels).
+    """
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        self.numel = numel
+        self.device = device
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._pointers: dict[int, int] = {}
+
+    def tensor(self) -> torch.Tensor:
+        """The buffer of the device's current stream (made, zeroed, on first use); a CPU
+        device (the interpreter) has one buffer, under stream 0."""
+        stream = (torch.cuda.current_stream(self.device).cuda_stream
+                  if self.device.type == "cuda" else 0)
+        buffer = self._buffers.get(stream)
+        if buffer is None:
+            buffer = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+            self._buffers[stream] = buffer
+            self._pointers[stream] = buffer.data_ptr()
+        return buffer
+
+    def pointer(self, stream: int) -> int:
+        """Device address of the buffer of ``stream``, the handle of the current stream."""
+        ptr = self._pointers.get(stream)
+        return ptr if ptr is not None else self.tensor().data_ptr()
 
 
 _LAUNCHES = LaunchCache(max_entries=1024)
@@ -158,4 +215,5 @@ def launch(jit_fn, grid: tuple[int, ...], args: Sequence, kwargs: dict) -> None:
     _LAUNCHES.put(key, PreparedLaunch(jit_fn, grid, args, kwargs))
 
 
-__all__ = ["ALIGNMENT", "LaunchCache", "PreparedLaunch", "launch", "tensor_key"]
+__all__ = ["ALIGNMENT", "LaunchCache", "PreparedLaunch", "StreamScratch", "launch",
+           "tensor_key"]

@@ -19,7 +19,8 @@ from helpers.reference_checks import assert_decode_matches_reference
 from mini_paged_attn.ops.checks import check_paged_decode_args
 from mini_paged_attn.ops.decode import triton_paged_decode, workspace_size
 from mini_paged_attn.ops.dispatch import paged_decode
-from mini_paged_attn.ops.explain import DecodeTiles, default_tiles, explain_decode, plan_decode
+from mini_paged_attn.ops.explain import (FUSED_MERGE, DecodeTiles, default_tiles,
+                                         explain_decode, plan_decode)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -149,9 +150,15 @@ def test_tile_override_spans_and_splits_blocks():
 def test_explain_decode_says_what_runs_and_why():
     small = explain_decode(1, 32, 8, 128, 4096, device="cpu")
     assert small.num_splits > 1 and small.programs == 8 * small.num_splits
-    assert small.merge_programs == 32 and small.efficiency > small.efficiency_unsplit
+    assert small.efficiency > small.efficiency_unsplit
     text = str(small)
     assert "split-KV" in text and f"{small.num_splits} splits" in text and "132 SMs" in text
+    # Eager calls merge in the decode kernel (FUSED_MERGE) or in 32 merge programs.
+    for fused, merge_programs, says in ((True, 0, "one launch"), (False, 32, "+ merge")):
+        plan = plan_decode(1, 32, 8, 128, 4096, 16, torch.bfloat16, 132, fused_merge=fused)
+        assert plan.num_splits == small.num_splits and plan.fused_merge is fused
+        assert plan.merge_programs == merge_programs and says in str(plan)
+    assert small.fused_merge is FUSED_MERGE
     # The heuristic counts split tiles (32 tokens), whatever tiles the launch then uses.
     few = explain_decode(17, 32, 8, 128, 48, device="cpu")
     assert few.num_splits == 1 and few.heuristic_kv_tiles == 2

@@ -28,7 +28,7 @@ def _forbid_full_path(monkeypatch, name):
     monkeypatch.setattr(dispatch, name, fail)
 
 
-# Batch 1 x 4k splits (two launches); 64 sequences do not.
+# Batch 1 x 4k splits (one launch, merged in the kernel); 64 sequences do not.
 @pytest.mark.parametrize("lens", [[4000], [1000] * 64])
 def test_decode_repeat_uses_the_prepared_launch(monkeypatch, lens):
     first = _decode_batch(lens, seed=1)
