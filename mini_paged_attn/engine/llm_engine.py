@@ -371,8 +371,12 @@ class LLMEngine:
 
     def _may_stay_in_flight(self, out: SchedulerOutput) -> bool:
         """Whether ``out``'s tokens may wait on the device for the next step: asynchronous
-        scheduling is on, and no sample forks and no request wants its prompt logprobs."""
-        if not self._async:
+        scheduling is on, no sample forks, no request wants its prompt logprobs, and no live
+        request has structured outputs. (With grammars the next step's masks need these
+        tokens first: pipelined, their fill landed between the forward and the sampling and
+        a batch of 64 ran at 0.6x the synchronous speed on an H100; synchronous, the fill
+        starts when the step is scheduled and overlaps its launch.)"""
+        if not self._async or self._num_structured:
             return False
         if not self._num_sync_only:     # no live request forks or wants prompt logprobs
             return True
