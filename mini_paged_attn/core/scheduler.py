@@ -273,23 +273,17 @@ class Scheduler:
         """
         now = time.time()
         grew: list[Sequence] = []
-        max_model_len = self.config.max_model_len
-        windowed = self.kv.sliding_window is not None
         for i, seq in enumerate(out.seqs):
-            seq.num_computed_tokens += out.num_new_tokens[i]
-            if seq.status is SequenceStatus.FINISHED:
+            # (Before a fork, so the children share only the window.)
+            if not self._advance(seq, out.num_new_tokens[i]):
                 continue
-            if windowed:    # before a fork, so the children share only the window
-                self.kv.drop_out_of_window(seq)
             tokens = sampled[i]
             if not tokens:
                 continue
             request = seq.request
-            if request.first_token_time is None:
-                request.first_token_time = now
-            request.last_token_time = now
+            _stamp(request, now)
             targets = self._fork(seq, len(tokens) - 1) if len(tokens) > 1 else (seq,)
-            max_len = min(max_model_len, request.num_prompt_tokens + request.max_tokens)
+            max_len = self._max_len(request)
             for j, target in enumerate(targets):
                 token = tokens[j]
                 target.token_ids.append(token)
@@ -313,25 +307,15 @@ class Scheduler:
         Returns:
             Per sequence of ``out``, the index of its placeholder in ``token_ids``, or -1.
         """
-        max_model_len = self.config.max_model_len
-        windowed = self.kv.sliding_window is not None
         where: list[int] = []
         for i, seq in enumerate(out.seqs):
-            seq.num_computed_tokens += out.num_new_tokens[i]
-            if seq.status is SequenceStatus.FINISHED:
-                where.append(-1)
-                continue
-            if windowed:
-                self.kv.drop_out_of_window(seq)
-            if not out.num_samples[i]:
+            if not self._advance(seq, out.num_new_tokens[i]) or not out.num_samples[i]:
                 where.append(-1)
                 continue
             assert out.num_samples[i] == 1, out.num_samples[i]
             where.append(len(seq.token_ids))
             seq.token_ids.append(PLACEHOLDER_TOKEN)
-            request = seq.request
-            if len(seq.token_ids) >= min(max_model_len,
-                                         request.num_prompt_tokens + request.max_tokens):
+            if len(seq.token_ids) >= self._max_len(seq.request):
                 self.finish_sequence(seq, FinishReason.LENGTH)
         return where
 
@@ -361,9 +345,7 @@ class Scheduler:
             lp = logprobs[row] if logprobs is not None else None
             seq.token_ids[at] = token
             request = seq.request
-            if request.first_token_time is None:
-                request.first_token_time = now
-            request.last_token_time = now
+            _stamp(request, now)
             if lp is not None:
                 _add_logprob(seq, lp)
             grew.append(seq)
@@ -375,6 +357,21 @@ class Scheduler:
             elif seq.deferred_block is not None:
                 self.kv.register_deferred(seq)
         return grew
+
+    def _advance(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """A step computed ``num_new_tokens`` of ``seq``: count them and, under a sliding window,
+        give back the blocks left of the next query's window. False if ``seq`` has finished
+        (aborted, or ended by its grammar or a stop string) since the step was scheduled."""
+        seq.num_computed_tokens += num_new_tokens
+        if seq.status is SequenceStatus.FINISHED:
+            return False
+        if self.kv.sliding_window is not None:
+            self.kv.drop_out_of_window(seq)
+        return True
+
+    def _max_len(self, request: Request) -> int:
+        """Tokens (prompt included) at which a sample ends: max_tokens or max_model_len."""
+        return min(self.config.max_model_len, request.num_prompt_tokens + request.max_tokens)
 
     def _fork(self, parent: Sequence, num_children: int) -> list[Sequence]:
         """Create a request's other samples, sharing parent's blocks; returns [parent, *children]."""
@@ -390,6 +387,13 @@ class Scheduler:
             family.append(child)
         self.running[at:at] = family[1:]
         return family
+
+
+def _stamp(request: Request, now: float) -> None:
+    """A token of ``request`` arrived at ``now`` (its first and latest token times)."""
+    if request.first_token_time is None:
+        request.first_token_time = now
+    request.last_token_time = now
 
 
 def _add_logprob(seq: Sequence, entry: tuple[float, object]) -> None:

@@ -333,18 +333,13 @@ class LLMEngine:
                                      prev.sample if prev else None)
         masks = None
         if self._num_structured:
-            # The grammars must see the previous tokens before this step's masks are filled;
-            # the masks then fill (on a worker) while the host handles those tokens' outputs.
-            grew = self._resolve_in_flight(prev) if prev is not None else None
-            if grew is not None:
-                self._advance_grammars(grew)
-            masks = self.structured.start(out)
-            if grew is not None:
-                self._after_tokens(prev, grew, touched, grammars=False)
+            if prev is not None:    # the grammars see its tokens before the masks are filled
+                self._finish_in_flight(prev, touched)
                 prev = None
+            masks = self.structured.start(out)
         pending = self.runner.sample(out, logits, overlap, masks) if logits is not None else None
         if prev is not None:    # while the device computes ``out``
-            self._after_tokens(prev, self._resolve_in_flight(prev), touched)
+            self._finish_in_flight(prev, touched)
         if pending is not None and self._may_stay_in_flight(out):
             self._in_flight = InFlightStep(out, pending, start)
             return
@@ -366,7 +361,7 @@ class LLMEngine:
         else:
             sampled = [[] for _ in out.seqs]
         grew = self.scheduler.update(out, sampled, logprobs)
-        self._process_tokens(grew, touched, grammars=True)
+        self._process_tokens(grew, touched)
         self._count(out, len(grew), start)
 
     def _may_stay_in_flight(self, out: SchedulerOutput) -> bool:
@@ -383,30 +378,21 @@ class LLMEngine:
         return max(out.num_samples) <= 1 and not any(
             seq.request.params.prompt_logprobs is not None for seq in out.seqs)
 
-    def _resolve_in_flight(self, step: InFlightStep) -> list:
-        """Wait for ``step``'s tokens and put them in place (see ``Scheduler.resolve_in_flight``);
-        returns the sequences that got one."""
+    def _finish_in_flight(self, step: InFlightStep, touched: dict[str, RequestState]) -> None:
+        """Wait for the in-flight ``step``'s tokens, put them in place (see
+        ``Scheduler.resolve_in_flight``) and handle them as a synchronous step's."""
         result = step.sample.read()
         step.read = True
-        return self.scheduler.resolve_in_flight(step.out, step.where, result.token_ids,
+        grew = self.scheduler.resolve_in_flight(step.out, step.where, result.token_ids,
                                                 result.logprobs)
-
-    def _after_tokens(self, step: InFlightStep, grew: list, touched: dict[str, RequestState],
-                      grammars: bool = True) -> None:
-        """The in-flight ``step``'s tokens are in place: grammars (unless advanced already),
-        stop strings and text, statistics."""
-        self._process_tokens(grew, touched, grammars=grammars)
+        self._process_tokens(grew, touched)
         self._count(step.out, len(grew), step.start)
 
-    def _finish_in_flight(self, step: InFlightStep, touched: dict[str, RequestState]) -> None:
-        self._after_tokens(step, self._resolve_in_flight(step), touched)
-
-    def _process_tokens(self, grew: list, touched: dict[str, RequestState], *,
-                        grammars: bool) -> None:
-        """Per sequence that got a token: its grammar (``grammars``), stop strings and text."""
-        if grammars and self._num_structured:
-            self._advance_grammars(grew)
+    def _process_tokens(self, grew: list, touched: dict[str, RequestState]) -> None:
+        """Per sequence that got a token: its grammar, stop strings and text."""
         for seq in grew:
+            if seq.request.params.structured_outputs is not None:
+                self._advance_grammar(seq)
             state = self._states[seq.request.request_id]
             if self.output_processor.process(state, seq):
                 self.scheduler.finish_sequence(seq, FinishReason.STOP)
@@ -427,11 +413,6 @@ class LLMEngine:
                 self.scheduler.finish_sequence(seq, FinishReason.ERROR)
                 seq.finish_reason = FinishReason.ERROR
                 touched[seq.request.request_id] = self._states[seq.request.request_id]
-
-    def _advance_grammars(self, grew: list) -> None:
-        for seq in grew:
-            if seq.request.params.structured_outputs is not None:
-                self._advance_grammar(seq)
 
     def _advance_grammar(self, seq) -> None:
         """Feed the sample's new token to its grammar. The end-of-sequence token its complete

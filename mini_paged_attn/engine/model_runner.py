@@ -2,8 +2,9 @@
 
 Per step: copy-on-write block copies (all layers at once), the inputs (built once, vectorised,
 see ``input_batch``), the forward (a captured CUDA graph for decode-only batches on CUDA, else
-eager), logits for the rows that sample, and the sampler. The only host sync is reading the
-sampled token ids. Requests that ask for prompt logprobs also get the log-softmax of the logits
+eager) and logits for the rows that sample (:meth:`ModelRunner.forward`), then the sampler
+(:meth:`ModelRunner.sample`). The only host sync is reading the sampled token ids, which the
+engine may put off until the next step is launched (asynchronous scheduling). Requests that ask for prompt logprobs also get the log-softmax of the logits
 of every prompt position the step computes (see ``prompt_logprobs``).
 
 Under tensor parallelism every rank has a ModelRunner over its shard of the model and a pool of
@@ -222,26 +223,6 @@ class ModelRunner:
         self.cache.tables.release(seq_id)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, overlap: Callable[[], None] | None = None,
-                masks: Callable[[], TokenMasks | None] | None = None):
-        """Run one scheduled step; returns the :class:`~.sampler.SamplerOutput` of its sample
-        rows (``sum(out.num_samples)`` of them, in batch order), or None if none samples.
-
-        ``overlap`` is called once the step's device work is enqueued, before the host waits
-        for its sampled tokens; not at all if no row samples. ``masks``: the grammar bitmask
-        of the sample rows with structured outputs (called by the sampler, after the forward
-        is enqueued, only if some row has them). The prompt logprobs the step computed are
-        in :attr:`prompt_logprobs` afterwards (empty when no request asked).
-        """
-        logits = self.forward(out)
-        if logits is None:
-            self.read_prompt_logprobs()
-            return None
-        sampled = self.sample(out, logits, overlap, masks).read()
-        self.read_prompt_logprobs()    # after the sampled tokens' sync: no extra wait
-        return sampled
-
-    @torch.inference_mode()
     def forward(self, out: SchedulerOutput, pending: dict[int, int] | None = None,
                 previous: PendingSample | None = None) -> torch.Tensor | None:
         """Enqueue a step's forward: float32 logits ``[sum(out.num_samples), vocab_size]`` of
@@ -280,8 +261,12 @@ class ModelRunner:
     def sample(self, out: SchedulerOutput, logits: torch.Tensor,
                overlap: Callable[[], None] | None = None,
                masks: Callable[[], TokenMasks | None] | None = None) -> PendingSample:
-        """Enqueue the sampling of :meth:`forward`'s ``logits`` (arguments as :meth:`execute`);
-        the ids stay on the device until :meth:`PendingSample.read`."""
+        """Enqueue the sampling of :meth:`forward`'s ``logits``, one row per sample (a request
+        about to fork has ``n`` rows); the ids stay on the device until
+        :meth:`PendingSample.read`. ``overlap`` is called once the step's device work is
+        enqueued; ``masks`` makes the grammar bitmask of the sample rows with structured
+        outputs (called by the sampler only if some row has them). A synchronous step then
+        reads the ids and :meth:`read_prompt_logprobs`."""
         params, seeds = [], []
         for seq, k in zip(out.seqs, out.num_samples):
             if not k:
