@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.cuda_graphs import capture
 from helpers.fp8_batch import dequantized_batch, fp8_batch
 from helpers.paged_batch import (PagedBatch, make_decode_batch, make_paged_batch,
                                  make_prefill_batch)
@@ -522,14 +523,7 @@ def test_gpu_cuda_graph_replays_a_windowed_decode():
                                window_size=window, softcap=30.0, sinks=sink)
         lse.copy_(lse_)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()                                   # compile + warm up outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture(step)
     for trial in range(3):
         q.copy_(torch.randn_like(q))
         cl.copy_(torch.tensor([300 - 5 * trial, 5000 - 35 * trial, 17 - 5 * trial],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.cuda_graphs import capture
 from helpers.paged_batch import make_decode_batch
 from helpers.reference_checks import assert_decode_matches_reference
 from mini_paged_attn.ops import decode as decode_mod
@@ -232,11 +233,7 @@ def test_gpu_cuda_graph_without_workspace_replays():
     # zeroed counters from the graph's pool (the warm-up call compiled the same kernel).
     batch = _gpu_batch([3000, 20], seed=14)
     out = torch.empty_like(batch.query)
-    paged_decode(*batch.decode_args, out=out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        paged_decode(*batch.decode_args, out=out)
+    graph, _ = capture(lambda: paged_decode(*batch.decode_args, out=out))
     for seed in (15, 16, 17):
         other = _gpu_batch([3000, 20], seed=seed)
         batch.query.copy_(other.query)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.cuda_graphs import capture
 from helpers.paged_batch import PagedBatch, make_decode_batch
 from helpers.reference_checks import assert_decode_matches_reference
 from mini_paged_attn.ops import reference
@@ -96,14 +97,7 @@ def test_cuda_graph_capture_and_replay():
         _, lse_ = paged_decode(q, kc, vc, bt, cl, out=out, return_lse=True, workspace=ws)
         lse.copy_(lse_)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()                                   # compile + warm up outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture(step)
 
     for trial in range(3):
         q.copy_(torch.randn_like(q))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.cuda_graphs import capture
 from helpers.fp8_batch import dequantized_batch, fp8_batch, per_head_scales
 from helpers.paged_batch import make_decode_batch, make_prefill_batch
 from mini_paged_attn.ops import reference
@@ -151,14 +152,7 @@ def test_cuda_graph_replay_reads_the_scales_tensors():
     def step():
         paged_decode(q, kc, vc, bt, cl, out=out, workspace=ws, k_scale=ks, v_scale=vs)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture(step)
     for factor in (1.0, 1.5, 0.25):
         ks.mul_(factor)
         vs.mul_(factor)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.cuda_graphs import capture
 from helpers.tiny_models import tiny_model_factory  # noqa: F401  (the session fixture)
 
 from mini_paged_attn.ops.fused import (apply_rotary, apply_rotary_reference, rms_norm,
@@ -347,11 +348,7 @@ def test_gpu_cuda_graph_capture_and_replay():
         q, k, _ = qkv.split([hq, hkv, hkv], dim=1)
         return normed, summed, *apply_rotary(q, k, positions, cache), silu_and_mul(gate_up)
 
-    step()                                  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture(step)
     for t in (x, residual, qkv, gate_up):   # new inputs in the captured buffers
         t.copy_(torch.randn(t.shape, generator=gen).to("cuda", dtype))
     positions.copy_(torch.randint(0, 512, (n,), generator=gen).cuda())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.cuda_graphs import capture
 
 from mini_paged_attn.ops.moe import MoeActivation, fused_moe, fused_moe_reference
 from mini_paged_attn.ops.moe_triton import MoeTiles, moe_routing_plan, triton_fused_moe
@@ -235,10 +236,7 @@ def test_gpu_cuda_graph_replays_with_new_routing():
     """Captured once, replayed after the routing changed (other experts, some with no token):
     the same bits as an eager call on the new inputs."""
     args = _problem(8, 16, 2, 256, 128, torch.bfloat16, seed=5, device="cuda")
-    fused_moe(**args)                                   # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_moe(**args)
+    graph, out = capture(lambda: fused_moe(**args))
     new = _problem(8, 16, 2, 256, 128, torch.bfloat16, seed=6, device="cuda",
                    experts_used=[3, 9, 12])
     for name in ("hidden", "topk_ids", "topk_weights"):

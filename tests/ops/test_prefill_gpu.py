@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.cuda_graphs import capture
 from helpers.paged_batch import PagedBatch, make_prefill_batch
 from helpers.reference_checks import run_and_compare
 from mini_paged_attn.ops import reference
@@ -67,11 +68,7 @@ def test_cuda_graph_capture_and_replay_with_new_lengths():
     """The launch path needs no host sync, so it can be captured and replayed on new data."""
     batch = _batch(seed=1)
     out = torch.empty_like(batch.query)
-    run = lambda: paged_prefill(*batch.prefill_args, out=out, backend="triton")  # noqa: E731
-    run()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph, _ = capture(lambda: paged_prefill(*batch.prefill_args, out=out, backend="triton"))
     batch.query.normal_()
     # Shorter contexts (the tables hold garbage past the old lengths), same q_lens.
     batch.context_lens.add_(torch.tensor([0, -100, 0, -3, -20, 0, -9, -1000], device="cuda",
