@@ -148,12 +148,22 @@ def hf_generate(model, prompts: list[list[int]], max_tokens: list[int], *, batch
     return time.perf_counter() - start, outputs, logits_out
 
 
+def engine_options(**overrides) -> argparse.Namespace:
+    """This tool's engine options at their defaults, with ``overrides``: the ``args`` of
+    :func:`engine_llm` for a tool without this command line."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([])
+    vars(args).update(overrides)
+    return args
+
+
 def engine_llm(path: Path, args, **overrides):
     from mini_paged_attn.engine import LLM
     options = dict(dtype="bfloat16", max_model_len=4096, enforce_eager=args.enforce_eager,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    kv_cache_dtype=args.kv_cache_dtype,
-                   async_scheduling=ASYNC_CHOICES[getattr(args, "async_scheduling", "auto")])
+                   async_scheduling=ASYNC_CHOICES[args.async_scheduling])
     options.update(overrides)
     return LLM(str(path), **options)
 

@@ -30,7 +30,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -111,15 +110,14 @@ def _prompts(num: int, seed: int) -> list[list[int]]:
 
 def accuracy_row(shape: str, root: Path, num_requests: int, steps: int) -> dict:
     """bf16 vs fp8 KV cache on one bench model: agreement and first-step log-prob error."""
-    from benchmarks.bench_engine import engine_llm, random_model_dir
+    from benchmarks.bench_engine import engine_llm, engine_options, random_model_dir
     from mini_paged_attn.engine import SamplingParams
 
     path = random_model_dir(shape, root, seed=1)
     prompts = _prompts(num_requests, seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True,
                             logprobs=TOP_LOGPROBS)
-    engine_args = SimpleNamespace(enforce_eager=True, max_num_seqs=num_requests,
-                                  max_num_batched_tokens=8192)
+    engine_args = engine_options(enforce_eager=True, max_num_seqs=num_requests)
     runs = {}
     for kv_dtype in ("auto", "fp8"):
         llm = engine_llm(path, engine_args, kv_cache_dtype=kv_dtype, max_model_len=1024)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_engine import engine_llm, random_model_dir
+from benchmarks.bench_engine import engine_llm, engine_options, random_model_dir
 
 
 def main() -> None:
@@ -25,9 +25,9 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=5)
     args = p.parse_args()
     from mini_paged_attn.engine import SamplingParams
-    opts = argparse.Namespace(enforce_eager=False, max_num_seqs=8, max_num_batched_tokens=8192)
     with tempfile.TemporaryDirectory() as tmp:
-        llm = engine_llm(random_model_dir("qwen2.5-0.5b", Path(tmp)), opts, max_num_seqs=8)
+        llm = engine_llm(random_model_dir("qwen2.5-0.5b", Path(tmp)),
+                         engine_options(max_num_seqs=8))
         llm.generate([[5] * 50], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
         gen = torch.Generator().manual_seed(1)
         one = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
