@@ -27,7 +27,7 @@ from ..errors import OutOfBlocksError
 from .args import cdiv, positive_int
 from .block_manager import BlockManager
 from .prefix_cache import ROOT_HASH, PrefixCache, hash_block
-from .request import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from .request import PLACEHOLDER_TOKEN, Sequence
 from .sliding_window import PAD_BLOCK_ID, check_sliding_window, first_needed_block
 
 
@@ -262,12 +262,9 @@ class KVCacheManager:
     def register_deferred(self, seq: Sequence) -> None:
         """Register the block whose last token was a placeholder when it was allocated (see
         ``Sequence.deferred_block``), now that the token is known. Nothing for a sequence
-        without one, or one that no longer holds it (finished, preempted)."""
-        index = seq.deferred_block
-        if index is None:
-            return
-        seq.deferred_block = None
-        if index < len(seq.block_ids) and seq.status is SequenceStatus.RUNNING:
+        without one (:meth:`free` forgets it: a finished or preempted sequence has none)."""
+        index, seq.deferred_block = seq.deferred_block, None
+        if index is not None:
             self._register_full_blocks(seq, index, index + 1)
 
     def begin_step(self) -> None:

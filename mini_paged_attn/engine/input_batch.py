@@ -273,7 +273,6 @@ class InputBuilder:
             self._uploaded.record()
         return inputs
 
-
     def _fill(self, seqs, cu: np.ndarray, pending: dict[int, int]) -> TokenFill | None:
         dst, src = [], []
         for i, seq in enumerate(seqs):
