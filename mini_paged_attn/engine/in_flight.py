@@ -12,19 +12,41 @@ handling so run while the GPU computes, instead of between its steps.
 What it costs: a sample that ends on a stop token has already been scheduled once more; that
 step's token for it is dropped (its K/V written into blocks it no longer holds, harmless: the
 stream orders any later use after it).
+
+With structured outputs, a step's grammar masks need the previous step's tokens, so its
+sampling cannot be enqueued right behind its forward. Such a step is *held*: its forward is
+enqueued and its logits wait on the device. The next call reads the tokens before it, starts
+filling its masks on the grammar worker, schedules and builds the following step meanwhile,
+and then enqueues the held step's sampling and that following forward (see
+``LLMEngine._step``). The host's fill so overlaps the device's forward and the host's own
+scheduling, instead of sitting between a forward and its sampling.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
+
+import torch
 
 from ..core.scheduler import SchedulerOutput
-from .sampler import PendingSample
+from .sampler import PendingSample, SampleRow
+
+
+class StepMode(Enum):
+    """How a launched step's sampled tokens reach the host."""
+
+    SYNC = "sync"             # sampled and read at once, in the same call
+    IN_FLIGHT = "in flight"   # sampled now, read by the next call
+    HOLD = "hold"             # sampled and read by the next call (its grammar masks wait)
 
 
 @dataclass
 class InFlightStep:
-    """``out``'s forward and sampling are enqueued; ``sample`` holds its ids on the device.
+    """``out``'s forward is enqueued, and so is its sampling once ``sample`` (its ids on the
+    device) is set; until then the step is held and ``logits`` (float32
+    ``[sum(out.num_samples), vocab_size]`` on the device) and ``rows`` (the sampler's
+    :meth:`~.model_runner.ModelRunner.history_rows`, taken at launch) wait for it.
 
     ``where``: set once the scheduler advanced past it, per sequence of ``out`` the index of
     its placeholder token, or -1. ``start``: ``time.perf_counter()`` when the step began (for
@@ -32,8 +54,10 @@ class InFlightStep:
     """
 
     out: SchedulerOutput
-    sample: PendingSample
+    sample: PendingSample | None
     start: float
+    logits: torch.Tensor | None = None
+    rows: list[SampleRow] | None = None
     where: list[int] | None = None
     read: bool = False      # its tokens were read (they may not have been applied yet)
 
@@ -49,4 +73,4 @@ class InFlightStep:
         return rows
 
 
-__all__ = ["InFlightStep"]
+__all__ = ["InFlightStep", "StepMode"]

@@ -25,12 +25,13 @@ from ..models.config import ModelConfig
 from ..models.tokenizer import Tokenizer
 from .admission import Admission
 from .config import EngineConfig, resolve_max_model_len
-from .in_flight import InFlightStep
+from .in_flight import InFlightStep, StepMode
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor, RequestState
 from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
 from .structured import Advance, GrammarCompiler, StructuredOutputs
+from .structured.bitmask import TokenMasks
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ class LLMEngine:
         # Tensor-parallel ranks build their inputs from rank 0's host arrays: synchronous.
         self._async = bool(async_on) and peers is None
         self._in_flight: InFlightStep | None = None    # see in_flight.py
+        self._held: InFlightStep | None = None         # the step after it, sampling held
         self._carried: dict[str, RequestState] = {}
         self._lock = threading.Lock()
         # Held for the whole of step(): two threads stepping at once would corrupt the scheduler
@@ -282,6 +284,12 @@ class LLMEngine:
                 aborted.append(request_id)
 
         prev, self._in_flight = self._in_flight, None
+        held, self._held = self._held, None
+        masks = None
+        if held is not None:
+            # Its masks need prev's tokens: read them, then fill while the next step is built.
+            masks = self._open_held(held, prev, touched, aborted)
+            prev = held
         if prev is not None:
             prev.where = self.scheduler.advance_in_flight(prev.out)
         out = self.scheduler.schedule()
@@ -290,24 +298,18 @@ class LLMEngine:
             for seq_id in out.released_seq_ids:
                 self.runner.release(seq_id)
             if prev is not None:
-                self._finish_in_flight(prev, touched)
+                self._finish_in_flight(prev, touched, masks)
         else:
             try:
-                self._run(out, prev, overlap, touched, start)
+                self._run(out, prev, masks, overlap, touched, start)
             except BaseException:
                 # Requeue the step's sequences and drop the prefix-cache entries it registered
-                # (their K/V were never written), so the engine stays usable. Requests aborted
-                # at this step's start are gone from the scheduler: retire them too (no output
-                # reports them), else their ids would stay live forever. The in-flight step
-                # before it did finish: its tokens are taken and reported by the next step.
+                # (their K/V were never written), so the engine stays usable. The in-flight
+                # step before it did finish: its tokens are taken and reported by the next step.
                 self.scheduler.rollback(out)
                 if prev is not None:
-                    self._settle_after_failure(prev, touched)
-                gone = [r for r in aborted if touched[r].request.is_finished]
-                self._retire(gone)
-                for request_id in gone:
-                    touched.pop(request_id)
-                self._carried = touched
+                    self._settle_after_failure(prev, touched, masks)
+                self._carry_after_failure(touched, aborted)
                 raise
 
         outputs = []
@@ -315,6 +317,8 @@ class LLMEngine:
         for request_id, state in touched.items():
             request = state.request
             if request.is_finished:
+                if _awaits_token(request):
+                    continue    # its last token is still in flight (held): reported with it
                 finished_ids.append(request_id)
                 for seq in request.sequences:
                     self.output_processor.process(state, seq)   # flush held-back text
@@ -325,22 +329,69 @@ class LLMEngine:
         self._maybe_log()
         return outputs
 
+    def _open_held(self, held: InFlightStep, prev: InFlightStep | None,
+                   touched: dict[str, RequestState], aborted: list[str]
+                   ) -> Callable[[], TokenMasks | None]:
+        """Take the tokens of ``prev`` (the step before the held one), then start filling the
+        held step's grammar masks on the worker thread; returns the call that waits for them."""
+        try:
+            if prev is None:
+                return self.structured.start(held.out)
+            grew = self._resolve(prev)
+            self._advance_grammars(grew)
+            masks = self.structured.start(held.out)
+            self._process_outputs(grew, touched)     # while the masks fill
+            return masks
+        except BaseException:
+            # The held step was never counted: its sequences are scheduled again.
+            self.scheduler.rollback(held.out)
+            if prev is not None:
+                self._settle_after_failure(prev, touched)
+            self._carry_after_failure(touched, aborted)
+            raise
+
+    def _carry_after_failure(self, touched: dict[str, RequestState], aborted: list[str]) -> None:
+        """A step failed: report what it touched at the next call. Requests aborted at its
+        start are gone from the scheduler: retire them now (no output reports them), else
+        their ids would stay live forever."""
+        gone = [r for r in aborted if touched[r].request.is_finished]
+        self._retire(gone)
+        for request_id in gone:
+            touched.pop(request_id)
+        self._carried = touched
+
     def _run(self, out: SchedulerOutput, prev: InFlightStep | None,
-             overlap: Callable[[], None], touched: dict[str, RequestState], start: float) -> None:
-        """Launch ``out``; finish ``prev`` (the in-flight step, if any) meanwhile; then either
-        keep ``out`` in flight or wait for its tokens and apply them (a synchronous step)."""
-        logits = self.runner.forward(out, prev.pending_rows() if prev else None,
-                                     prev.sample if prev else None)
-        masks = None
+             masks: Callable[[], TokenMasks | None] | None, overlap: Callable[[], None],
+             touched: dict[str, RequestState], start: float) -> None:
+        """Launch ``out``; finish ``prev`` (the in-flight step, if any) meanwhile; then keep
+        ``out`` in flight, hold its sampling (structured outputs) or wait for its tokens and
+        apply them (a synchronous step). A held ``prev`` (``masks``: its grammar fill) is
+        sampled once ``out``'s inputs are built."""
+        previous = None
+        if prev is not None:
+            def previous():
+                if prev.sample is None:
+                    self._sample_held(prev, masks)
+                return prev.sample
+        logits = self.runner.forward(out, prev.pending_rows() if prev else None, previous)
+        mode = self._mode(out) if logits is not None else StepMode.SYNC
+        if mode is StepMode.HOLD:
+            # prev's tokens are read at the next call's start, before out's masks are filled.
+            self._held = InFlightStep(out, None, start, logits=logits,
+                                      rows=self.runner.history_rows(out))
+            self._in_flight = prev
+            return
+        out_masks = None
         if self._num_structured:
             if prev is not None:    # the grammars see its tokens before the masks are filled
                 self._finish_in_flight(prev, touched)
                 prev = None
-            masks = self.structured.start(out)
-        pending = self.runner.sample(out, logits, overlap, masks) if logits is not None else None
+            out_masks = self.structured.start(out)
+        pending = (self.runner.sample(out, logits, overlap, out_masks) if logits is not None
+                   else None)
         if prev is not None:    # while the device computes ``out``
             self._finish_in_flight(prev, touched)
-        if pending is not None and self._may_stay_in_flight(out):
+        if mode is StepMode.IN_FLIGHT:
             self._in_flight = InFlightStep(out, pending, start)
             return
         result = pending.read() if pending is not None else None
@@ -364,46 +415,64 @@ class LLMEngine:
         self._process_tokens(grew, touched)
         self._count(out, len(grew), start)
 
-    def _may_stay_in_flight(self, out: SchedulerOutput) -> bool:
-        """Whether ``out``'s tokens may wait on the device for the next step: asynchronous
-        scheduling is on, no sample forks, no request wants its prompt logprobs, and no live
-        request has structured outputs. (With grammars the next step's masks need these
-        tokens first: pipelined, their fill landed between the forward and the sampling and
-        a batch of 64 ran at 0.6x the synchronous speed on an H100; synchronous, the fill
-        starts when the step is scheduled and overlaps its launch.)"""
-        if not self._async or self._num_structured:
-            return False
-        if not self._num_sync_only:     # no live request forks or wants prompt logprobs
-            return True
-        return max(out.num_samples) <= 1 and not any(
-            seq.request.params.prompt_logprobs is not None for seq in out.seqs)
+    def _mode(self, out: SchedulerOutput) -> StepMode:
+        """How ``out``'s tokens reach the host (see :class:`StepMode`): synchronously with
+        asynchronous scheduling off, when a sample forks or a request wants its prompt
+        logprobs; held while a live request has structured outputs; else in flight."""
+        if not self._async:
+            return StepMode.SYNC
+        if self._num_sync_only and (max(out.num_samples) > 1 or any(
+                seq.request.params.prompt_logprobs is not None for seq in out.seqs)):
+            return StepMode.SYNC
+        return StepMode.HOLD if self._num_structured else StepMode.IN_FLIGHT
 
-    def _finish_in_flight(self, step: InFlightStep, touched: dict[str, RequestState]) -> None:
-        """Wait for the in-flight ``step``'s tokens, put them in place (see
-        ``Scheduler.resolve_in_flight``) and handle them as a synchronous step's."""
+    def _sample_held(self, step: InFlightStep, masks: Callable[[], TokenMasks | None] | None
+                     ) -> None:
+        """Enqueue the sampling of held ``step`` (``masks``: its grammar fill)."""
+        step.sample = self.runner.sample(step.out, step.logits, masks=masks, rows=step.rows)
+        step.logits = step.rows = None
+
+    def _finish_in_flight(self, step: InFlightStep, touched: dict[str, RequestState],
+                          masks: Callable[[], TokenMasks | None] | None = None) -> None:
+        """Wait for the in-flight ``step``'s tokens (a held one is sampled first, ``masks``:
+        its grammar fill), put them in place (see ``Scheduler.resolve_in_flight``) and handle
+        them as a synchronous step's."""
+        self._process_tokens(self._resolve(step, masks), touched)
+
+    def _resolve(self, step: InFlightStep,
+                 masks: Callable[[], TokenMasks | None] | None = None) -> list:
+        """Read the in-flight ``step``'s tokens (as :meth:`_finish_in_flight`) and put them in
+        place; returns the sequences that got one, for :meth:`_process_tokens`."""
+        if step.sample is None:
+            self._sample_held(step, masks)
         result = step.sample.read()
         step.read = True
         grew = self.scheduler.resolve_in_flight(step.out, step.where, result.token_ids,
                                                 result.logprobs)
-        self._process_tokens(grew, touched)
         self._count(step.out, len(grew), step.start)
+        return grew
 
     def _process_tokens(self, grew: list, touched: dict[str, RequestState]) -> None:
         """Per sequence that got a token: its grammar, stop strings and text."""
+        self._advance_grammars(grew)
+        self._process_outputs(grew, touched)
+
+    def _process_outputs(self, grew: list, touched: dict[str, RequestState]) -> None:
+        """Per sequence that got a token: stop strings and text."""
         for seq in grew:
-            if seq.request.params.structured_outputs is not None:
-                self._advance_grammar(seq)
             state = self._states[seq.request.request_id]
             if self.output_processor.process(state, seq):
                 self.scheduler.finish_sequence(seq, FinishReason.STOP)
             touched[seq.request.request_id] = state
 
-    def _settle_after_failure(self, step: InFlightStep, touched: dict[str, RequestState]) -> None:
-        """The step after ``step`` failed: take ``step``'s tokens if they can still be read,
-        else end its samples (reason "error"), whose placeholders no token will replace."""
+    def _settle_after_failure(self, step: InFlightStep, touched: dict[str, RequestState],
+                              masks: Callable[[], TokenMasks | None] | None = None) -> None:
+        """The step after ``step`` failed: take ``step``'s tokens if they can still be read
+        (a held step is sampled now, ``masks``: its grammar fill), else end its samples
+        (reason "error"), whose placeholders no token will replace."""
         try:
             if not step.read:
-                self._finish_in_flight(step, touched)
+                self._finish_in_flight(step, touched, masks)
                 return
         except Exception:
             logger.exception("the tokens of the step before the failed one are lost")
@@ -414,19 +483,22 @@ class LLMEngine:
                 seq.finish_reason = FinishReason.ERROR
                 touched[seq.request.request_id] = self._states[seq.request.request_id]
 
-    def _advance_grammar(self, seq) -> None:
-        """Feed the sample's new token to its grammar. The end-of-sequence token its complete
-        grammar forced ends it (reason "stop", even under ignore_eos); a token the grammar
-        rejects ends it with reason "error", also when that token ended it anyway (a stop
-        token sampled from a row the grammar and min_tokens masked whole, its max_tokens-th
-        token): its output is not valid."""
-        advanced = self.structured.advance(seq)
-        if advanced is Advance.REJECTED:
-            if seq.is_finished:
-                seq.finish_reason = FinishReason.ERROR
-            self.scheduler.finish_sequence(seq, FinishReason.ERROR)
-        elif advanced is Advance.COMPLETE:
-            self.scheduler.finish_sequence(seq, FinishReason.STOP)   # no-op if it is done
+    def _advance_grammars(self, grew: list) -> None:
+        """Feed the new tokens of the samples with structured outputs to their grammars. The
+        end-of-sequence token a complete grammar forced ends its sample (reason "stop", even
+        under ignore_eos); a token the grammar rejects ends it with reason "error", also when
+        that token ended it anyway (a stop token sampled from a row the grammar and min_tokens
+        masked whole, its max_tokens-th token): its output is not valid."""
+        if not self._num_structured:
+            return
+        constrained = [seq for seq in grew if seq.request.params.structured_outputs is not None]
+        for seq, advanced in self.structured.advance(constrained):
+            if advanced is Advance.REJECTED:
+                if seq.is_finished:
+                    seq.finish_reason = FinishReason.ERROR
+                self.scheduler.finish_sequence(seq, FinishReason.ERROR)
+            else:
+                self.scheduler.finish_sequence(seq, FinishReason.STOP)   # no-op if it is done
 
     def _retire(self, finished_ids: list[str]) -> None:
         """Forget finished requests: their ids are free again."""
@@ -499,6 +571,12 @@ class LLMEngine:
         if now - self._last_log >= self.config.log_stats_interval_s:
             self._last_log = now
             logger.info("engine: %s", self.stats().summary())
+
+
+def _awaits_token(request: Request) -> bool:
+    """A sequence of the finished ``request`` ended on its length with its last token still
+    in flight (a placeholder until the held step's tokens are read)."""
+    return any(seq.token_ids[-1] == PLACEHOLDER_TOKEN for seq in request.sequences)
 
 
 def _needs_sync(request: Request) -> bool:

@@ -224,13 +224,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput, pending: dict[int, int] | None = None,
-                previous: PendingSample | None = None) -> torch.Tensor | None:
+                previous: Callable[[], PendingSample] | None = None) -> torch.Tensor | None:
         """Enqueue a step's forward: float32 logits ``[sum(out.num_samples), vocab_size]`` of
         its sample rows, or None when none samples (no host sync either way).
 
-        ``pending`` / ``previous`` (asynchronous scheduling): ``seq_id -> row`` of
-        ``previous.token_ids`` for the sequences whose input token the previous step sampled
-        and the host does not know yet; those inputs are copied on the device.
+        ``pending`` / ``previous`` (asynchronous scheduling): ``seq_id -> row`` of the previous
+        step's sampled ids for the sequences whose input token the host does not know yet
+        (those inputs are copied on the device), and the call that gives those ids. It is
+        called exactly once, once the inputs are built and before the forward is enqueued: a
+        step whose sampling waited for its grammar masks is sampled there, so the host builds
+        this step while the masks are filled.
         """
         self.prompt_logprobs = []
         self._prompt_device = None
@@ -241,9 +244,10 @@ class ModelRunner:
         if self.graphs is not None and out.decode_only:
             bucket = self.graphs.bucket_for(n)
         step = self.inputs.build(out, pad_to=bucket, pending=pending)
+        sampled = previous() if previous is not None else None
         if step.fill is not None:
-            assert previous is not None and self.peers is None, "a fill needs the sampled ids"
-            step.fill.apply(step.input_ids, previous.token_ids)
+            assert sampled is not None and self.peers is None, "a fill needs the sampled ids"
+            step.fill.apply(step.input_ids, sampled.token_ids)
         if self.peers is not None:
             self.peers.send(StepMessage(
                 self.inputs.host_arrays(step), num_seqs=n, table_width=step.block_tables.shape[1],
@@ -260,13 +264,15 @@ class ModelRunner:
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor,
                overlap: Callable[[], None] | None = None,
-               masks: Callable[[], TokenMasks | None] | None = None) -> PendingSample:
+               masks: Callable[[], TokenMasks | None] | None = None,
+               rows: list[SampleRow] | None = None) -> PendingSample:
         """Enqueue the sampling of :meth:`forward`'s ``logits``, one row per sample (a request
         about to fork has ``n`` rows); the ids stay on the device until
         :meth:`PendingSample.read`. ``overlap`` is called once the step's device work is
         enqueued; ``masks`` makes the grammar bitmask of the sample rows with structured
-        outputs (called by the sampler only if some row has them). A synchronous step then
-        reads the ids and :meth:`read_prompt_logprobs`."""
+        outputs (called by the sampler only if some row has them); ``rows``: the step's
+        :meth:`history_rows` taken when it was launched (default: made now). A synchronous
+        step then reads the ids and :meth:`read_prompt_logprobs`."""
         params, seeds = [], []
         for seq, k in zip(out.seqs, out.num_samples):
             if not k:
@@ -277,8 +283,18 @@ class ModelRunner:
                 seeds.append(None if p.seed is None else
                              (seq.request.request_id, seq.index if k == 1 else j))
         # Made only if some row uses penalties or min_tokens.
-        return self.sampler.sample(logits, params, seeds, overlap, lambda: _sample_rows(out),
-                                   masks)
+        return self.sampler.sample(logits, params, seeds, overlap,
+                                   (lambda: rows) if rows is not None else
+                                   (lambda: _sample_rows(out)), masks)
+
+    @staticmethod
+    def history_rows(out: SchedulerOutput) -> list[SampleRow] | None:
+        """What penalties and min_tokens will read of ``out``'s samples, as they are now (a
+        step sampled after the scheduler moved past it gives them to :meth:`sample`); None
+        when no row uses them."""
+        if not any(seq.request.params.uses_history for seq in out.seqs):
+            return None
+        return _sample_rows(out)
 
     @torch.inference_mode()
     def execute_message(self, message: StepMessage) -> None:

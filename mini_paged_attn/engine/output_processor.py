@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..core.request import FinishReason, Request, Sequence
+from ..core.request import PLACEHOLDER_TOKEN, FinishReason, Request, Sequence
 from ..models.tokenizer import IncrementalDetokenizer, Tokenizer
 from .outputs import CompletionOutput, GrowingListView, RequestMetrics, RequestOutput
 
@@ -140,14 +140,16 @@ class OutputProcessor:
         num_generated = 0
         for seq in request.sequences:    # in index order: the scheduler appends them so
             tokens = seq.token_ids
-            num_generated += len(tokens) - start
+            # A token still in flight (asynchronous scheduling) is not reported yet.
+            end = len(tokens) - (tokens[-1] == PLACEHOLDER_TOKEN)
+            num_generated += end - start
             logprobs = None
             if finished:
                 token_ids = tokens[start:]
                 if wants_logprobs:
                     logprobs = list(seq.logprobs or ())
             else:
-                token_ids = GrowingListView(tokens, start, len(tokens))
+                token_ids = GrowingListView(tokens, start, end)
                 if wants_logprobs:
                     lps = seq.logprobs if seq.logprobs is not None else []
                     logprobs = GrowingListView(lps, 0, len(lps))

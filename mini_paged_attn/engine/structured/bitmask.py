@@ -26,6 +26,15 @@ class TokenMasks:
 
     rows: list[int]
     bitmask: torch.Tensor
+    # int32 ``[32]`` on the logits' device, word value of each bit (see :func:`bit_values`);
+    # made per call when None.
+    bits: torch.Tensor | None = None
+
+
+def bit_values(device: torch.device) -> torch.Tensor:
+    """int32 ``[32]``: bit i of a word as an int32 (bit 31 is the sign bit, -2**31)."""
+    return torch.bitwise_left_shift(torch.ones(32, dtype=torch.int32, device=device),
+                                    torch.arange(32, dtype=torch.int32, device=device))
 
 
 def apply_token_masks(logits: torch.Tensor, masks: TokenMasks) -> None:
@@ -42,9 +51,7 @@ def apply_token_masks(logits: torch.Tensor, masks: TokenMasks) -> None:
     words = masks.bitmask.pin_memory() if pinned and not masks.bitmask.is_pinned() \
         else masks.bitmask
     words = words.to(device, non_blocking=True)
-    # Bit i of every word, as an int32 (bit 31 is the sign bit: -2**31).
-    bits = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int32, device=device),
-                                     torch.arange(32, dtype=torch.int32, device=device))
+    bits = masks.bits if masks.bits is not None else bit_values(device)
     # [m, words, 32] -> [m, vocab]: True where the token is forbidden.
     forbidden = (words[:, :, None] & bits).eq(0).flatten(1)[:, :vocab]
     if len(masks.rows) == num_rows:
@@ -54,4 +61,4 @@ def apply_token_masks(logits: torch.Tensor, masks: TokenMasks) -> None:
     logits.index_copy_(0, at, logits.index_select(0, at).masked_fill_(forbidden, float("-inf")))
 
 
-__all__ = ["TokenMasks", "apply_token_masks", "bitmask_words"]
+__all__ = ["TokenMasks", "apply_token_masks", "bit_values", "bitmask_words"]

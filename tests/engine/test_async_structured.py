@@ -1,0 +1,169 @@
+"""Structured outputs under asynchronous scheduling: a step's sampling is held until the next
+call (its grammar masks need the tokens of the step before it). Every output must equal the
+synchronous engine's, no placeholder may reach an output, and nothing may leak: blocks,
+matchers, sampler state.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers.engines import assert_pool_whole, make_engine, run_to_finish
+
+from mini_paged_attn.core.request import PLACEHOLDER_TOKEN
+from mini_paged_attn.engine import SamplingParams
+
+pytest.importorskip("llguidance")
+from mini_paged_attn.engine.structured import StructuredOutputsParams  # noqa: E402
+
+SCHEMA = {"type": "object",
+          "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                         "b": {"enum": ["x", "yy"]}, "c": {"type": "string", "maxLength": 6}},
+          "required": ["a", "b", "c"], "additionalProperties": False}
+JSON = StructuredOutputsParams(json=SCHEMA)
+CONFIG = dict(block_size=4, num_kv_blocks=256, max_num_seqs=8, max_model_len=128)
+
+VARIANTS = {
+    "seeded": dict(temperature=1.0, seed=3, max_tokens=60),
+    "greedy": dict(temperature=0, max_tokens=60),
+    "penalties, min_tokens": dict(temperature=1.0, seed=5, max_tokens=60, min_tokens=4,
+                                  presence_penalty=0.4, frequency_penalty=0.2,
+                                  repetition_penalty=1.3),
+    "logprobs": dict(temperature=0.9, seed=7, max_tokens=60, logprobs=2),
+    # Ends on its length at the step whose sampling is held.
+    "max_tokens 1": dict(temperature=1.0, seed=1, max_tokens=1),
+    "max_tokens 3": dict(temperature=1.0, seed=2, max_tokens=3),
+}
+
+
+def _samples(outputs) -> list:
+    return [[(list(c.token_ids), c.finish_reason, c.text) for c in o.outputs] for o in outputs]
+
+
+def _requests(variant: str) -> list:
+    """Constrained requests of ``variant`` (seeds differ per request) beside plain ones."""
+    kwargs = dict(VARIANTS[variant])
+    requests = []
+    for i in range(5):
+        if "seed" in kwargs:
+            kwargs["seed"] += 1
+        requests.append((f"item {i}:", SamplingParams(**kwargs, structured_outputs=JSON)))
+    plain = SamplingParams(temperature=1.0, seed=11, max_tokens=9, ignore_eos=True)
+    requests += [("plain", plain), ("other", plain)]
+    return requests
+
+
+def _engines():
+    return [make_engine("tiny", async_scheduling=a, **CONFIG) for a in (False, True)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_held_sampling_gives_the_synchronous_tokens(variant):
+    results = []
+    for engine in _engines():
+        outputs = run_to_finish(engine, _requests(variant))
+        results.append(outputs)
+        assert_pool_whole(engine)
+        assert not engine.structured._matchers
+        assert not len(engine.runner.sampler.history) and not engine.runner.sampler._seeded
+    sync, asyn = results
+    assert _samples(asyn) == _samples(sync)
+    for a, b in zip(asyn, sync):
+        for ca, cb in zip(a.outputs, b.outputs):
+            if cb.cumulative_logprob is not None:
+                assert ca.cumulative_logprob == pytest.approx(cb.cumulative_logprob, abs=1e-5)
+    for output in asyn[:5]:
+        completion = output.outputs[0]
+        if completion.finish_reason == "stop":
+            assert set(json.loads(completion.text)) == {"a", "b", "c"}
+
+
+def test_streamed_outputs_never_show_a_token_in_flight():
+    requests = _requests("seeded")
+    sync_engine, engine = _engines()
+    expected = _samples(run_to_finish(sync_engine, requests))
+    ids = [engine.add_request(p, params) for p, params in requests]
+    seen: dict[str, list[int]] = {}
+    final = {}
+    held = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens = list(output.outputs[0].token_ids)
+            assert PLACEHOLDER_TOKEN not in tokens
+            before = seen.get(output.request_id, [])
+            assert tokens[:len(before)] == before       # outputs only ever grow
+            seen[output.request_id] = tokens
+            if output.finished:
+                final[output.request_id] = output
+        held += engine._held is not None
+    assert held > 0
+    assert _samples([final[i] for i in ids]) == expected
+    assert_pool_whole(engine)
+
+
+def test_aborts_while_a_sampling_is_held():
+    engine = make_engine("tiny", async_scheduling=True, **CONFIG)
+    requests = _requests("seeded")
+    ids = [engine.add_request(p, params) for p, params in requests]
+    for _ in range(4):
+        engine.step()
+    assert engine._held is not None
+    assert engine.abort_request(ids[0]) and engine.abort_request(ids[5])
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert final[ids[0]].outputs[0].finish_reason == "abort"
+    assert final[ids[5]].outputs[0].finish_reason == "abort"
+    assert all(PLACEHOLDER_TOKEN not in o.outputs[0].token_ids for o in final.values())
+    assert_pool_whole(engine)
+    assert not engine.structured._matchers
+
+
+def test_a_failed_step_keeps_the_held_tokens():
+    """The step after a held one fails: the held step is still sampled and its tokens
+    reported, so the outputs equal an undisturbed run."""
+    requests = _requests("seeded")
+    sync_engine, engine = _engines()
+    expected = _samples(run_to_finish(sync_engine, requests))
+    forward = engine.runner.forward
+    calls = []
+
+    def fail_every_third(out, *args):
+        calls.append(1)
+        if len(calls) % 3 == 0:
+            raise RuntimeError("device hiccup")
+        return forward(out, *args)
+
+    engine.runner.forward = fail_every_third
+    ids = [engine.add_request(p, params) for p, params in requests]
+    final = {}
+    for _ in range(400):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            final.update((o.request_id, o) for o in engine.step() if o.finished)
+        except RuntimeError:
+            pass
+    assert _samples([final[i] for i in ids]) == expected
+    assert_pool_whole(engine)
+    assert not engine.structured._matchers
+
+
+def test_min_tokens_counts_the_tokens_before_the_held_step():
+    """min_tokens reads a sample's token count as it was when its step was launched: the
+    held step's sampling comes after the scheduler moved past it (one placeholder more)."""
+    words = StructuredOutputsParams(regex="[a-z]{1,12}")
+    eos_first = {256: 50.0}     # the end-of-sequence token wins as soon as it is allowed
+    requests = [(f"w{i}", SamplingParams(temperature=1.0, seed=i, max_tokens=20, min_tokens=m,
+                                         logit_bias=eos_first, structured_outputs=words))
+                for i, m in enumerate((2, 5, 7))]
+    results = []
+    for engine in _engines():
+        results.append(run_to_finish(engine, requests))
+        assert_pool_whole(engine)
+    sync, asyn = results
+    assert _samples(asyn) == _samples(sync)
+    # min_tokens letters, then the end-of-sequence token as soon as it is allowed.
+    assert [len(o.outputs[0].token_ids) for o in asyn] == [3, 6, 8]
+    assert all(o.outputs[0].token_ids[-1] == 256 for o in asyn)
