@@ -85,10 +85,10 @@ def add_async_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def save_random_model(config, path: Path, *, seed: int = 0,
-                      dtype: torch.dtype = torch.bfloat16) -> Path:
+                      dtype: torch.dtype = torch.bfloat16, tokenizer=None) -> Path:
     """Write a Hugging Face directory at ``path``: a model of transformers ``config`` with random
-    ``dtype`` weights drawn on the GPU from ``seed`` (+ a byte tokenizer, so the engine loads
-    it; the benchmarks pass token ids)."""
+    ``dtype`` weights drawn on the GPU from ``seed`` (+ ``tokenizer``, a Hugging Face tokenizer,
+    or by default a byte tokenizer, so the engine loads it; the benchmarks pass token ids)."""
     import transformers
     from mini_paged_attn.models.tiny import byte_level_hf_tokenizer, write_tokenizer_files
 
@@ -96,21 +96,31 @@ def save_random_model(config, path: Path, *, seed: int = 0,
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(path)
-    write_tokenizer_files(byte_level_hf_tokenizer(), path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    else:
+        write_tokenizer_files(byte_level_hf_tokenizer(), path)
     del model
     torch.cuda.empty_cache()
     return path
 
 
-def random_model_dir(shape: str, root: Path, seed: int = 0) -> Path:
+def random_model_dir(shape: str, root: Path, seed: int = 0, tokenizer: str | None = None) -> Path:
     """A Hugging Face directory with ``shape``'s config and random bf16 weights (see
-    :func:`save_random_model`)."""
+    :func:`save_random_model`). ``tokenizer``: a Hugging Face tokenizer directory to ship
+    instead of the byte tokenizer (the vocabulary then takes its size)."""
     import transformers
 
     spec = dict(SHAPES[shape])
     arch = spec.pop("arch")
-    config = getattr(transformers, f"{arch}Config")(**spec, bos_token_id=0, eos_token_id=1)
-    return save_random_model(config, root / shape, seed=seed)
+    ids = dict(bos_token_id=0, eos_token_id=1)
+    hf_tokenizer = None
+    if tokenizer is not None:
+        hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer)
+        spec["vocab_size"] = len(hf_tokenizer)
+        ids = dict(bos_token_id=hf_tokenizer.bos_token_id, eos_token_id=hf_tokenizer.eos_token_id)
+    config = getattr(transformers, f"{arch}Config")(**spec, **ids)
+    return save_random_model(config, root / shape, seed=seed, tokenizer=hf_tokenizer)
 
 
 def hf_model(path: Path):

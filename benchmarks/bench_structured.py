@@ -6,11 +6,17 @@ same batch unconstrained.
 JSON schema whose strings never have to end (so the constrained samples run about as long).
 Reported per run: output tokens, seconds, tokens/s, engine steps, and for the constrained run
 the host time spent filling the grammar bitmasks per step. The model: ``--model DIR`` (a real
-tokenizer makes the grammar work realistic), else Qwen2.5-0.5B shapes with random weights and
-a byte tokenizer.
+tokenizer makes the grammar work realistic), else random weights of ``--shape`` (default
+Qwen2.5-0.5B) with a byte tokenizer, or ``--tokenizer DIR``'s tokenizer and vocabulary size.
+
+Random weights end JSON strings at random, so constrained samples finish early and the batch
+thins out: besides tokens/s, each run reports the milliseconds of a step while all of its
+requests still run (``full_batch_ms_per_step``), which compares the same work.
 
     python -m benchmarks.bench_structured --out /tmp/bench_structured.json
     python -m benchmarks.bench_structured --model /models/Qwen2.5-0.5B-Instruct --batch 64
+    python -m benchmarks.bench_structured --tokenizer /models/SmolLM2-135M-Instruct
+    python -m benchmarks.bench_structured --shape qwen2.5-7b
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -38,6 +45,12 @@ SCHEMA = {"type": "object",
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="model directory (default: random Qwen2.5-0.5B shapes)")
+    from .bench_engine import SHAPES
+    parser.add_argument("--shape", default="qwen2.5-0.5b", choices=tuple(SHAPES),
+                        help="the random model's shapes (default qwen2.5-0.5b)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="with random weights: this tokenizer directory's tokenizer and "
+                             "vocabulary size instead of a byte tokenizer")
     parser.add_argument("--batch", type=int, default=64, help="requests in the batch (default 64)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -62,6 +75,18 @@ def _run(llm, prompts, params) -> dict:
             mask_s += time.perf_counter() - start
 
     engine.structured._fill = timed_fill
+    step = engine.step
+    full = []     # seconds of the decode steps that ran the whole batch
+
+    def timed_step(*args, **kwargs):
+        began = time.perf_counter()
+        outputs = step(*args, **kwargs)
+        out = engine.last_schedule
+        if out is not None and out.decode_only and out.num_seqs == len(prompts):
+            full.append(time.perf_counter() - began)
+        return outputs
+
+    engine.step = timed_step
     steps = engine._num_steps
     try:
         torch.cuda.synchronize()
@@ -71,10 +96,13 @@ def _run(llm, prompts, params) -> dict:
         seconds = time.perf_counter() - start
     finally:
         del engine.structured._fill
+        del engine.step
     steps = engine._num_steps - steps
     tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return {"output_tokens": tokens, "seconds": round(seconds, 3),
             "tokens_per_s": round(tokens / seconds, 1), "steps": steps,
+            "full_batch_steps": len(full),
+            "full_batch_ms_per_step": round(1e3 * statistics.median(full), 3) if full else None,
             "mask_ms_per_step": round(1e3 * mask_s / max(steps, 1), 3),
             "finish_reasons": sorted({c.finish_reason for o in outputs for c in o.outputs})}
 
@@ -102,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         path = args.model
         if path is None:
             from .bench_engine import random_model_dir
-            path = random_model_dir("qwen2.5-0.5b", Path(tmp))
+            path = random_model_dir(args.shape, Path(tmp), tokenizer=args.tokenizer)
         llm = LLM(str(path), dtype="bfloat16", max_model_len=args.prompt_len + args.max_tokens,
                   max_num_seqs=max(args.batch, 1), enforce_eager=args.enforce_eager,
                   async_scheduling=ASYNC_CHOICES[args.async_scheduling])
@@ -118,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, structured_outputs=(
             constrained.structured_outputs)), use_tqdm=False)
         results = {"batch": args.batch, "prompt_len": args.prompt_len,
-                   "max_tokens": args.max_tokens, "model": str(args.model or "random"),
+                   "max_tokens": args.max_tokens,
+                   "model": str(args.model or f"random {args.shape}"),
+                   "tokenizer": args.tokenizer,
                    "device": torch.cuda.get_device_name(),
                    "async_scheduling": args.async_scheduling,
                    "unconstrained": _run(llm, prompts, plain),
@@ -127,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
     base, cons = results["unconstrained"], results["json_schema"]
     results["overhead_per_token_pct"] = round(
         100 * (base["tokens_per_s"] / cons["tokens_per_s"] - 1), 1)
+    if base["full_batch_ms_per_step"] and cons["full_batch_ms_per_step"]:
+        results["full_batch_overhead_pct"] = round(
+            100 * (cons["full_batch_ms_per_step"] / base["full_batch_ms_per_step"] - 1), 1)
     print(json.dumps(results, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
