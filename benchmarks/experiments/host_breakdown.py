@@ -11,7 +11,6 @@ elementwise op on a tiny tensor, an empty Triton kernel launched directly).
 
 from __future__ import annotations
 
-import time
 
 import torch
 import triton
@@ -25,16 +24,9 @@ def _empty_kernel(x_ptr, n, BLOCK: tl.constexpr):
     tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
 
 
-def host_us(fn, n: int = 3000) -> float:
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / n * 1e6
+def host_us(fn) -> float:
+    from benchmarks.bench_host import host_and_eager_us
+    return host_and_eager_us(fn)[0]
 
 
 def main() -> None:
@@ -54,7 +46,6 @@ def main() -> None:
                                  (None, False, "auto", None, -1, -1, 0.0))
         runs = list(dispatch._DECODE_RUNS._entries.values())
         run = runs[-1]
-        stream = run.decode.stream()
         q, kc, vc, table, lens = args
         tensors = (q, kc, vc, None, None, table, lens, out, None, None, None)
         name = f"{num_seqs}x{ctx // 1024}k"

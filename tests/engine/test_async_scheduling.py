@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from helpers.engines import assert_pool_whole, make_engine, run_to_finish
+from helpers.engines import assert_pool_whole, make_engine, run_through_failures, run_to_finish
 
 from mini_paged_attn.core.request import PLACEHOLDER_TOKEN
 from mini_paged_attn.engine import SamplingParams
@@ -164,26 +164,8 @@ def test_a_failed_step_keeps_the_tokens_of_the_step_in_flight(tiny_model_factory
     expected = _samples(run_to_finish(make_engine(model, async_scheduling=False),
                                       [(p, params) for p in prompts]))
     engine = make_engine(model, async_scheduling=True)
-    forward = engine.runner.forward
-    calls = []
-
-    def fail_every_third(out, *args):
-        calls.append(1)
-        if len(calls) % 3 == 0:
-            raise RuntimeError("device hiccup")
-        return forward(out, *args)
-
-    engine.runner.forward = fail_every_third
-    ids = [engine.add_request(p, params) for p in prompts]
-    final = {}
-    for _ in range(100):
-        if not engine.has_unfinished_requests():
-            break
-        try:
-            final.update((o.request_id, o) for o in engine.step() if o.finished)
-        except RuntimeError:
-            pass
-    assert _samples([final[i] for i in ids]) == expected
+    outputs = run_through_failures(engine, [(p, params) for p in prompts], max_steps=100)
+    assert _samples(outputs) == expected
     assert_pool_whole(engine)
 
 

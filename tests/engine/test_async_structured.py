@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers.engines import assert_pool_whole, make_engine, run_to_finish
+from helpers.engines import assert_pool_whole, make_engine, run_through_failures, run_to_finish
 
 from mini_paged_attn.core.request import PLACEHOLDER_TOKEN
 from mini_paged_attn.engine import SamplingParams
@@ -126,26 +126,8 @@ def test_a_failed_step_keeps_the_held_tokens():
     requests = _requests("seeded")
     sync_engine, engine = _engines()
     expected = _samples(run_to_finish(sync_engine, requests))
-    forward = engine.runner.forward
-    calls = []
-
-    def fail_every_third(out, *args):
-        calls.append(1)
-        if len(calls) % 3 == 0:
-            raise RuntimeError("device hiccup")
-        return forward(out, *args)
-
-    engine.runner.forward = fail_every_third
-    ids = [engine.add_request(p, params) for p, params in requests]
-    final = {}
-    for _ in range(400):
-        if not engine.has_unfinished_requests():
-            break
-        try:
-            final.update((o.request_id, o) for o in engine.step() if o.finished)
-        except RuntimeError:
-            pass
-    assert _samples([final[i] for i in ids]) == expected
+    outputs = run_through_failures(engine, requests)
+    assert _samples(outputs) == expected
     assert_pool_whole(engine)
     assert not engine.structured._matchers
 

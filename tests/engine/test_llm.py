@@ -17,7 +17,7 @@ from helpers.tiny_models import hf_reference_model
 
 from mini_paged_attn.engine import LLM, LLMEngine, SamplingParams
 from helpers import engines
-from helpers.engines import assert_pool_whole
+from helpers.engines import assert_pool_whole, run_through_failures
 
 ARCHS = ("llama", "qwen2", "qwen3")
 BLOCK_SIZE = 4
@@ -152,28 +152,18 @@ def test_steps_failing_before_the_runner_releases_anything_leak_nothing(tiny_mod
     engine still serves every request and ends with a whole pool."""
     engine = make_engine(tiny_model_factory("llama"), max_num_seqs=2)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    forward = engine.runner.forward
     failures = []
 
-    def fail_when_something_was_released(out, *args):
+    def when_something_was_released(out) -> bool:
         if out.released_seq_ids and len(failures) < 6:
             failures.append(list(out.released_seq_ids))
-            raise RuntimeError("device lost")
-        return forward(out, *args)
+            return True
+        return False
 
-    engine.runner.forward = fail_when_something_was_released
-    ids = [engine.add_request([5 + i, 6, 7], params) for i in range(8)]
-    finished = {}
-    for _ in range(200):
-        if not engine.has_unfinished_requests():
-            break
-        try:
-            finished.update((o.request_id, o) for o in engine.step() if o.finished)
-        except RuntimeError:
-            pass
+    finished = run_through_failures(engine, [([5 + i, 6, 7], params) for i in range(8)],
+                                    when_something_was_released, max_steps=200)
     assert len(failures) == 6
-    assert set(finished) == set(ids)
-    assert all(len(finished[i].outputs[0].token_ids) == 3 for i in ids)
+    assert all(len(o.outputs[0].token_ids) == 3 for o in finished)
     assert_pool_whole(engine)
     engine.step()   # an idle step hands the runner the last finished ids
     assert engine.cache.tables.num_bound == 0     # every block-table row is free again

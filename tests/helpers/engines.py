@@ -7,6 +7,7 @@ block, and the greedy end-to-end check against transformers' ``generate``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +43,38 @@ def run_to_finish(engine: LLMEngine, requests: list[tuple[Any, SamplingParams]])
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
+    return [final[i] for i in ids]
+
+
+def run_through_failures(engine: LLMEngine, requests: list[tuple[Any, SamplingParams]],
+                         fails: Callable[[Any], bool] | None = None,
+                         max_steps: int = 400) -> list:
+    """:func:`run_to_finish`, but a forward whose schedule ``fails(out)`` says so raises (a
+    device hiccup; default: every third one) and the caller goes on stepping, as a server
+    would. Raises KeyError if a request did not finish within ``max_steps`` steps."""
+    forward = engine.runner.forward
+    calls = []
+    if fails is None:
+        def fails(out):
+            calls.append(out)
+            return len(calls) % 3 == 0
+
+    def fail_or_forward(out, *args):
+        if fails(out):
+            raise RuntimeError("device hiccup")
+        return forward(out, *args)
+
+    engine.runner.forward = fail_or_forward
+    ids = [engine.add_request(prompt, params) for prompt, params in requests]
+    final = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            final.update((o.request_id, o) for o in engine.step() if o.finished)
+        except RuntimeError:
+            pass
+    engine.runner.forward = forward
     return [final[i] for i in ids]
 
 
