@@ -11,6 +11,7 @@ elementwise op on a tiny tensor, an empty Triton kernel launched directly).
 
 from __future__ import annotations
 
+import argparse
 
 import torch
 import triton
@@ -29,7 +30,8 @@ def host_us(fn) -> float:
     return host_and_eager_us(fn)[0]
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     from benchmarks.bench_host import paged_inputs
     from mini_paged_attn.ops import dispatch, paged_decode
     from mini_paged_attn.ops.launch import PreparedLaunch
