@@ -16,7 +16,7 @@ An fp8 cache (:mod:`.kv_quant`) is read as fp8 (half the bytes) and converted ri
 load (exact: every e4m3 value is an fp16 / bf16 value). With 16-bit queries the dots run in
 fp16 (``FP16_DOTS``): e4m3 -> fp16 is one instruction per pair on Hopper, e4m3 -> bf16 goes
 through fp16 and fp32, and that conversion alone held decode at ~68% of copy bandwidth (fp16
-dots, with the fp8 tiles of :data:`~.decode_tiles.FP8_TILES`: 89-93%). A bf16 query is
+dots, with the fp8 tiles of :data:`~.decode_tiles.FP8_TILES`: 89-95%). A bf16 query is
 rounded to fp16 for the dot (fp16 has more mantissa than bf16; values past fp16's range,
 |q| > 65504, would overflow: attention queries do not come near it); the softmax
 probabilities go to fp16 for the PV dot, accumulation stays float32. The program's KV head has one ``k_scale`` and one

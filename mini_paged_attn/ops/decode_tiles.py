@@ -48,7 +48,9 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool,
       block_size 1 takes 8 warps to share its per-token table lookups.
     - Split launches (small batches) are latency-bound: 32-token tiles with 5 stages keep two
       K/V tiles in flight behind the block-table loads (the table load takes a stage itself).
-    - An fp8 cache (``kv_dtype`` one byte), split or not: :data:`FP8_TILES`.
+    - An fp8 cache (``kv_dtype`` one byte): :data:`FP8_TILES`, split launches of small
+      batches :data:`FP8_SPLIT_TILES` (see :func:`~.explain.plan_decode` for the split
+      launches of larger ones).
     - Tiles never exceed :data:`MAX_BLOCK_N` tokens: small head sizes would otherwise get tiles
       of thousands of tokens, slow to compile and heavy in registers.
 
@@ -60,7 +62,7 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool,
     if not on_gpu:
         return DecodeTiles(block_n=16, num_warps=4, num_stages=1)
     if kv_dtype is not None and kv_dtype.itemsize == 1:
-        return FP8_TILES
+        return FP8_SPLIT_TILES if split else FP8_TILES
     # One token of K as the kernel holds it (head_size padded to a power of two >= 16).
     row_bytes = max(16, next_pow2(head_size)) * torch.finfo(dtype).bits // 8
     if split:
@@ -74,11 +76,16 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool,
                        num_warps=8 if block_size == 1 else 4, num_stages=3)
 
 
-FP8_TILES = DecodeTiles(block_n=64, num_warps=2, num_stages=6)
-"""Decode over an fp8 cache (H100, head_size 128, bf16 queries): 64-token tiles, 2 warps, 6
-stages read 89-93% of copy bandwidth from 64x4k to 32x64k unsplit (the 16-bit rule's 128/4/3:
-76-84% with fp16 dots), and 85% split at 8x64k (32/4/5: 63%). 128/2/3 reads up to 96% with
-enough sequences but 64% at 32x64k (256 programs); tiles may not depend on the batch."""
+FP8_TILES = DecodeTiles(block_n=128, num_warps=2, num_stages=3)
+"""Decode over an fp8 cache (H100, head_size 128, bf16 queries, fp16 dots), unsplit: 128-token
+tiles, 2 warps, 3 stages read 93-95% of copy bandwidth with 1024 programs or more (256x4k,
+128x16k) and 91% at 512, but 63% at 256: :func:`~.explain.plan_decode` splits such launches
+(32x64k in 4 splits: 94%). 64/2/6 read 88-92% at every size; the 16-bit rule's 128/4/3
+76-84%."""
+
+FP8_SPLIT_TILES = DecodeTiles(block_n=64, num_warps=2, num_stages=6)
+"""Split launches of small batches over an fp8 cache, which are bound by latency: 64/2/6 took
+26 us at 1 x 16k (bf16: 34 us), where 128/2/3 in 128 splits took 32 us."""
 
 
-__all__ = ["DecodeTiles", "default_tiles", "FP8_TILES", "MAX_BLOCK_N"]
+__all__ = ["DecodeTiles", "default_tiles", "FP8_SPLIT_TILES", "FP8_TILES", "MAX_BLOCK_N"]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.args import cdiv, is_int, next_pow2, non_negative_int, positive_int
-from .decode_tiles import FP8_TILES, MAX_BLOCK_N, DecodeTiles, default_tiles
+from .decode_tiles import FP8_SPLIT_TILES, FP8_TILES, MAX_BLOCK_N, DecodeTiles, default_tiles
 from .heuristics import num_splits_heuristic
 from .variants import check_window
 
@@ -54,6 +54,17 @@ PROGRAMS_PER_SM = 2
 FlashAttention counts (two thread blocks per SM). Our unsplit programs at head_size 128 use
 ~190 registers a thread, so 2 fit on an SM; the split launches' smaller tiles would fit 5, but
 the heuristic's choices were tuned (measured) with this count."""
+
+FP8_PROGRAMS_PER_SM = 8
+"""Programs per SM an fp8 launch with :data:`~.decode_tiles.FP8_TILES` needs to read HBM at
+full speed (H100: 93-95% of copy bandwidth from 1024 programs on, 63% at 256). A launch with
+enough programs for the 16-bit rule but fewer than :data:`FP8_SPLIT_BELOW` per SM splits to
+about this many (keeping those tiles); smaller batches split as 16-bit ones do."""
+
+FP8_SPLIT_BELOW = 3.2
+"""Programs per SM under which an fp8 launch that the 16-bit rule leaves unsplit splits
+anyway: 32x64k (256 programs, 1.9 a SM) in 4 splits read 94% against 63% unsplit; 64x4k (512,
+3.9 a SM) unsplit 91%, in 2 splits 86%."""
 
 ASSUMED_NUM_SMS = 132
 """SM count used for planning when no CUDA device is given (an H100 or H200)."""
@@ -115,7 +126,7 @@ class DecodePlan:
     tiles: DecodeTiles
     num_sms: int
     num_splits: int
-    split_reason: str         # "forced", "enough programs", "heuristic"
+    split_reason: str         # "forced", "enough programs", "heuristic", "fp8 programs"
     heuristic_splits: int | None = None    # FlashAttention's choice, before balance_splits
     heuristic_kv_tiles: int | None = None  # the num_n_blocks it was given (split tiles)
     kv_dtype: torch.dtype | None = None    # the cache's dtype when not the query's (fp8)
@@ -203,6 +214,10 @@ class DecodePlan:
                    "of their last wave")
         if self.split_reason == "forced":
             why = f"num_splits={self.num_splits} was forced"
+        elif self.split_reason == "fp8 programs":
+            why = (f"{self.units} programs over an fp8 cache are under {FP8_SPLIT_BELOW} per "
+                   f"SM: split toward {FP8_PROGRAMS_PER_SM} per SM, what its tiles need to "
+                   "read at full speed")
         elif self.split_reason == "enough programs":
             why = (f"{self.units} programs >= 80% of {self.wave_slots} slots: no split "
                    "needed (FlashAttention's rule)")
@@ -255,6 +270,15 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
         reason = "enough programs" if units >= 0.8 * slots else "heuristic"
         if splits > 1:
             splits = balance_splits(splits, max(units, 1), slots, n_tiles, cap)
+        elif (kv_dtype is not None and kv_dtype.itemsize == 1 and on_gpu and tiles is None
+              and units < FP8_SPLIT_BELOW * num_sms):
+            # fp8 tiles need more programs than 16-bit ones to read at full speed.
+            tiles = default_tiles(head_size, dtype, on_gpu, False, block_size=block_size,
+                                  kv_dtype=kv_dtype)
+            n_tiles = max(1, window_kv_tiles(max_context_len, tiles.block_n, window_left))
+            chosen = splits = min(n_tiles, max(1, min(max_splits, MAX_SPLITS)),
+                                  max(1, round(FP8_PROGRAMS_PER_SM * num_sms / units)))
+            reason = "fp8 programs"
     tiles = tiles or default_tiles(head_size, dtype, on_gpu, splits > 1, block_size=block_size,
                                    kv_dtype=kv_dtype)
     return DecodePlan(num_seqs, num_q_heads, num_kv_heads, head_size, block_size, dtype,
@@ -308,5 +332,5 @@ def explain_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size
 # DecodeTiles, default_tiles, FP8_TILES and MAX_BLOCK_N live in .decode_tiles; re-exported
 # here, where the plan that uses them is.
 __all__ = ["DecodePlan", "DecodeTiles", "plan_decode", "explain_decode", "default_tiles",
-           "balance_splits", "window_kv_tiles", "FP8_TILES", "MAX_BLOCK_N",
+           "balance_splits", "window_kv_tiles", "FP8_SPLIT_TILES", "FP8_TILES", "MAX_BLOCK_N",
            "num_sms_of", "FUSED_MERGE", "MAX_SPLITS", "PROGRAMS_PER_SM"]

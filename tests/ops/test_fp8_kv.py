@@ -303,13 +303,36 @@ def test_scale_on_another_device_raises():
 
 @pytest.mark.parametrize("num_seqs", [1, 256])
 def test_fp8_cache_plans_its_own_tiles_and_fp16_dots(num_seqs):
-    from mini_paged_attn.ops.explain import FP8_TILES, plan_decode
+    from mini_paged_attn.ops.explain import FP8_SPLIT_TILES, FP8_TILES, plan_decode
 
     args = (num_seqs, 32, 8, 128, 16384, 16, torch.bfloat16, 132)
     fp8 = plan_decode(*args, kv_dtype=FP8_DTYPE)
     bf16 = plan_decode(*args)
-    assert fp8.tiles == FP8_TILES != bf16.tiles
+    assert fp8.tiles == (FP8_SPLIT_TILES if num_seqs == 1 else FP8_TILES) != bf16.tiles
     assert fp8.fp16_dots and not bf16.fp16_dots
     assert "float8_e4m3fn cache" in str(fp8)
     # fp32 queries over an fp8 cache keep fp32 dots (fp16 would round them).
     assert not plan_decode(*args[:6], torch.float32, 132, kv_dtype=FP8_DTYPE).fp16_dots
+
+
+@pytest.mark.parametrize("num_seqs, context, splits", [
+    (32, 65536, 4),     # 256 programs: split toward 8 a SM
+    (30, 4096, 4),
+    (64, 4096, 1),      # 512: enough
+    (256, 4096, 1),
+])
+def test_fp8_launches_with_few_programs_per_sm_split(num_seqs, context, splits):
+    """fp8 tiles need about 8 programs a SM: launches the 16-bit rule leaves unsplit with fewer
+    than 3.2 a SM split toward that, with the unsplit tiles; a forced num_splits=1 keeps the
+    same tiles whatever the batch."""
+    from mini_paged_attn.ops.explain import FP8_TILES, plan_decode
+
+    plan = plan_decode(num_seqs, 32, 8, 128, context, 16, torch.bfloat16, 132,
+                       kv_dtype=FP8_DTYPE)
+    assert (plan.num_splits, plan.tiles) == (splits, FP8_TILES)
+    assert (plan.split_reason == "fp8 programs") == (splits > 1)
+    if splits > 1:
+        assert "fp8 cache are under" in str(plan)
+    forced = plan_decode(num_seqs, 32, 8, 128, context, 16, torch.bfloat16, 132, 1,
+                         kv_dtype=FP8_DTYPE)
+    assert (forced.num_splits, forced.tiles) == (1, FP8_TILES)
