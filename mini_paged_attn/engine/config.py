@@ -45,9 +45,10 @@ class EngineConfig:
             host (they stay on the device as t + 1's inputs), so the host's scheduling and
             output handling run while the GPU computes. ``step()`` then returns a step's
             outputs one call later. None: on with CUDA and one rank. Steps that need their
-            tokens on the host at once (forking n > 1 samples, prompt logprobs), steps while
-            a request with structured outputs is live, and tensor parallelism run
-            synchronously.
+            tokens on the host at once (forking n > 1 samples, prompt logprobs) and tensor
+            parallelism run synchronously; while a request with structured outputs is live,
+            a step's sampling also waits for the next call (its grammar masks need the
+            previous step's tokens, see ``engine/in_flight.py``).
     """
 
     block_size: int = 16
