@@ -87,7 +87,7 @@ def _run(llm, prompts, params) -> dict:
         return outputs
 
     engine.step = timed_step
-    steps = engine._num_steps
+    steps = engine.counters.num_steps
     try:
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -97,7 +97,7 @@ def _run(llm, prompts, params) -> dict:
     finally:
         del engine.structured._fill
         del engine.step
-    steps = engine._num_steps - steps
+    steps = engine.counters.num_steps - steps
     tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return {"output_tokens": tokens, "seconds": round(seconds, 3),
             "tokens_per_s": round(tokens / seconds, 1), "steps": steps,

@@ -12,16 +12,14 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
 
 from ..cache.memory_map import MemoryMap
 from ..core.request import PLACEHOLDER_TOKEN, FinishReason, Request
 from ..core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ..models.config import ModelConfig
+from ..models.loader import TINY_MODEL, load_model_and_tokenizer
 from ..models.tokenizer import Tokenizer
 from .admission import Admission
 from .config import EngineConfig, resolve_max_model_len
@@ -30,37 +28,11 @@ from .model_runner import ModelRunner
 from .output_processor import OutputProcessor, RequestState
 from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
+from .step_counters import RATE_WINDOW_S, StepCounters
 from .structured import Advance, GrammarCompiler, StructuredOutputs
 from .structured.bitmask import TokenMasks
 
 logger = logging.getLogger(__name__)
-
-# Name of the embedded random tiny model (models/tiny.py) where a model directory is expected.
-TINY_MODEL = "tiny"
-# Seconds of recent steps over which generation_tokens_per_s is measured.
-RATE_WINDOW_S = 10.0
-
-
-def load_model_and_tokenizer(model: str | Path, *, dtype="auto", device=None):
-    """``(CausalLM, ModelConfig, Tokenizer)`` from a local Hugging Face directory, a ``.gguf``
-    file, a packaged model's name (``"smollm2-135m"``, see models/packaged.py), or the
-    embedded tiny random Llama for ``model="tiny"``."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if str(model) == TINY_MODEL:
-        from ..models.tiny import tiny_llama
-        from ..models.config import parse_dtype
-        return tiny_llama(device, torch.float32 if dtype in (None, "auto") else parse_dtype(dtype))
-    from ..models.gguf import is_gguf_path, load_gguf
-    from ..models.packaged import resolve_model
-    model = resolve_model(model)
-    if is_gguf_path(model):
-        return load_gguf(model, dtype=dtype, device=device)
-    from ..models.loader import load_model
-    from ..models.tokenizer import load_tokenizer
-    tokenizer = load_tokenizer(model)
-    net, config = load_model(model, dtype=dtype, device=device)
-    return net, config, tokenizer
-
 
 class LLMEngine:
     """Continuous-batching engine over the paged KV cache (see the module doc for threads).
@@ -119,13 +91,7 @@ class LLMEngine:
         self._live: set[str] = set()          # request ids pending or in the scheduler
         self._states: dict[str, RequestState] = {}
         self._ids = itertools.count()
-        # Statistics.
-        self._num_steps = 0
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
-        self._finished = 0
-        self._recent: deque[tuple[float, float, int]] = deque()   # (start, end, tokens)
-        self._recent_tokens = 0                                    # sum of their tokens
+        self.counters = StepCounters()
         self._last_log = time.monotonic()
         # What the latest step computed (batch composition), for people watching the engine.
         self.last_schedule: SchedulerOutput | None = None
@@ -518,7 +484,7 @@ class LLMEngine:
             if state.request.params.structured_outputs is not None:
                 self._num_structured -= 1
                 self.structured.release(request_id)
-        self._finished += len(finished_ids)
+        self.counters.requests_finished += len(finished_ids)
 
     def memory_map(self) -> MemoryMap:
         """A snapshot of the live pool (``str()`` it to read): the running sequences' blocks,
@@ -532,39 +498,24 @@ class LLMEngine:
             for seq in self.scheduler.running})
 
     # ---- statistics ---------------------------------------------------------------------------
-    def _count(self, out, num_generated: int, start: float) -> None:
-        end = time.perf_counter()
-        self._num_steps += 1
-        self._prompt_tokens += out.num_prefill_tokens
-        self._generation_tokens += num_generated
-        with self._lock:    # stats() may read it from another thread
-            self._recent.append((start, end, num_generated))
-            self._recent_tokens += num_generated
-            while self._recent and self._recent[0][1] < end - RATE_WINDOW_S:
-                self._recent_tokens -= self._recent.popleft()[2]
+    def _count(self, out: SchedulerOutput, num_generated: int, start: float) -> None:
+        self.counters.count_step(out.num_prefill_tokens, num_generated, start)
 
     def stats(self) -> EngineStats:
         """A snapshot of the pool, the queues and the throughput (O(1); any thread: the server's
         engine process takes one after every step)."""
         with self._lock:
-            first = self._recent[0] if self._recent else None
-            last = self._recent[-1] if self._recent else None
-            tokens = self._recent_tokens
             pending = len(self._pending_adds)
-        rate = 0.0
-        if last is not None and last[1] > time.perf_counter() - RATE_WINDOW_S:
-            span = last[1] - first[0]
-            rate = tokens / span if span > 0 else 0.0
-        kv = self.kv_manager
+        c, kv = self.counters, self.kv_manager
         return EngineStats(
             kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks(),
             kv_blocks_cached=kv.prefix_cache.num_cached_blocks, block_size=kv.block_size,
             prefix_cache_hit_rate=kv.hit_rate, num_preemptions=self.scheduler.num_preemptions,
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting + pending, num_steps=self._num_steps,
-            prompt_tokens_total=self._prompt_tokens,
-            generation_tokens_total=self._generation_tokens, generation_tokens_per_s=rate,
-            requests_finished=self._finished, window_s=RATE_WINDOW_S)
+            num_waiting=self.scheduler.num_waiting + pending, num_steps=c.num_steps,
+            prompt_tokens_total=c.prompt_tokens, generation_tokens_total=c.generation_tokens,
+            generation_tokens_per_s=c.generation_rate(),
+            requests_finished=c.requests_finished, window_s=RATE_WINDOW_S)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()

@@ -157,9 +157,8 @@ def start_tensor_parallel(model: str | Path, *, dtype: str, device: str | None,
         TensorParallelError: a worker could not start (its error is in the message).
     """
     from ..models.config import ModelConfig
-    from ..models.loader import load_model
+    from ..models.loader import TINY_MODEL, load_model
     from ..models.tokenizer import load_tokenizer
-    from .llm_engine import TINY_MODEL
 
     n = config.tensor_parallel_size
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

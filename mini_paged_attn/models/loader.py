@@ -165,3 +165,29 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype | str | None = None,
     logger.info("loaded %s from %s: %d layers, hidden %d, %s on %s%s", config.architecture,
                 model_dir, config.num_layers, config.hidden_size, load_dtype, device, rank)
     return model, config
+
+
+# Name of the embedded random tiny model (models/tiny.py) where a model directory is expected.
+TINY_MODEL = "tiny"
+
+
+def load_model_and_tokenizer(model: str | Path, *, dtype="auto", device=None):
+    """``(CausalLM, ModelConfig, Tokenizer)`` from a local Hugging Face directory, a ``.gguf``
+    file, a packaged model's name (``"smollm2-135m"``, see models/packaged.py), or the
+    embedded tiny random Llama for ``model="tiny"``."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if str(model) == TINY_MODEL:
+        from .config import parse_dtype
+        from .tiny import tiny_llama
+        return tiny_llama(device, torch.float32 if dtype in (None, "auto") else parse_dtype(dtype))
+    from .gguf import load_gguf
+    from .packaged import resolve_model
+    model = resolve_model(model)
+    if is_gguf_path(model):
+        return load_gguf(model, dtype=dtype, device=device)
+    from .tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(model)
+    net, config = load_model(model, dtype=dtype, device=device)
+    return net, config, tokenizer
+
+

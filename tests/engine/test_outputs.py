@@ -85,11 +85,11 @@ def test_generation_rate_counts_the_steps_of_the_last_window(monkeypatch):
     import time as real_time
     from types import SimpleNamespace
 
-    from mini_paged_attn.engine import llm_engine
+    from mini_paged_attn.engine import step_counters
 
     engine = _tiny_engine()
     clock = [1000.0]
-    monkeypatch.setattr(llm_engine, "time", SimpleNamespace(
+    monkeypatch.setattr(step_counters, "time", SimpleNamespace(
         perf_counter=lambda: clock[0], monotonic=real_time.monotonic, time=real_time.time))
     step = SimpleNamespace(num_prefill_tokens=0)
     for now, tokens in ((1000.0, 10), (1005.0, 20), (1012.0, 30)):

@@ -39,7 +39,7 @@ def test_overlap_runs_in_steps_without_sampling():
     # A 7-token prompt in chunks of 3: the first two steps compute KV but sample nothing.
     engine = _engine(max_num_batched_tokens=3)
     _, calls = _run(engine, overlap=True)
-    assert len(calls) == engine._num_steps
+    assert len(calls) == engine.counters.num_steps
 
 
 def test_overlap_must_be_callable():
@@ -47,4 +47,4 @@ def test_overlap_must_be_callable():
     engine.add_request([5, 6], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="overlap"):
         engine.step(overlap="send")
-    assert engine._num_steps == 0 and engine.has_unfinished_requests()
+    assert engine.counters.num_steps == 0 and engine.has_unfinished_requests()
