@@ -149,3 +149,35 @@ def test_min_tokens_counts_the_tokens_before_the_held_step():
     # min_tokens letters, then the end-of-sequence token as soon as it is allowed.
     assert [len(o.outputs[0].token_ids) for o in asyn] == [3, 6, 8]
     assert all(o.outputs[0].token_ids[-1] == 256 for o in asyn)
+
+
+def test_forks_and_prompt_logprobs_between_held_steps():
+    """Steps that must be synchronous (a fork, prompt logprobs) come between held ones: the
+    engine switches modes step by step and the tokens stay the synchronous engine's."""
+    json = dict(temperature=1.0, max_tokens=40, structured_outputs=JSON)
+    requests = [("a:", SamplingParams(**json, seed=1)),
+                ("b:", SamplingParams(**json, seed=2, n=2)),
+                ("c:", SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=1,
+                                      ignore_eos=True)),
+                ("d:", SamplingParams(**json, seed=3))]
+    results = []
+    for engine in _engines():
+        ids = [engine.add_request(*requests[0])]
+        engine.step()
+        engine.step()
+        # The rest join while a step is held (asynchronous) or after it (synchronous).
+        ids += [engine.add_request(p, params) for p, params in requests[1:]]
+        final = {}
+        modes = []
+        while engine.has_unfinished_requests():
+            final.update((o.request_id, o) for o in engine.step() if o.finished)
+            modes.append(engine._held is not None)
+        results.append([final[i] for i in ids])
+        assert_pool_whole(engine)
+        assert not engine.structured._matchers
+        if engine._async:   # held steps, and synchronous ones between them
+            assert any(modes) and not all(modes)
+    sync, asyn = results
+    assert _samples(asyn) == _samples(sync)
+    assert asyn[2].prompt_logprobs == sync[2].prompt_logprobs
+    assert len(asyn[1].outputs) == 2
