@@ -8,6 +8,7 @@ the model runner are only ever touched by the stepping thread.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -442,6 +443,11 @@ class LLMEngine:
                 return
         except Exception:
             logger.exception("the tokens of the step before the failed one are lost")
+            if masks is not None:
+                # The grammar fill may still run on the worker thread: the next step's
+                # grammar work must not share its matchers.
+                with contextlib.suppress(Exception):
+                    masks()
         for seq, at in zip(step.out.seqs, step.where):
             if at >= 0 and seq.token_ids[at] == PLACEHOLDER_TOKEN:
                 del seq.token_ids[at:]

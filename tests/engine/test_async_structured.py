@@ -181,3 +181,50 @@ def test_forks_and_prompt_logprobs_between_held_steps():
     assert _samples(asyn) == _samples(sync)
     assert asyn[2].prompt_logprobs == sync[2].prompt_logprobs
     assert len(asyn[1].outputs) == 2
+
+
+def test_a_held_sampling_that_fails_ends_its_samples_and_waits_for_the_fill():
+    """The held step's own sampling raises: the step raises, its samples end with reason
+    "error" (their tokens never existed), the grammar fill it started is waited for before
+    anything else touches the matchers, and the engine goes on with the other requests."""
+    engine = make_engine("tiny", async_scheduling=True, **CONFIG)
+    requests = _requests("seeded")
+    ids = [engine.add_request(p, params) for p, params in requests]
+    engine.step()
+    engine.step()
+    assert engine._held is not None
+    waited = []
+    start = engine.structured.start
+
+    def recording_start(out):
+        wait = start(out)
+
+        def recorded():
+            waited.append(out)
+            return wait()
+        return recorded
+
+    sample_held = engine._sample_held
+    calls = []
+
+    def fail_twice(step, masks):
+        calls.append(step)
+        if len(calls) <= 2:     # the step's own try, then the one after its failure
+            raise RuntimeError("sampler failed")
+        return sample_held(step, masks)
+
+    engine.structured.start = recording_start
+    engine._sample_held = fail_twice
+    with pytest.raises(RuntimeError, match="sampler failed"):
+        engine.step()
+    assert waited, "the fill was not waited for"
+    del engine.structured.start
+    del engine._sample_held
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    reasons = [final[i].outputs[0].finish_reason for i in ids]
+    assert "error" in reasons
+    assert all(PLACEHOLDER_TOKEN not in final[i].outputs[0].token_ids for i in ids)
+    assert_pool_whole(engine)
+    assert not engine.structured._matchers
