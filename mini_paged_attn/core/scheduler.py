@@ -346,6 +346,9 @@ class Scheduler:
             seq.token_ids[at] = token
             request = seq.request
             _stamp(request, now)
+            if request.finished_time is not None:
+                # It ended on its length before this, its last token, was known.
+                request.finished_time = max(request.finished_time, now)
             if lp is not None:
                 _add_logprob(seq, lp)
             grew.append(seq)

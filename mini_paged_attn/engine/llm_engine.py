@@ -203,11 +203,11 @@ class LLMEngine:
 
         ``overlap``: called exactly once during the step, once its device work is enqueued
         and before the host waits for the sampled tokens (at the end, for a step without
-        device work): host work that then costs no step time. The server's engine process
-        sends the previous step's outputs there. Not called if the step raises first. If
-        ``overlap`` raises, ``step()`` raises that error: from the sampler, the step is rolled
-        back like any failed forward; from the end of a step without device work, the step
-        has happened and its outputs are lost.
+        device work or whose sampling is held to the next call): host work that then costs
+        no step time. The server's engine process sends the previous step's outputs there.
+        Not called if the step raises first. If ``overlap`` raises, ``step()`` raises that
+        error: from the sampler, the step is rolled back like any failed forward; from the
+        end of a step, the step has happened and its outputs are lost.
 
         Raises:
             RuntimeError: another thread is inside ``step()`` (one thread steps an engine; nothing
@@ -265,7 +265,12 @@ class LLMEngine:
             for seq_id in out.released_seq_ids:
                 self.runner.release(seq_id)
             if prev is not None:
-                self._finish_in_flight(prev, touched, masks)
+                try:
+                    self._finish_in_flight(prev, touched, masks)
+                except BaseException:
+                    self._settle_after_failure(prev, touched, masks)
+                    self._carry_after_failure(touched, aborted)
+                    raise
         else:
             try:
                 self._run(out, prev, masks, overlap, touched, start)
@@ -301,15 +306,19 @@ class LLMEngine:
                    ) -> Callable[[], TokenMasks | None]:
         """Take the tokens of ``prev`` (the step before the held one), then start filling the
         held step's grammar masks on the worker thread; returns the call that waits for them."""
+        masks = None
         try:
             if prev is None:
                 return self.structured.start(held.out)
-            grew = self._resolve(prev)
+            grew = self._resolve(prev, touched=touched)
             self._advance_grammars(grew)
             masks = self.structured.start(held.out)
             self._process_outputs(grew, touched)     # while the masks fill
             return masks
         except BaseException:
+            if masks is not None:   # no matcher is shared with a fill still running
+                with contextlib.suppress(Exception):
+                    masks()
             # The held step was never counted: its sequences are scheduled again.
             self.scheduler.rollback(held.out)
             if prev is not None:
@@ -404,10 +413,11 @@ class LLMEngine:
         """Wait for the in-flight ``step``'s tokens (a held one is sampled first, ``masks``:
         its grammar fill), put them in place (see ``Scheduler.resolve_in_flight``) and handle
         them as a synchronous step's."""
-        self._process_tokens(self._resolve(step, masks), touched)
+        self._process_tokens(self._resolve(step, masks, touched), touched)
 
     def _resolve(self, step: InFlightStep,
-                 masks: Callable[[], TokenMasks | None] | None = None) -> list:
+                 masks: Callable[[], TokenMasks | None] | None = None,
+                 touched: dict[str, RequestState] | None = None) -> list:
         """Read the in-flight ``step``'s tokens (as :meth:`_finish_in_flight`) and put them in
         place; returns the sequences that got one, for :meth:`_process_tokens`."""
         if step.sample is None:
@@ -417,6 +427,9 @@ class LLMEngine:
         grew = self.scheduler.resolve_in_flight(step.out, step.where, result.token_ids,
                                                 result.logprobs)
         self._count(step.out, len(grew), step.start)
+        if touched is not None:     # reported even if handling them fails
+            for seq in grew:
+                touched[seq.request.request_id] = self._states[seq.request.request_id]
         return grew
 
     def _process_tokens(self, grew: list, touched: dict[str, RequestState]) -> None:

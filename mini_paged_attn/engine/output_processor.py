@@ -125,7 +125,7 @@ class OutputProcessor:
         if text.final_text is not None:
             return text.final_text
         full = text.detokenizer.text
-        if seq.is_finished or not state.hold:
+        if (seq.is_finished and seq.token_ids[-1] != PLACEHOLDER_TOKEN) or not state.hold:
             return full
         return full[:max(0, len(full) - state.hold)]
 
@@ -153,9 +153,11 @@ class OutputProcessor:
                 if wants_logprobs:
                     lps = seq.logprobs if seq.logprobs is not None else []
                     logprobs = GrowingListView(lps, 0, len(lps))
+            # A sample that ended on its length with its last token in flight is not done yet.
+            reason = seq.finish_reason if end == len(tokens) else None
             completions.append(CompletionOutput(
                 index=seq.index, text=self._text_of(state, seq), token_ids=token_ids,
-                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                finish_reason=reason.value if reason else None,
                 cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
                 logprobs=logprobs))
         first = request.sequences[0]

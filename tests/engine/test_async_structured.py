@@ -228,3 +228,107 @@ def test_a_held_sampling_that_fails_ends_its_samples_and_waits_for_the_fill():
     assert all(PLACEHOLDER_TOKEN not in final[i].outputs[0].token_ids for i in ids)
     assert_pool_whole(engine)
     assert not engine.structured._matchers
+
+
+WORDS = StructuredOutputsParams(regex="[a-z]{8,12}")
+
+
+def _drain(engine, max_calls: int = 60) -> dict:
+    """Step until nothing is unfinished, stepping past RuntimeErrors; final outputs by id."""
+    final = {}
+    for _ in range(max_calls):
+        if not engine.has_unfinished_requests():
+            return final
+        try:
+            final.update((o.request_id, o) for o in engine.step() if o.finished)
+        except RuntimeError:
+            pass
+    raise AssertionError(f"not drained: live {engine._live}")
+
+
+def test_a_held_step_failing_on_the_last_call_still_drains():
+    """The last call of a run has an empty schedule and only finishes the held step; its
+    sampling fails once there. The request, which ended on its length with that token in
+    flight, must still finish, without a placeholder among its tokens."""
+    engine = make_engine("tiny", async_scheduling=True, **CONFIG)
+    rid = engine.add_request("w", SamplingParams(temperature=1.0, seed=1, max_tokens=3,
+                                                 structured_outputs=WORDS))
+    sample_held = engine._sample_held
+    failures = []
+
+    def fail_on_the_empty_call(step, masks):
+        if engine.last_schedule.is_empty and not failures:
+            failures.append(step)
+            raise RuntimeError("sampler failed")
+        return sample_held(step, masks)
+
+    engine._sample_held = fail_on_the_empty_call
+    final = _drain(engine)
+    assert failures
+    assert PLACEHOLDER_TOKEN not in final[rid].outputs[0].token_ids
+    assert_pool_whole(engine)
+    assert not engine.structured._matchers
+
+
+# The calls at which each fails: those that come right after the call that reads the tokens
+# finishing the constrained request.
+@pytest.mark.parametrize("where, failing_call", [("start", 4), ("advance", 3)])
+def test_a_failure_after_the_previous_tokens_were_read_reports_them(where, failing_call):
+    """Starting the held step's fill (or feeding the grammars) fails after the previous step's
+    tokens were put in place: the requests those tokens finished are still reported."""
+    engine = make_engine("tiny", async_scheduling=True, **CONFIG)
+    ids = [engine.add_request("w", SamplingParams(temperature=1.0, seed=1, max_tokens=3,
+                                                  structured_outputs=WORDS)),
+           engine.add_request("plain", SamplingParams(temperature=1.0, seed=2, max_tokens=12,
+                                                      ignore_eos=True))]
+    real = getattr(engine.structured, where)
+    calls = []
+
+    def fail_once_late(*args):
+        calls.append(1)
+        if len(calls) == failing_call:
+            raise RuntimeError("grammar failure")
+        return real(*args)
+
+    setattr(engine.structured, where, fail_once_late)
+    final = _drain(engine)
+    assert set(final) == set(ids)
+    assert all(PLACEHOLDER_TOKEN not in o.outputs[0].token_ids for o in final.values())
+    assert_pool_whole(engine)
+
+
+def test_a_sample_whose_last_token_is_in_flight_is_not_reported_finished():
+    """n=2 samples drift apart under preemption: one ends on its length while its last token
+    is still in flight and its sibling runs. Until that token arrives the sample is reported
+    running, so a streaming client that stops at the first finish_reason gets every token."""
+    words = StructuredOutputsParams(regex="[a-z]{30,60}")   # never ends before max_tokens
+    mismatches = []
+    for blocks in (14, 16, 18):
+        engine = make_engine("tiny", async_scheduling=True, block_size=4, num_kv_blocks=blocks,
+                             max_num_seqs=8, max_model_len=128)
+        for i in range(4):
+            engine.add_request(f"p{i} ", SamplingParams(temperature=1.0, seed=i, n=2,
+                                                        max_tokens=12 + i,
+                                                        structured_outputs=words))
+        first_done, final = {}, {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                for c in o.outputs:
+                    if c.finish_reason is not None:
+                        first_done.setdefault((o.request_id, c.index), len(c.token_ids))
+                if o.finished:
+                    final[o.request_id] = o
+        assert_pool_whole(engine)
+        mismatches += [key for key, n in first_done.items()
+                       if n != len(final[key[0]].outputs[key[1]].token_ids)]
+    assert not mismatches
+
+
+def test_a_request_that_ends_on_its_length_finishes_after_its_last_token():
+    """Its length ends it when the held step is scheduled past, one call before its last token
+    is known: the finish time (what the end-to-end latency metric reads) is not before it."""
+    engine = make_engine("tiny", async_scheduling=True, **CONFIG)
+    rid = engine.add_request("w", SamplingParams(temperature=1.0, seed=1, max_tokens=4,
+                                                 structured_outputs=WORDS))
+    metrics = _drain(engine)[rid].metrics
+    assert metrics.finished_time >= metrics.last_token_time
