@@ -259,7 +259,14 @@ class LLMEngine:
             prev = held
         if prev is not None:
             prev.where = self.scheduler.advance_in_flight(prev.out)
-        out = self.scheduler.schedule()
+        try:
+            out = self.scheduler.schedule()
+        except BaseException:
+            # Nothing was scheduled; the step before still gets its tokens in place.
+            if prev is not None:
+                self._settle_after_failure(prev, touched, masks)
+            self._carry_after_failure(touched, aborted)
+            raise
         self.last_schedule = out
         if out.is_empty:
             for seq_id in out.released_seq_ids:

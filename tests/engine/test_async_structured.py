@@ -332,3 +332,29 @@ def test_a_request_that_ends_on_its_length_finishes_after_its_last_token():
                                                  structured_outputs=WORDS))
     metrics = _drain(engine)[rid].metrics
     assert metrics.finished_time >= metrics.last_token_time
+
+
+def test_a_schedule_that_fails_while_a_step_is_held_loses_nothing():
+    """Scheduling the next step raises once while a step is held: the held step is still
+    sampled and its tokens reported, so the outputs equal an undisturbed run."""
+    requests = _requests("seeded")
+    sync_engine, engine = _engines()
+    expected = _samples(run_to_finish(sync_engine, requests))
+    schedule = engine.scheduler.schedule
+    calls = []
+
+    def fail_once(*args):
+        # A step in flight shows as placeholders among the running sequences' tokens.
+        calls.append(any(seq.token_ids[-1] == PLACEHOLDER_TOKEN
+                         for seq in engine.scheduler.running))
+        if len(calls) == 6:
+            assert calls[-1], "no step in flight to lose"
+            raise RuntimeError("scheduler failed")
+        return schedule(*args)
+
+    engine.scheduler.schedule = fail_once
+    ids = [engine.add_request(p, params) for p, params in requests]
+    final = _drain(engine)
+    assert _samples([final[i] for i in ids]) == expected
+    assert_pool_whole(engine)
+    assert not engine.structured._matchers
