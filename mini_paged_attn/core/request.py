@@ -72,6 +72,11 @@ class Sequence:
     deferred_block: int | None = None
 
     @property
+    def awaits_token(self) -> bool:
+        """Its newest token is a PLACEHOLDER_TOKEN: sampled by a step still in flight."""
+        return self.token_ids[-1] == PLACEHOLDER_TOKEN
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

@@ -259,44 +259,35 @@ class LLMEngine:
             prev = held
         if prev is not None:
             prev.where = self.scheduler.advance_in_flight(prev.out)
+        out = None
         try:
             out = self.scheduler.schedule()
+            self.last_schedule = out
+            if out.is_empty:
+                for seq_id in out.released_seq_ids:
+                    self.runner.release(seq_id)
+                if prev is not None:
+                    self._finish_in_flight(prev, touched, masks)
+            else:
+                self._run(out, prev, masks, overlap, touched, start)
         except BaseException:
-            # Nothing was scheduled; the step before still gets its tokens in place.
+            # A step that was to run is requeued and the prefix-cache entries it registered
+            # dropped (their K/V were never written), so the engine stays usable. The
+            # in-flight step before it did finish: its tokens are taken and reported by the
+            # next step.
+            if out is not None and not out.is_empty:
+                self.scheduler.rollback(out)
             if prev is not None:
                 self._settle_after_failure(prev, touched, masks)
             self._carry_after_failure(touched, aborted)
             raise
-        self.last_schedule = out
-        if out.is_empty:
-            for seq_id in out.released_seq_ids:
-                self.runner.release(seq_id)
-            if prev is not None:
-                try:
-                    self._finish_in_flight(prev, touched, masks)
-                except BaseException:
-                    self._settle_after_failure(prev, touched, masks)
-                    self._carry_after_failure(touched, aborted)
-                    raise
-        else:
-            try:
-                self._run(out, prev, masks, overlap, touched, start)
-            except BaseException:
-                # Requeue the step's sequences and drop the prefix-cache entries it registered
-                # (their K/V were never written), so the engine stays usable. The in-flight
-                # step before it did finish: its tokens are taken and reported by the next step.
-                self.scheduler.rollback(out)
-                if prev is not None:
-                    self._settle_after_failure(prev, touched, masks)
-                self._carry_after_failure(touched, aborted)
-                raise
 
         outputs = []
         finished_ids = []
         for request_id, state in touched.items():
             request = state.request
             if request.is_finished:
-                if _awaits_token(request):
+                if any(seq.awaits_token for seq in request.sequences):
                     continue    # its last token is still in flight (held): reported with it
                 finished_ids.append(request_id)
                 for seq in request.sequences:
@@ -548,12 +539,6 @@ class LLMEngine:
         if now - self._last_log >= self.config.log_stats_interval_s:
             self._last_log = now
             logger.info("engine: %s", self.stats().summary())
-
-
-def _awaits_token(request: Request) -> bool:
-    """A sequence of the finished ``request`` ended on its length with its last token still
-    in flight (a placeholder until the held step's tokens are read)."""
-    return any(seq.token_ids[-1] == PLACEHOLDER_TOKEN for seq in request.sequences)
 
 
 def _needs_sync(request: Request) -> bool:

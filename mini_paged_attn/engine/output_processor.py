@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..core.request import PLACEHOLDER_TOKEN, FinishReason, Request, Sequence
+from ..core.request import FinishReason, Request, Sequence
 from ..models.tokenizer import IncrementalDetokenizer, Tokenizer
 from .outputs import CompletionOutput, GrowingListView, RequestMetrics, RequestOutput
 
@@ -125,7 +125,7 @@ class OutputProcessor:
         if text.final_text is not None:
             return text.final_text
         full = text.detokenizer.text
-        if (seq.is_finished and seq.token_ids[-1] != PLACEHOLDER_TOKEN) or not state.hold:
+        if (seq.is_finished and not seq.awaits_token) or not state.hold:
             return full
         return full[:max(0, len(full) - state.hold)]
 
@@ -141,7 +141,7 @@ class OutputProcessor:
         for seq in request.sequences:    # in index order: the scheduler appends them so
             tokens = seq.token_ids
             # A token still in flight (asynchronous scheduling) is not reported yet.
-            end = len(tokens) - (tokens[-1] == PLACEHOLDER_TOKEN)
+            end = len(tokens) - seq.awaits_token
             num_generated += end - start
             logprobs = None
             if finished:

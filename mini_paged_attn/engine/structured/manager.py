@@ -35,9 +35,9 @@ FILL_THREADS = 4
 
 
 class Advance(Enum):
-    """What a token did to its sample's grammar."""
+    """How a token ended its sample's grammar (what :meth:`StructuredOutputs.advance` reports
+    of the tokens that do not just go on)."""
 
-    GOING = "going"          # accepted; more may follow
     COMPLETE = "complete"    # the end-of-sequence token, which a complete grammar forces
     REJECTED = "rejected"    # not allowed (the sample cannot go on)
 
@@ -61,7 +61,8 @@ class StructuredOutputs:
         # (they share the bitmask buffer and the matchers).
         self._worker: ThreadPoolExecutor | None = None
         self._eos = frozenset(compiler.eos_token_ids)
-        self._bits = bit_values(device)
+        self._device = device
+        self._bits: torch.Tensor | None = None     # made with the first masks
 
     def _allocate(self, rows: int) -> torch.Tensor:
         return torch.zeros((rows, self.words), dtype=torch.int32, pin_memory=self._pin)
@@ -92,6 +93,8 @@ class StructuredOutputs:
 
         def wait() -> TokenMasks:
             future.result()
+            if self._bits is None:
+                self._bits = bit_values(self._device)
             return TokenMasks(rows, bitmask, self._bits)
         return wait
 
