@@ -11,7 +11,8 @@ import json
 
 import pytest
 import torch
-from helpers.engines import assert_pool_whole, make_engine, run_through_failures, run_to_finish
+from helpers.engines import (assert_pool_whole, make_engine, run_through_failures, run_to_finish,
+                             step_to_finish)
 
 from mini_paged_attn.core.request import PLACEHOLDER_TOKEN
 from mini_paged_attn.engine import SamplingParams
@@ -146,9 +147,7 @@ def test_aborts_while_a_step_is_in_flight(tiny_model_factory):
         engine.step()
     assert engine._in_flight is not None
     assert engine.abort_request(ids[1]) and engine.abort_request(ids[3])
-    final = {}
-    while engine.has_unfinished_requests():
-        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    final = step_to_finish(engine)
     assert {r: final[r].outputs[0].finish_reason for r in ids} == {
         ids[0]: "length", ids[1]: "abort", ids[2]: "length", ids[3]: "abort"}
     assert all(len(final[r].outputs[0].token_ids) == 30 for r in (ids[0], ids[2]))

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers.engines import assert_pool_whole, make_engine, run_through_failures, run_to_finish
+from helpers.engines import (assert_pool_whole, make_engine, run_through_failures, run_to_finish,
+                             step_to_finish)
 
 from mini_paged_attn.core.request import PLACEHOLDER_TOKEN
 from mini_paged_attn.engine import SamplingParams
@@ -110,9 +111,7 @@ def test_aborts_while_a_sampling_is_held():
         engine.step()
     assert engine._held is not None
     assert engine.abort_request(ids[0]) and engine.abort_request(ids[5])
-    final = {}
-    while engine.has_unfinished_requests():
-        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    final = step_to_finish(engine)
     assert final[ids[0]].outputs[0].finish_reason == "abort"
     assert final[ids[5]].outputs[0].finish_reason == "abort"
     assert all(PLACEHOLDER_TOKEN not in o.outputs[0].token_ids for o in final.values())
@@ -220,9 +219,7 @@ def test_a_held_sampling_that_fails_ends_its_samples_and_waits_for_the_fill():
     assert waited, "the fill was not waited for"
     del engine.structured.start
     del engine._sample_held
-    final = {}
-    while engine.has_unfinished_requests():
-        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    final = step_to_finish(engine)
     reasons = [final[i].outputs[0].finish_reason for i in ids]
     assert "error" in reasons
     assert all(PLACEHOLDER_TOKEN not in final[i].outputs[0].token_ids for i in ids)
@@ -231,19 +228,6 @@ def test_a_held_sampling_that_fails_ends_its_samples_and_waits_for_the_fill():
 
 
 WORDS = StructuredOutputsParams(regex="[a-z]{8,12}")
-
-
-def _drain(engine, max_calls: int = 60) -> dict:
-    """Step until nothing is unfinished, stepping past RuntimeErrors; final outputs by id."""
-    final = {}
-    for _ in range(max_calls):
-        if not engine.has_unfinished_requests():
-            return final
-        try:
-            final.update((o.request_id, o) for o in engine.step() if o.finished)
-        except RuntimeError:
-            pass
-    raise AssertionError(f"not drained: live {engine._live}")
 
 
 def test_a_held_step_failing_on_the_last_call_still_drains():
@@ -263,7 +247,7 @@ def test_a_held_step_failing_on_the_last_call_still_drains():
         return sample_held(step, masks)
 
     engine._sample_held = fail_on_the_empty_call
-    final = _drain(engine)
+    final = step_to_finish(engine, max_steps=60, step_past=RuntimeError)
     assert failures
     assert PLACEHOLDER_TOKEN not in final[rid].outputs[0].token_ids
     assert_pool_whole(engine)
@@ -291,7 +275,7 @@ def test_a_failure_after_the_previous_tokens_were_read_reports_them(where, faili
         return real(*args)
 
     setattr(engine.structured, where, fail_once_late)
-    final = _drain(engine)
+    final = step_to_finish(engine, max_steps=60, step_past=RuntimeError)
     assert set(final) == set(ids)
     assert all(PLACEHOLDER_TOKEN not in o.outputs[0].token_ids for o in final.values())
     assert_pool_whole(engine)
@@ -330,7 +314,7 @@ def test_a_request_that_ends_on_its_length_finishes_after_its_last_token():
     engine = make_engine("tiny", async_scheduling=True, **CONFIG)
     rid = engine.add_request("w", SamplingParams(temperature=1.0, seed=1, max_tokens=4,
                                                  structured_outputs=WORDS))
-    metrics = _drain(engine)[rid].metrics
+    metrics = step_to_finish(engine)[rid].metrics
     assert metrics.finished_time >= metrics.last_token_time
 
 
@@ -345,8 +329,7 @@ def test_a_schedule_that_fails_while_a_step_is_held_loses_nothing():
 
     def fail_once(*args):
         # A step in flight shows as placeholders among the running sequences' tokens.
-        calls.append(any(seq.token_ids[-1] == PLACEHOLDER_TOKEN
-                         for seq in engine.scheduler.running))
+        calls.append(any(seq.awaits_token for seq in engine.scheduler.running))
         if len(calls) == 6:
             assert calls[-1], "no step in flight to lose"
             raise RuntimeError("scheduler failed")
@@ -354,7 +337,7 @@ def test_a_schedule_that_fails_while_a_step_is_held_loses_nothing():
 
     engine.scheduler.schedule = fail_once
     ids = [engine.add_request(p, params) for p, params in requests]
-    final = _drain(engine)
+    final = step_to_finish(engine, max_steps=60, step_past=RuntimeError)
     assert _samples([final[i] for i in ids]) == expected
     assert_pool_whole(engine)
     assert not engine.structured._matchers

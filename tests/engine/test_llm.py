@@ -17,7 +17,7 @@ from helpers.tiny_models import hf_reference_model
 
 from mini_paged_attn.engine import LLM, LLMEngine, SamplingParams
 from helpers import engines
-from helpers.engines import assert_pool_whole, run_through_failures
+from helpers.engines import assert_pool_whole, run_through_failures, step_to_finish
 
 ARCHS = ("llama", "qwen2", "qwen3")
 BLOCK_SIZE = 4
@@ -139,9 +139,7 @@ def test_a_failed_step_leaves_the_engine_usable_and_the_prefix_cache_clean(arch_
     calls.clear()
     with pytest.raises(KeyboardInterrupt):
         engine.step()
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    finished = step_to_finish(engine)
     assert [finished[i].outputs[0].token_ids for i in ids] == expected
     assert_pool_whole(engine)
 

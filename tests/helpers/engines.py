@@ -34,15 +34,28 @@ def make_engine(model_dir, *, device: str = "cpu", **config) -> LLMEngine:
     return engine
 
 
+def step_to_finish(engine: LLMEngine, *, max_steps: int = 10_000,
+                   step_past: type[BaseException] | tuple[type[BaseException], ...] = ()
+                   ) -> dict:
+    """Step until no request is left; the final output of each request that finished, by id.
+    A step raising one of ``step_past`` (a failed step) is stepped past, as a server would.
+    Fails the test if requests are left after ``max_steps`` steps."""
+    final = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return final
+        try:
+            final.update((o.request_id, o) for o in engine.step() if o.finished)
+        except step_past:
+            pass
+    raise AssertionError(f"requests left after {max_steps} steps: {engine._live}")
+
+
 def run_to_finish(engine: LLMEngine, requests: list[tuple[Any, SamplingParams]]) -> list:
     """Add ``(prompt, params)`` requests, step until none is left and return each one's final
     output, in the order given."""
     ids = [engine.add_request(prompt, params) for prompt, params in requests]
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
+    final = step_to_finish(engine)
     return [final[i] for i in ids]
 
 
@@ -51,7 +64,7 @@ def run_through_failures(engine: LLMEngine, requests: list[tuple[Any, SamplingPa
                          max_steps: int = 400) -> list:
     """:func:`run_to_finish`, but a forward whose schedule ``fails(out)`` says so raises (a
     device hiccup; default: every third one) and the caller goes on stepping, as a server
-    would. Raises KeyError if a request did not finish within ``max_steps`` steps."""
+    would. Fails the test if a request did not finish within ``max_steps`` steps."""
     forward = engine.runner.forward
     calls = []
     if fails is None:
@@ -66,15 +79,10 @@ def run_through_failures(engine: LLMEngine, requests: list[tuple[Any, SamplingPa
 
     engine.runner.forward = fail_or_forward
     ids = [engine.add_request(prompt, params) for prompt, params in requests]
-    final = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            break
-        try:
-            final.update((o.request_id, o) for o in engine.step() if o.finished)
-        except RuntimeError:
-            pass
-    engine.runner.forward = forward
+    try:
+        final = step_to_finish(engine, max_steps=max_steps, step_past=RuntimeError)
+    finally:
+        engine.runner.forward = forward
     return [final[i] for i in ids]
 
 
