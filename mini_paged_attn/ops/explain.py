@@ -270,15 +270,16 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
         reason = "enough programs" if units >= 0.8 * slots else "heuristic"
         if splits > 1:
             splits = balance_splits(splits, max(units, 1), slots, n_tiles, cap)
-        elif (kv_dtype is not None and kv_dtype.itemsize == 1 and on_gpu and tiles is None
-              and units < FP8_SPLIT_BELOW * num_sms):
+        elif (reason == "enough programs" and kv_dtype is not None and kv_dtype.itemsize == 1
+              and on_gpu and tiles is None and units < FP8_SPLIT_BELOW * num_sms):
             # fp8 tiles need more programs than 16-bit ones to read at full speed.
             tiles = default_tiles(head_size, dtype, on_gpu, False, block_size=block_size,
                                   kv_dtype=kv_dtype)
             n_tiles = max(1, window_kv_tiles(max_context_len, tiles.block_n, window_left))
             chosen = splits = min(n_tiles, max(1, min(max_splits, MAX_SPLITS)),
                                   max(1, round(FP8_PROGRAMS_PER_SM * num_sms / units)))
-            reason = "fp8 programs"
+            if splits > 1:
+                reason = "fp8 programs"
     tiles = tiles or default_tiles(head_size, dtype, on_gpu, splits > 1, block_size=block_size,
                                    kv_dtype=kv_dtype)
     return DecodePlan(num_seqs, num_q_heads, num_kv_heads, head_size, block_size, dtype,

@@ -319,6 +319,7 @@ def test_fp8_cache_plans_its_own_tiles_and_fp16_dots(num_seqs):
     (32, 65536, 4),     # 256 programs: split toward 8 a SM
     (30, 4096, 4),
     (64, 4096, 1),      # 512: enough
+    (27, 128, 1),       # 216, but one tile each: nothing to split
     (256, 4096, 1),
 ])
 def test_fp8_launches_with_few_programs_per_sm_split(num_seqs, context, splits):
