@@ -6,7 +6,9 @@ driver, for every tensor, which device pointer it holds: 30-40 us of host time p
 more than the GPU time of a small decode. A :class:`PreparedLaunch` records one such launch and
 repeats it with other tensors of the same shapes: the integer and constexpr arguments are kept,
 tensors are passed as raw device pointers, and the compiled kernel's launcher is called
-directly (a few microseconds).
+directly (a few microseconds). A tensor descriptor argument (``TensorDescriptor``) over one of
+the tensor arguments follows that argument: each repeat re-points it, and Triton's launcher
+encodes the hardware descriptor from it (about a microsecond each).
 
 Safe reuse is the caller's contract: a prepared launch may run again only for arguments whose
 non-tensor values (shapes, strides, scale, flags) equal those it was prepared with, and tensors
@@ -22,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 ALIGNMENT = 16
 """Triton specialises pointer arguments on ``data_ptr() % 16 == 0``."""
@@ -33,6 +36,32 @@ def _leading_tensors(args: Sequence) -> int:
     while count < len(args) and isinstance(args[count], torch.Tensor):
         count += 1
     return count
+
+
+class _Address:
+    """A device pointer standing in for a descriptor's base tensor (the launcher reads only
+    its ``data_ptr()``)."""
+
+    __slots__ = ("address",)
+
+    def __init__(self, address: int) -> None:
+        self.address = address
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+class _Rebased:
+    """A tensor descriptor argument of a prepared launch whose base pointer each repeat sets
+    (shape, strides and box stay those prepared, as the repeat contract requires). Triton's
+    launcher encodes the hardware descriptor from these fields at every launch."""
+
+    __slots__ = ("base", "shape", "strides", "block_shape", "padding")
+
+    def __init__(self, descriptor: TensorDescriptor) -> None:
+        self.base = _Address(descriptor.base.data_ptr())
+        self.shape, self.strides = list(descriptor.shape), list(descriptor.strides)
+        self.block_shape, self.padding = list(descriptor.block_shape), descriptor.padding
 
 
 class PreparedLaunch:
@@ -82,8 +111,15 @@ class PreparedLaunch:
         self._aligned = [a.data_ptr() % ALIGNMENT == 0 for a in args[:num_tensors]]
         self.all_aligned = all(self._aligned)
         self._device_index = args[0].get_device()
-        self._tail = tuple(args[num_tensors:]) + tuple(
-            kwargs[name] for name in jit_fn.arg_names[len(args):])
+        tail = list(args[num_tensors:]) + [kwargs[name] for name in jit_fn.arg_names[len(args):]]
+        # Tensor descriptors over one of the tensor arguments follow that argument's pointer.
+        self._descriptors: list[tuple[int, _Rebased]] = []
+        for i, arg in enumerate(tail):
+            if isinstance(arg, TensorDescriptor):
+                index = next(j for j, t in enumerate(args[:num_tensors]) if t is arg.base)
+                tail[i] = _Rebased(arg)
+                self._descriptors.append((index, tail[i]))
+        self._tail = tuple(tail)
 
     def __call__(self, tensors: Sequence[torch.Tensor | int]) -> bool:
         """Launch with ``tensors`` in place of the prepared launch's tensor arguments, in their
@@ -98,6 +134,8 @@ class PreparedLaunch:
         ptrs = [t if type(t) is int else t.data_ptr() for t in tensors]
         if [p % ALIGNMENT == 0 for p in ptrs] != self._aligned:
             return False
+        for index, descriptor in self._descriptors:
+            descriptor.base.address = ptrs[index]
         g0, g1, g2 = self.grid
         self._launch(g0, g1, g2, self._stream_of(self._device_index), *self._head, *ptrs,
                      *self._tail)
@@ -111,6 +149,8 @@ class PreparedLaunch:
         """Launch on ``stream`` with raw device pointers in place of the tensor arguments,
         without :meth:`__call__`'s checks: only for a ready launch and pointers whose 16-byte
         alignment the caller has checked against the prepared one (:attr:`all_aligned`)."""
+        for index, descriptor in self._descriptors:
+            descriptor.base.address = ptrs[index]
         g0, g1, g2 = self.grid
         self._launch(g0, g1, g2, stream, *self._head, *ptrs, *self._tail)
 

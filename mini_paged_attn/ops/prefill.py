@@ -10,12 +10,13 @@ launch of the kernel in :mod:`.prefill_kernel`: one program per tile of query ro
 from __future__ import annotations
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .checks import PagedShapes
 from .kv_quant import scale_pointers, scale_stride
 from .launch import PreparedLaunch
 from .prefill_kernel import _prefill_kernel
-from .prefill_plan import PrefillConfig, default_config, tiling
+from .prefill_plan import PrefillConfig, default_config, tiling, tma_usable
 from .variants import effective_right
 
 LOG2E = 1.4426950408889634
@@ -30,15 +31,21 @@ def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs:
     if total_q == 0 or num_seqs == 0:
         return None
     group = num_q_heads // num_kv_heads
-    config = config or default_config(head_size, q.dtype, q.device, total_q / num_seqs)
+    config = config or default_config(head_size, q.dtype, q.device, total_q / num_seqs,
+                                      contiguous=not paged)
     plan = tiling(config, group, head_size)
+    descriptors = (None, None)
+    if config.tma and not paged and tma_usable(k, v, config.block_n):
+        descriptors = tuple(TensorDescriptor(t, [t.shape[0], num_kv_heads * head_size],
+                                             [t.stride(0), 1], [config.block_n, head_size])
+                            for t in (k, v))
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
     right = effective_right(window_size, causal)
     grid = plan.grid(total_q, num_seqs, num_kv_heads)
     launch = PreparedLaunch(_prefill_kernel, grid, (
         q, k, v, *scale_pointers(k, k_scale, v_scale),
         out, lse_arg, block_tables, cu_seqlens_q, kv_lens, sinks if sinks is not None else q,
-        num_seqs, scale * LOG2E, max(window_size[0], 0), max(right, 0),
+        *descriptors, num_seqs, scale * LOG2E, max(window_size[0], 0), max(right, 0),
         softcap * LOG2E if softcap > 0 else 1.0, scale_stride(k_scale), scale_stride(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), out.stride(2), *lse_strides,
         *(k.stride()[:3] if paged else (0, *k.stride()[:2])),
@@ -53,6 +60,7 @@ def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs:
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         K_SCALED=k_scale is not None, V_SCALED=v_scale is not None,
         WINDOW=window_size[0] >= 0, SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
+        KV_TMA=descriptors[0] is not None, SAME_KV_STRIDES=k.stride()[:3] == v.stride()[:3],
         num_warps=config.num_warps, num_stages=config.num_stages))
     return launch if launch.ready else None
 
@@ -103,7 +111,7 @@ def triton_varlen_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              scale: float, out: torch.Tensor, lse: torch.Tensor | None = None,
                              config: PrefillConfig | None = None,
                              window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                             sinks: torch.Tensor | None = None) -> None:
+                             sinks: torch.Tensor | None = None) -> PreparedLaunch | None:
     """Varlen attention over contiguous K/V into ``out`` (FlashAttention's varlen semantics).
 
     Args:
@@ -116,10 +124,17 @@ def triton_varlen_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         scale: softmax scale.
         out: ``[total_q, num_q_heads, head_size]`` in q's dtype, written.
         lse: optional float32 ``[total_q, num_q_heads]`` (natural log, ``-inf`` for empty rows).
+        config: tile sizes (default: :func:`~.prefill_plan.default_config` for contiguous K/V,
+            tensor-descriptor loads included where :func:`~.prefill_plan.tma_usable` allows).
+
+    Returns:
+        The launch, repeatable for tensors of the same shapes in the kernel's order ``(q, k,
+        v, k, k, out, lse or out, cu_seqlens_k, cu_seqlens_q, cu_seqlens_k, sinks or q)``
+        (None under the interpreter or for an empty batch).
     """
     del max_seqlen_q, max_seqlen_k
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and q.stride(-1) == 1, "last dims contiguous"
-    _launch(q, k, v, out, lse, cu_seqlens_k, cu_seqlens_q, cu_seqlens_k,
+    return _launch(q, k, v, out, lse, cu_seqlens_k, cu_seqlens_q, cu_seqlens_k,
             num_seqs=cu_seqlens_q.shape[0] - 1, num_kv_heads=k.shape[1], scale=float(scale),
             causal=causal, paged=False, block_size=1, config=config, window_size=window_size,
             softcap=softcap, sinks=sinks)

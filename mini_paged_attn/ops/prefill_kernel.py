@@ -14,7 +14,10 @@ queries and ``kv_len`` keys sees keys ``<= kv_len - q_len + t``. K/V tiles entir
 diagonal are never visited, and tiles entirely below it run without any mask.
 
 The same kernel reads contiguous varlen K/V (``flash_attn_varlen_func`` without a block table)
-when ``PAGED`` is false: key ``t`` of sequence ``i`` is row ``cu_seqlens_k[i] + t``.
+when ``PAGED`` is false: key ``t`` of sequence ``i`` is row ``cu_seqlens_k[i] + t``. There, with
+``KV_TMA``, K/V tiles come through host tensor descriptors (Hopper's bulk tensor copies, see
+:mod:`.prefill_plan`): the copy engine fills shared memory three stages ahead while the warps
+compute, which pointer loads through the block table cannot match.
 
 Variants (:mod:`.variants`), constexpr switches off by default: a right window generalises the
 causal bound (causal is a right window of 0); a left window starts each query tile's walk at
@@ -37,22 +40,32 @@ from .decode_kernel import soft_cap
 
 @triton.jit
 def _attend_kv_tile(acc, l_i, m_i, q, start_n, first_visible, last_visible, kv_lo, kv_len,
-                    qk_scale, softcap, k_base, v_base, table_row, kv_row0, offs_d,
-                    stride_kb, stride_kt, stride_vb, stride_vt,
+                    qk_scale, softcap, k_base, v_base, k_desc, v_desc, desc_col, table_row,
+                    kv_row0, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
                     HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
                     MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, KV_TMA: tl.constexpr):
     """One K/V tile of the online softmax; MASKED tiles mask keys outside each row's
     ``first_visible .. last_visible`` (the first only with WINDOW) and load nothing outside
-    ``kv_lo .. kv_len - 1``, the keys some row of the tile may see."""
+    ``kv_lo .. kv_len - 1``, the keys some row of the tile may see (KV_TMA: load whole rows,
+    then zero V outside it)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions in the sequence
     kv_in_range = offs_n < kv_len             # [BLOCK_N]
     if WINDOW:
         # A tile may start left of every row's window: its keys there (and the blocks
         # holding only them, possibly freed and reused) are never read.
         kv_in_range = kv_in_range & (offs_n >= kv_lo)
-    if PAGED:
+    if KV_TMA:
+        # Whole tiles of contiguous rows; rows past the tensor come back as zeros.
+        k = k_desc.load([kv_row0 + start_n, desc_col])  # [BLOCK_N, HEAD_SIZE]
+        v = v_desc.load([kv_row0 + start_n, desc_col])
+        if MASKED:
+            # Rows outside the keys this tile may see belong to other sequences (or past
+            # cu_seqlens_k[-1], to nobody): their scores are masked below, and their values,
+            # which may not even be finite, must not reach P @ V.
+            v = tl.where(kv_in_range[:, None], v, 0.0)
+    elif PAGED:
         if BLOCK_SIZE % BLOCK_N == 0:
             # Tiles start at multiples of BLOCK_N, so when BLOCK_N divides BLOCK_SIZE a tile
             # never straddles two cache blocks: one table lookup. Any other block_size (24,
@@ -72,20 +85,21 @@ def _attend_kv_tile(acc, l_i, m_i, q, start_n, first_visible, last_visible, kv_l
         rows = (kv_row0 + offs_n).to(tl.int64)  # [BLOCK_N]
         k_rows = rows * stride_kt
         v_rows = rows * stride_vt
-    k_ptrs = k_base + k_rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_SIZE_PADDED]
-    v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
-    # Unused cache slots may hold NaN: masked tiles load zeros there (0 * NaN would leak).
-    if MASKED:
-        kv_mask = kv_in_range[:, None] & (offs_d[None, :] < HEAD_SIZE)
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-    elif HEAD_SIZE != HEAD_SIZE_PADDED:
-        d_mask = (offs_d < HEAD_SIZE)[None, :]
-        k = tl.load(k_ptrs, mask=d_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=d_mask, other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+    if not KV_TMA:
+        k_ptrs = k_base + k_rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_SIZE_PADDED]
+        v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
+        # Unused cache slots may hold NaN: masked tiles load zeros there (0 * NaN would leak).
+        if MASKED:
+            kv_mask = kv_in_range[:, None] & (offs_d[None, :] < HEAD_SIZE)
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        elif HEAD_SIZE != HEAD_SIZE_PADDED:
+            d_mask = (offs_d < HEAD_SIZE)[None, :]
+            k = tl.load(k_ptrs, mask=d_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=d_mask, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
     # In the query's dtype for the dots (a no-op unless the cache is fp8).
     k = k.to(q.dtype)
     v = v.to(q.dtype)
@@ -115,8 +129,9 @@ def _attend_kv_tile(acc, l_i, m_i, q, start_n, first_visible, last_visible, kv_l
 
 
 @triton.jit
-def _attend_q_tile(q_ptr, out_ptr, lse_ptr, sinks_ptr, k_base, v_base, table_row, kv_row0,
-                   kv_len, q_start, q_len, first_tok, kv_head, head_chunk, qk_scale, v_scale,
+def _attend_q_tile(q_ptr, out_ptr, lse_ptr, sinks_ptr, k_base, v_base, k_desc, v_desc, desc_col,
+                   table_row, kv_row0, kv_len, q_start, q_len, first_tok, kv_head, head_chunk,
+                   qk_scale, v_scale,
                    window_left, window_right, softcap,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
                    stride_kb, stride_kt, stride_vb, stride_vt,
@@ -126,7 +141,7 @@ def _attend_q_tile(q_ptr, out_ptr, lse_ptr, sinks_ptr, k_base, v_base, table_row
                    BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, BOUNDED_RIGHT: tl.constexpr,
                    WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    V_SCALED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                   HAS_SINKS: tl.constexpr):
+                   HAS_SINKS: tl.constexpr, KV_TMA: tl.constexpr):
     """Query tokens first_tok .. first_tok + TOKENS - 1 of one sequence, ROWS rows; the output
     is multiplied by ``v_scale`` when V_SCALED.
 
@@ -182,24 +197,24 @@ def _attend_q_tile(q_ptr, out_ptr, lse_ptr, sinks_ptr, k_base, v_base, table_row
                              BLOCK_N):
             acc, l_i, m_i = _attend_kv_tile(
                 acc, l_i, m_i, q, start_n, first_visible, last_visible, kv_lo, kv_len,
-                qk_scale, softcap, k_base, v_base, table_row, kv_row0, offs_d,
-                stride_kb, stride_kt, stride_vb, stride_vt, HEAD_SIZE, HEAD_SIZE_PADDED,
-                BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION, WINDOW, SOFTCAP)
+                qk_scale, softcap, k_base, v_base, k_desc, v_desc, desc_col, table_row, kv_row0,
+                offs_d, stride_kb, stride_kt, stride_vb, stride_vt, HEAD_SIZE, HEAD_SIZE_PADDED,
+                BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION, WINDOW, SOFTCAP, KV_TMA)
     for start_n in range(unmasked_begin, unmasked_end, BLOCK_N):
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, start_n, first_visible, last_visible, kv_lo, kv_len, qk_scale,
-            softcap, k_base, v_base, table_row, kv_row0, offs_d,
+            softcap, k_base, v_base, k_desc, v_desc, desc_col, table_row, kv_row0, offs_d,
             stride_kb, stride_kt, stride_vb, stride_vt, HEAD_SIZE, HEAD_SIZE_PADDED,
-            BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION, WINDOW, SOFTCAP)
+            BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION, WINDOW, SOFTCAP, KV_TMA)
     tail_begin = unmasked_end
     if WINDOW:
         tail_begin = tl.maximum(unmasked_end, unmasked_begin)  # no middle run: all masked
     for start_n in range(tail_begin, kv_end, BLOCK_N):
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, start_n, first_visible, last_visible, kv_lo, kv_len, qk_scale,
-            softcap, k_base, v_base, table_row, kv_row0, offs_d,
+            softcap, k_base, v_base, k_desc, v_desc, desc_col, table_row, kv_row0, offs_d,
             stride_kb, stride_kt, stride_vb, stride_vt, HEAD_SIZE, HEAD_SIZE_PADDED,
-            BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION, WINDOW, SOFTCAP)
+            BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION, WINDOW, SOFTCAP, KV_TMA)
 
     # Rows that saw no key and no sink (only possible for contiguous K/V shorter than Q) give
     # 0 and -inf.
@@ -221,7 +236,7 @@ def _attend_q_tile(q_ptr, out_ptr, lse_ptr, sinks_ptr, k_base, v_base, table_row
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
-    block_tables_ptr, cu_seqlens_q_ptr, kv_lens_ptr, sinks_ptr,
+    block_tables_ptr, cu_seqlens_q_ptr, kv_lens_ptr, sinks_ptr, k_desc, v_desc,
     num_seqs, qk_scale, window_left, window_right, softcap, stride_k_scale, stride_v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
@@ -232,7 +247,10 @@ def _prefill_kernel(
     PAGED: tl.constexpr, BOUNDED_RIGHT: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    KV_TMA: tl.constexpr, SAME_KV_STRIDES: tl.constexpr,
 ):
+    # KV_TMA (contiguous K/V only): k_desc / v_desc are tensor descriptors over K / V as
+    # [total_k, num_kv_heads * HEAD_SIZE] with [BLOCK_N, HEAD_SIZE] boxes; else None.
     # K_SCALED / V_SCALED: the KV head's scale is at ``*_scale_ptr + kv_head * stride_*_scale``
     # (stride 0: one for all heads); else the pointers are never read (scale 1).
     # BOUNDED_RIGHT, WINDOW, SOFTCAP, HAS_SINKS: see _attend_q_tile (causal is a right window
@@ -270,6 +288,12 @@ def _prefill_kernel(
     else:
         kv_row0 = tl.load(kv_lens_ptr + seq)
         kv_len = tl.load(kv_lens_ptr + seq + 1) - kv_row0
+    if SAME_KV_STRIDES:
+        # One set of row offsets serves K and V (the compiler merges the equal expressions):
+        # half the address arithmetic per tile, which the pointer loads' pipeline pays for.
+        stride_vb = stride_kb
+        stride_vt = stride_kt
+        stride_vh = stride_kh
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
@@ -282,19 +306,21 @@ def _prefill_kernel(
         # Decode rows and other short sequences: a tile of SMALL_ROWS rows instead of BLOCK_M,
         # so a memory-bound walk over a long context wastes no tensor-core work on empty rows.
         _attend_q_tile(
-            q_ptr, out_ptr, lse_ptr, sinks_ptr, k_base, v_base, table_row, kv_row0, kv_len,
+            q_ptr, out_ptr, lse_ptr, sinks_ptr, k_base, v_base, k_desc, v_desc,
+            kv_head * HEAD_SIZE, table_row, kv_row0, kv_len,
             q_start, q_len, 0, kv_head, head_chunk, qk_scale, v_scale, window_left, window_right, softcap,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
             stride_kb, stride_kt, stride_vb, stride_vt,
             SMALL_ROWS, SMALL_ROWS // HEADS_PER_TILE, HEADS_PER_TILE, GROUP, HEAD_SIZE,
             HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, BOUNDED_RIGHT, WRITE_LSE,
-            DOT_PRECISION, V_SCALED, WINDOW, SOFTCAP, HAS_SINKS)
+            DOT_PRECISION, V_SCALED, WINDOW, SOFTCAP, HAS_SINKS, KV_TMA)
     else:
         _attend_q_tile(
-            q_ptr, out_ptr, lse_ptr, sinks_ptr, k_base, v_base, table_row, kv_row0, kv_len,
+            q_ptr, out_ptr, lse_ptr, sinks_ptr, k_base, v_base, k_desc, v_desc,
+            kv_head * HEAD_SIZE, table_row, kv_row0, kv_len,
             q_start, q_len, tile * TOKENS_PER_TILE, kv_head, head_chunk, qk_scale, v_scale, window_left, window_right, softcap,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
             stride_kb, stride_kt, stride_vb, stride_vt,
             BLOCK_M, TOKENS_PER_TILE, HEADS_PER_TILE, GROUP, HEAD_SIZE,
             HEAD_SIZE_PADDED, BLOCK_N, BLOCK_SIZE, PAGED, BOUNDED_RIGHT, WRITE_LSE,
-            DOT_PRECISION, V_SCALED, WINDOW, SOFTCAP, HAS_SINKS)
+            DOT_PRECISION, V_SCALED, WINDOW, SOFTCAP, HAS_SINKS, KV_TMA)

@@ -15,11 +15,12 @@ sequence by a binary search over ``cu_seqlens_q`` and the grid size needs only `
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from ..core.args import cdiv, next_pow2
+from ..core.args import cdiv, check_bool, next_pow2
 from .checks import check_launch_config
 
 
@@ -37,15 +38,19 @@ class PrefillConfig:
     block_m: rows (query token x query head pairs) per tile, a power of two >= 16.
     block_n: K/V tokens per tile, a power of two >= 16, independent of the cache's block_size.
     num_warps, num_stages: Triton launch options (software-pipelining depth of the K/V loads).
+    tma: contiguous K/V only: load K/V tiles through tensor descriptors (on Hopper, the bulk
+        tensor copy engine) where :func:`tma_usable` allows; paged K/V ignore it.
     """
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    tma: bool = False
 
     def __post_init__(self) -> None:
         check_launch_config(self, ("block_m", "block_n"), max_stages=8)
+        check_bool("tma", self.tma)
 
 
 @dataclass(frozen=True)
@@ -81,20 +86,39 @@ def tiling(config: PrefillConfig, group_size: int, head_size: int) -> PrefillTil
 SHORT_QUERY_AVG = 128
 
 
+def tma_usable(k: torch.Tensor, v: torch.Tensor, block_n: int) -> bool:
+    """Whether contiguous K/V ``[total_k, num_kv_heads, head_size]`` can be read through 2-D
+    tensor descriptors over ``[total_k, num_kv_heads * head_size]`` with ``[block_n,
+    head_size]`` boxes: fp16 / bf16, a power-of-two head_size >= 16, each row's heads adjacent,
+    16-byte aligned bases and row strides, at least one row; on CUDA, a Hopper or newer GPU
+    (the CPU interpreter emulates the copies)."""
+    head_size = k.shape[2]
+    if k.device.type == "cuda" and torch.cuda.get_device_capability(k.device)[0] < 9:
+        return False
+    return (head_size >= 16 and head_size == next_pow2(head_size) and block_n <= 256
+            and k.shape[0] > 0 and all(
+                t.dtype in (torch.float16, torch.bfloat16) and t.stride(2) == 1
+                and t.stride(1) == head_size and t.stride(0) * t.element_size() % 16 == 0
+                and t.data_ptr() % 16 == 0 for t in (k, v)))
+
+
 def default_config(head_size: int, dtype: torch.dtype, device: torch.device,
-                   avg_q_len: float | None = None) -> PrefillConfig:
+                   avg_q_len: float | None = None, contiguous: bool = False) -> PrefillConfig:
     """Tile sizes for a head size, dtype and batch shape (measured on an H100; the numbers are
     in docs/performance-notes.md, "The prefill kernel's tiles").
 
     - The interpreter (no CUDA) runs every program in numpy: small tiles keep tests quick.
-    - head_size 128, whole prompts and chunks: 128 x 128 tiles, 8 warps, 3 stages (one program
-      per SM), the fastest of the configs swept.
+    - head_size 128, whole prompts and chunks: 128 x 128 tiles, 8 warps (one program per SM),
+      5 stages where a program may have 225 KiB of shared memory (Hopper), else 3: the paged
+      K/V loads lose a stage to the block-table load, and 5 keeps three tiles in flight.
     - head_size <= 64: 128 x 64, 4 warps.
     - head_size <= 128, a decode-heavy batch (``avg_q_len <= SHORT_QUERY_AVG``, e.g. decode
       rows mixed with a few prompts): the work is streaming long contexts' K/V; 64 x 64 tiles
       fit two programs per SM, twice the loads in flight.
     - head_size 256: the Q tile plus pipelined K/V tiles must fit in shared memory: 128 x 64,
       8 warps, two stages. fp32 (correctness only): twice the bytes, smaller tiles.
+    - Contiguous K/V (``contiguous``, ``flash_attn_varlen_func``), head_size 128, 16-bit, on
+      CUDA: the 128 x 128 tiles load K/V through tensor descriptors (``tma``), 3 stages.
     ``avg_q_len`` is known on the host (``total_q / num_seqs``), so the choice needs no sync.
     """
     if device.type != "cuda":
@@ -108,4 +132,20 @@ def default_config(head_size: int, dtype: torch.dtype, device: torch.device,
         return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
     if padded <= 64:
         return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+    if contiguous:
+        return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3,
+                             tma=head_size == 128)
+    deep = max_shared_memory(device) >= FIVE_STAGE_SHARED_MEMORY
+    return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=5 if deep else 3)
+
+
+# Shared memory of the 128 x 128 tiles at 5 stages, 16-bit (Q + three K/V tile pairs).
+FIVE_STAGE_SHARED_MEMORY = 230_400
+
+
+@functools.lru_cache(maxsize=None)
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on ``device`` (Triton's own limit)."""
+    from triton.runtime import driver
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return driver.active.utils.get_device_properties(index)["max_shared_mem"]

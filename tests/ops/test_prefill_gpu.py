@@ -158,3 +158,30 @@ def test_bf16_at_least_as_accurate_as_torch_flash_sdpa(seq_lens, heads, head_siz
     ours_err, flash_err = _rel_err(ours, exact), _rel_err(flash, exact)
     print(f"relative error vs float64: ours {ours_err:.3e}, torch flash SDPA {flash_err:.3e}")
     assert ours_err <= flash_err * 1.02, (ours_err, flash_err)
+
+
+def test_contiguous_descriptor_loads_repeat_with_new_tensors():
+    """flash_attn_varlen_func on bf16 head_size 128 K/V loads tiles through tensor descriptors;
+    a repeated call (same shapes, new tensors) reuses the prepared launch, whose descriptors
+    must follow the new K/V. Rows past cu_seqlens_k[-1] hold NaN."""
+    from mini_paged_attn import flash_attn_varlen_func
+    from mini_paged_attn.ops import varlen
+    from mini_paged_attn.ops.prefill_plan import tma_usable
+    q_lens, k_lens = [128, 0, 700, 9, 1], [128, 50, 1500, 4, 3000]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32,
+                               device="cuda") for x in (q_lens, k_lens))
+    total_k = sum(k_lens)
+    varlen._CONTIGUOUS_RUNS.clear()
+    for seed in (0, 1, 2):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        q = torch.randn(sum(q_lens), 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn(total_k + 70, 8, 128, device="cuda", dtype=torch.bfloat16,
+                            generator=gen) for _ in range(2))
+        k[total_k:], v[total_k:] = float("nan"), float("nan")
+        assert tma_usable(k, v, 128)
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens),
+                                     softmax_scale=0.1, causal=True)
+        ref, _ = reference.varlen_attention_contiguous(q, k[:total_k], v[:total_k], cu_q, cu_k,
+                                                       causal=True, scale=0.1)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+        assert len(varlen._CONTIGUOUS_RUNS) == 1

@@ -81,6 +81,18 @@ def test_seed_layout_strided_views_and_wide_tiles():
                             config=PrefillConfig(block_m=32, block_n=32, num_stages=1))
 
 
+def test_value_cache_with_strides_of_its_own():
+    # K and V caches usually share one layout (one set of row offsets serves both); a value
+    # cache stored head-major takes the kernel's separate V offsets.
+    q, kc, vc, *rest = prefill_args([9, 1, 20], [7, 30, 0], num_q_heads=4, num_kv_heads=2,
+                                    head_size=16, block_size=4, dtype=torch.float16, seed=9)
+    head_major = torch.empty(vc.shape[0], vc.shape[2], vc.shape[1], vc.shape[3],
+                             dtype=vc.dtype).transpose(1, 2)
+    head_major.copy_(vc)
+    assert head_major.stride() != kc.stride()
+    check_against_reference((q, kc, head_major, *rest), causal=True)
+
+
 def test_all_empty_and_single_sequences():
     batch = prefill_args([0, 0], [4, 0], num_q_heads=2, num_kv_heads=1, head_size=16,
                          block_size=4, dtype=torch.float32, seed=1)
@@ -148,14 +160,122 @@ def test_short_sequences_take_the_small_tile(heads, block_m):
                             config=PrefillConfig(block_m=block_m, block_n=16, num_stages=1))
 
 
-def test_default_config_by_head_size_and_batch_shape():
+@pytest.fixture
+def shared_memory(monkeypatch):
+    """Set the shared memory a program may use on "cuda" (an H100 by default)."""
+    from mini_paged_attn.ops import prefill_plan
+
+    def set_bytes(n: int) -> None:
+        monkeypatch.setattr(prefill_plan, "max_shared_memory", lambda device: n)
+    set_bytes(232_448)
+    return set_bytes
+
+
+def test_default_config_by_head_size_and_batch_shape(shared_memory):
     from mini_paged_attn.ops.prefill_plan import default_config
     cuda = torch.device("cuda")
     prompts = default_config(128, torch.bfloat16, cuda, avg_q_len=4096)
     decode_heavy = default_config(128, torch.bfloat16, cuda, avg_q_len=65)
-    assert (prompts.block_m, prompts.block_n) == (128, 128)
+    assert (prompts.block_m, prompts.block_n, prompts.num_stages) == (128, 128, 5)
+    shared_memory(166_912)          # an A100's: the 5-stage tiles would not fit
+    assert default_config(128, torch.bfloat16, cuda, avg_q_len=4096).num_stages == 3
     assert (decode_heavy.block_m, decode_heavy.block_n) == (64, 64)
     assert default_config(256, torch.float16, cuda, 4096).num_stages == 2
     assert default_config(128, torch.float16, torch.device("cpu")).block_m == 16
     with pytest.raises(ValueError, match="block_n"):
         PrefillConfig(block_n=48)
+
+
+# ---- contiguous K/V through tensor descriptors ------------------------------------------------
+
+TMA_SMALL = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, tma=True)
+
+
+def _contiguous_batch(q_lens, k_lens, *, heads=(6, 2), head_size=32, extra_rows=0, seed=11):
+    """fp16 q, k, v; ``extra_rows`` K/V rows past cu_seqlens_k[-1], NaN (nobody's keys)."""
+    gen = torch.Generator().manual_seed(seed)
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32)
+                  for x in (q_lens, k_lens))
+    q = torch.randn(int(cu_q[-1]), heads[0], head_size, generator=gen).half()
+    k, v = (torch.randn(int(cu_k[-1]) + extra_rows, heads[1], head_size, generator=gen).half()
+            for _ in range(2))
+    k[int(cu_k[-1]):] = float("nan")
+    v[int(cu_k[-1]):] = float("nan")
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.fixture
+def descriptors_made(monkeypatch):
+    """How many tensor descriptors the prefill launcher builds (two per descriptor launch)."""
+    from mini_paged_attn.ops import prefill
+    made = []
+
+    def counting(*args, **kwargs):
+        made.append(args)
+        return real(*args, **kwargs)
+    real = prefill.TensorDescriptor
+    monkeypatch.setattr(prefill, "TensorDescriptor", counting)
+    return made
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window, softcap, sinks", [
+    ((-1, -1), 0.0, False), ((6, 2), 0.0, False), ((-1, -1), 3.0, True)])
+def test_contiguous_varlen_through_tensor_descriptors(causal, window, softcap, sinks,
+                                                      descriptors_made):
+    # Tiles run past a sequence's keys into the next one's and, at the end, into NaN rows
+    # that belong to no sequence: neither may reach the output. q_len > k_len (rows that see
+    # no key under causal), q_len 0, k_len 0.
+    q_lens, k_lens = [3, 0, 17, 1, 9, 0, 20], [3, 5, 40, 1, 4, 0, 21]
+    q, k, v, cu_q, cu_k = _contiguous_batch(q_lens, k_lens, extra_rows=9)
+    sink = torch.linspace(-1.0, 2.0, q.shape[1]) if sinks else None
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"))
+    triton_varlen_contiguous(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal,
+                             scale=0.3, out=out, lse=lse, config=TMA_SMALL, window_size=window,
+                             softcap=softcap, sinks=sink)
+    assert len(descriptors_made) == 2
+    total_k = int(cu_k[-1])
+    ref_out, ref_lse = reference.varlen_attention_contiguous(
+        q, k[:total_k], v[:total_k], cu_q, cu_k, causal=causal, scale=0.3,
+        window_size=window, softcap=softcap, sinks=sink)
+    torch.testing.assert_close(out.float(), ref_out, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_descriptors_only_where_the_layout_allows(descriptors_made):
+    from mini_paged_attn.ops.prefill_plan import tma_usable
+    q, k, v, cu_q, cu_k = _contiguous_batch([5, 8], [9, 8], heads=(4, 2), head_size=32)
+    assert tma_usable(k, v, 16)
+    padded = torch.randn(k.shape[0], 2, 64).half()
+    buffer = torch.randn(k.numel() + 1).half()
+    # A fused qkv row holds the heads side by side: usable with any row stride.
+    assert tma_usable(torch.randn(k.shape[0], 6, 32).half()[:, 2:4], v, 16)
+    refused = {
+        "heads apart": (padded[:, :, :32], v),                 # head stride 64, not 32
+        "misaligned": (buffer[1:].view(k.shape), v),           # base 2 bytes past alignment
+        "fp32": (k.float(), v.float()),
+        "head_size 40": (torch.randn(17, 2, 40).half(),) * 2,
+        "no rows": (k[:0], v[:0]),
+    }
+    for name, (kk, vv) in refused.items():
+        assert not tma_usable(kk, vv, 16), name
+    # The refused layouts run the pointer loads and give the same result.
+    kk = padded[:, :, :32]
+    kk.copy_(k)
+    out = torch.empty_like(q)
+    triton_varlen_contiguous(q, kk, v, cu_q, cu_k, 8, 9, causal=True, scale=0.3, out=out,
+                             config=TMA_SMALL)
+    assert descriptors_made == []
+    ref, _ = reference.varlen_attention_contiguous(q, k, v, cu_q, cu_k, causal=True, scale=0.3)
+    torch.testing.assert_close(out.float(), ref, atol=1e-3, rtol=1e-3)
+
+
+def test_default_config_loads_contiguous_head_128_through_descriptors(shared_memory):
+    from mini_paged_attn.ops.prefill_plan import default_config
+    cuda = torch.device("cuda")
+    assert default_config(128, torch.bfloat16, cuda, 4096, contiguous=True).tma
+    assert not default_config(128, torch.bfloat16, cuda, 4096).tma        # paged
+    assert not default_config(64, torch.bfloat16, cuda, 4096, contiguous=True).tma
+    with pytest.raises(ValueError, match="tma"):
+        PrefillConfig(tma=1)
