@@ -50,7 +50,8 @@ class StepInputs:
     ``block_tables``: int32 ``[num_seqs, width]`` (width: the batch's most blocks, rounded up
     to a multiple of 16);
     ``sample_rows``: int64 ``[num_sample_rows]``, the hidden rows to sample from (a request
-    about to fork repeats its row n times), None when they are simply ``0 .. num_seqs - 1``.
+    about to fork repeats its row n times), None when they are simply ``0 .. num_seqs - 1``;
+    ``no_prefix``: every sequence's new tokens are all its tokens (nothing cached before them).
     """
 
     input_ids: torch.Tensor
@@ -64,6 +65,7 @@ class StepInputs:
     sample_rows: torch.Tensor | None
     # Input tokens still on the device (asynchronous scheduling), see TokenFill.
     fill: TokenFill | None = None
+    no_prefix: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,11 +93,13 @@ def table_width(max_blocks_per_seq: int) -> int:
     return cdiv(max_blocks_per_seq, TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
 
 
-def dummy_inputs(q_lens: list[int], width: int, device: torch.device) -> StepInputs:
+def dummy_inputs(q_lens: list[int], width: int, device: torch.device, *,
+                 no_prefix: bool = True) -> StepInputs:
     """Inputs of a made-up step, for profiling and warm-up: sequence ``i`` computes its first
     ``q_lens[i]`` tokens (all ``>= 1``; token id 0), writes nothing (slot -1) and reads block 0
     only (every table entry is 0; ``width`` columns, as the engine's steps have). Nothing
-    samples."""
+    samples. ``no_prefix=False`` marks the step as if some sequence had cached tokens, so a
+    prefill attends through the block tables (the path of chunks and prefix-cache hits)."""
     assert q_lens and min(q_lens) >= 1, q_lens
     num_tokens = sum(q_lens)
     lens = torch.tensor(q_lens, dtype=torch.int32)
@@ -107,7 +111,7 @@ def dummy_inputs(q_lens: list[int], width: int, device: torch.device) -> StepInp
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
         cu_seqlens_q=cu.to(device), context_lens=lens.to(device),
         block_tables=torch.zeros(len(q_lens), width, dtype=torch.int32, device=device),
-        max_seqlen_q=max(q_lens), num_sample_rows=0, sample_rows=None)
+        max_seqlen_q=max(q_lens), num_sample_rows=0, sample_rows=None, no_prefix=no_prefix)
 
 
 class InputBuilder:
@@ -164,7 +168,7 @@ class InputBuilder:
         return {name: self._host(name, n).copy() for name, n in sizes.items()}
 
     def load(self, arrays: dict[str, np.ndarray], *, table_width: int, max_seqlen_q: int,
-             num_sample_rows: int) -> StepInputs:
+             num_sample_rows: int, no_prefix: bool = False) -> StepInputs:
         """Write ``arrays`` (from :meth:`host_arrays` on rank 0) into this builder's staging
         regions and upload them: the same step, with device views at this builder's fixed
         addresses (so a captured CUDA graph reads them in place)."""
@@ -183,7 +187,7 @@ class InputBuilder:
             context_lens=views["context_lens"],
             block_tables=views["block_tables"].view(num_seqs, table_width),
             max_seqlen_q=max_seqlen_q, num_sample_rows=num_sample_rows,
-            sample_rows=views.get("sample_rows"))
+            sample_rows=views.get("sample_rows"), no_prefix=no_prefix)
         if self._uploaded is not None:
             self._uploaded.record()
         return inputs
@@ -268,7 +272,8 @@ class InputBuilder:
             context_lens=self.i32.upload(ctx_at, ctx_at + padded),
             block_tables=self.i32.upload(bt_at, bt_at + n * width).view(n, width),
             max_seqlen_q=int(q_lens.max()) if n else 0,
-            num_sample_rows=num_sample_rows, sample_rows=sample_rows)
+            num_sample_rows=num_sample_rows, sample_rows=sample_rows,
+            no_prefix=n > 0 and not computed.any())
         if self._uploaded is not None:
             self._uploaded.record()
         return inputs

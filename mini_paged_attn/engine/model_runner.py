@@ -181,7 +181,8 @@ class ModelRunner:
 
         - Triton specialises integer arguments equal to 1 or divisible by 16, and the prefill
           kernel picks its tiles by the batch's mean query length: small batches of 1, 4 and
-          200 tokens a sequence cover those variants.
+          200 tokens a sequence cover those variants, for whole prompts (new K/V read as they
+          are) and for steps with cached prefixes (K/V read through the block tables).
         - cuBLAS picks its GEMM kernel by the number of rows, and CUDA loads each kernel on
           its first launch: a 512-token prompt's first step took 31 ms on an H100 against 13 ms
           for the next one. One prompt of each power-of-two length up to
@@ -194,7 +195,9 @@ class ModelRunner:
             for q_len in (1, 4, 200):
                 if num_seqs * q_len > cfg.max_num_batched_tokens or q_len > max_model_len:
                     continue
-                self._run_dummy([q_len] * num_seqs, self.kv_caches, decode_only=q_len == 1)
+                for no_prefix in (True, False) if q_len > 1 else (True,):
+                    self._run_dummy([q_len] * num_seqs, self.kv_caches,
+                                    decode_only=q_len == 1, no_prefix=no_prefix)
         q_len = 16
         while q_len <= min(cfg.max_num_batched_tokens, max_model_len):
             hidden = self._run_dummy([q_len], self.kv_caches, decode_only=False)
@@ -207,12 +210,13 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         logger.info("warmed up the kernels in %.1f s", time.perf_counter() - start)
 
-    def _run_dummy(self, q_lens: list[int], kv_caches, *, decode_only: bool) -> torch.Tensor:
+    def _run_dummy(self, q_lens: list[int], kv_caches, *, decode_only: bool,
+                   no_prefix: bool = True) -> torch.Tensor:
         """Forward a made-up batch (see ``input_batch.dummy_inputs``: sequence ``i`` computes
         ``q_lens[i]`` tokens, writes nothing, reads block 0 of ``kv_caches``) through the
         decode path (every ``q_lens[i]`` 1) or the prefill path. Returns the hidden states
         ``[sum(q_lens), hidden_size]``."""
-        step = dummy_inputs(q_lens, self.table_width, self.device)
+        step = dummy_inputs(q_lens, self.table_width, self.device, no_prefix=no_prefix)
         meta = AttentionMetadata.for_step(step, decode_only=decode_only, backend=self.backend,
                                           decode_workspace=self.workspace)
         return self.model(step.input_ids, step.positions, kv_caches, meta)
@@ -253,7 +257,7 @@ class ModelRunner:
                 self.inputs.host_arrays(step), num_seqs=n, table_width=step.block_tables.shape[1],
                 max_seqlen_q=step.max_seqlen_q, num_sample_rows=step.num_sample_rows,
                 decode_only=out.decode_only, graph_bucket=bucket,
-                block_copies=list(out.block_copies)))
+                block_copies=list(out.block_copies), no_prefix=step.no_prefix))
         wanted = prompt_logprob_rows(out)
         try:
             return self._forward(step, n, out.decode_only, bucket, out.block_copies, wanted)
@@ -303,7 +307,8 @@ class ModelRunner:
         the logits, gathered on every rank, are dropped here (rank 0 samples)."""
         step = self.inputs.load(message.arrays, table_width=message.table_width,
                                 max_seqlen_q=message.max_seqlen_q,
-                                num_sample_rows=message.num_sample_rows)
+                                num_sample_rows=message.num_sample_rows,
+                                no_prefix=message.no_prefix)
         self._forward(step, message.num_seqs, message.decode_only, message.graph_bucket,
                       message.block_copies)
 

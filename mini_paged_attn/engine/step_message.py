@@ -34,6 +34,7 @@ class StepMessage:
         decode_only: one new token per sequence.
         graph_bucket: the captured CUDA graph the step replays, or None for an eager step.
         block_copies: copy-on-write ``(src, dst)`` block pairs, done before the forward.
+        no_prefix: no sequence has cached tokens before this step's.
     """
 
     arrays: dict[str, np.ndarray]
@@ -44,6 +45,7 @@ class StepMessage:
     decode_only: bool
     graph_bucket: int | None = None
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    no_prefix: bool = False
 
     def __post_init__(self) -> None:
         missing = [name for name in STEP_ARRAYS if name not in self.arrays]

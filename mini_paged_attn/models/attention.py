@@ -4,7 +4,9 @@ One step's tokens are flattened (``[num_tokens, ...]``, no batch dim, no padding
 owns rows ``cu_seqlens_q[i] .. cu_seqlens_q[i+1]``, which are the *last* tokens of its
 ``context_lens[i]`` tokens. Each layer writes the new tokens' K/V into its cache with
 ``ops.store_kv`` and attends with ``ops.paged_decode`` (one new token per sequence) or
-``ops.paged_prefill`` (any mix of prompts, prompt chunks, prefix-cache hits and decodes).
+``ops.paged_prefill`` (any mix of prompts, prompt chunks, prefix-cache hits and decodes), or, when
+no sequence has cached tokens before the step's (whole prompts), ``ops.flash_attn_varlen_func``
+over the new K/V themselves (FlashInfer's ragged prefill: contiguous tiles, no block table).
 Nothing here reads a device tensor on the host, so a decode step can be captured in a CUDA graph.
 """
 
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 
 from ..ops.dispatch import BACKENDS, paged_decode, paged_prefill, store_kv
+from ..ops.varlen import flash_attn_varlen_func
 from ..distributed.group import TPGroup
 from ..distributed.sharding import ShardLayout
 from ..core.args import check_bool
@@ -38,6 +41,7 @@ class StepArrays(Protocol):
     context_lens: torch.Tensor
     block_tables: torch.Tensor
     max_seqlen_q: int
+    no_prefix: bool
 
 
 @dataclass
@@ -54,6 +58,10 @@ class AttentionMetadata:
         max_seqlen_q: host int, the most new tokens of one sequence this step.
         decode_only: every sequence has exactly one new token -> ``ops.paged_decode``
             (``num_tokens == num_seqs``); else ``ops.paged_prefill``.
+        no_prefix: host bool, no sequence has cached tokens before this step's new ones
+            (whole prompts): a prefill step then attends over the new K/V as they are
+            (``ops.flash_attn_varlen_func``, contiguous tiles) instead of reading them back
+            through the block tables. Only when the cache is in the query's dtype.
         backend: "auto" | "torch" | "triton", passed to the ops.
         num_splits: triton decode only: a fixed split-KV count; None lets the op's heuristic
             choose (from shapes only, the table width included, never from the lengths, so a
@@ -67,6 +75,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_seqlen_q: int
     decode_only: bool
+    no_prefix: bool = False
     backend: str = "auto"
     num_splits: int | None = None
     decode_workspace: torch.Tensor | None = None
@@ -96,6 +105,7 @@ class AttentionMetadata:
                              f"{self.slot_mapping.shape[0]}, max_seqlen_q={self.max_seqlen_q}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
+        check_bool("no_prefix", self.no_prefix)
 
     @classmethod
     def for_step(cls, step: StepArrays, *, decode_only: bool, backend: str,
@@ -104,7 +114,8 @@ class AttentionMetadata:
         on for a decode-only step only (prefill does not use it)."""
         return cls(slot_mapping=step.slot_mapping, cu_seqlens_q=step.cu_seqlens_q,
                    context_lens=step.context_lens, block_tables=step.block_tables,
-                   max_seqlen_q=step.max_seqlen_q, decode_only=decode_only, backend=backend,
+                   max_seqlen_q=step.max_seqlen_q, decode_only=decode_only,
+                   no_prefix=step.no_prefix, backend=backend,
                    decode_workspace=decode_workspace if decode_only else None)
 
     @property
@@ -148,6 +159,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         return paged_decode(q, key_cache, value_cache, meta.block_tables, meta.context_lens,
                             scale=scale, backend=meta.backend, window_size=window_size,
                             softcap=softcap, sinks=sinks, **triton_args)
+    if meta.no_prefix and key_cache.dtype == q.dtype:
+        cu = meta.cu_seqlens_q
+        return flash_attn_varlen_func(q, k, v, cu, cu, meta.max_seqlen_q, meta.max_seqlen_q,
+                                      softmax_scale=scale, causal=True, window_size=window_size,
+                                      softcap=softcap, sinks=sinks, backend=meta.backend)
     return paged_prefill(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q,
                          meta.context_lens, scale=scale, backend=meta.backend,
                          max_seqlen_q=meta.max_seqlen_q, window_size=window_size,

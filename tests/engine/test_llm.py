@@ -88,6 +88,28 @@ def test_greedy_matches_transformers(arch_case, variant):
     assert_pool_whole(engine)
 
 
+def test_whole_prompts_attend_over_their_new_kv_and_cached_prefixes_through_the_cache(
+        arch_case, monkeypatch):
+    """A step of whole prompts attends over the new K/V as they are (varlen, no block table);
+    a step with a prefix-cache hit reads the cache. Both give transformers' tokens."""
+    from mini_paged_attn.models import attention
+    calls = []
+    for name in ("flash_attn_varlen_func", "paged_prefill"):
+        def counted(*args, _real=getattr(attention, name), _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(attention, name, counted)
+    model_dir, prompts, expected = arch_case
+    llm = LLM.from_engine(make_engine(model_dir, enable_prefix_caching=True))
+    out = llm.generate(prompts[2:3], GREEDY, use_tqdm=False)
+    assert set(calls) == {"flash_attn_varlen_func"}
+    assert out[0].outputs[0].token_ids == expected[2]
+    calls.clear()
+    out = llm.generate(prompts[3:4], GREEDY, use_tqdm=False)    # shares 9 tokens with it
+    assert set(calls) == {"paged_prefill"} and out[0].metrics.num_cached_tokens > 0
+    assert out[0].outputs[0].token_ids == expected[3]
+
+
 def test_triton_kernels_with_a_block_size_that_is_no_power_of_two(tiny_model_factory):
     """Block size 24 through the Triton kernels (the interpreter on CPU): prompt tiles straddle
     cache blocks, and the greedy tokens still equal transformers'."""

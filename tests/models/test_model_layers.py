@@ -110,7 +110,7 @@ def test_attention_metadata_for_step_keeps_the_workspace_for_decode_only():
         return SimpleNamespace(slot_mapping=torch.arange(int(cu[-1])), cu_seqlens_q=cu,
                                context_lens=torch.tensor(q_lens, dtype=torch.int32),
                                block_tables=torch.zeros(len(q_lens), 4, dtype=torch.int32),
-                               max_seqlen_q=max(q_lens))
+                               max_seqlen_q=max(q_lens), no_prefix=True)
 
     workspace = torch.zeros(8)
     decode = AttentionMetadata.for_step(step([1, 1]), decode_only=True, backend="torch",
@@ -118,4 +118,4 @@ def test_attention_metadata_for_step_keeps_the_workspace_for_decode_only():
     assert decode.decode_workspace is workspace and decode.num_seqs == decode.num_tokens == 2
     prefill = AttentionMetadata.for_step(step([3, 1]), decode_only=False, backend="torch",
                                          decode_workspace=workspace)
-    assert prefill.decode_workspace is None and prefill.num_tokens == 4
+    assert prefill.decode_workspace is None and prefill.num_tokens == 4 and prefill.no_prefix
