@@ -4,6 +4,8 @@ Batch 1, Qwen2.5-0.5B shapes with random bf16 weights (as ``bench_engine`` (b)):
 several fresh 512-token prompts in a row (no prefix-cache hits), so a first-use cost (lazy
 kernel loading, a Triton specialisation) shows as the difference between the first and the
 later ones; then a profile of one prefill step (host and GPU time, the top host ops).
+``--compare-paths``: the prompts alternate between the engine's attention over the new K/V
+(whole prompts) and the block-table path, which a prefix-cache hit takes.
 
     python -m benchmarks.experiments.ttft_probe
 """
@@ -23,7 +25,19 @@ from benchmarks.bench_engine import engine_llm, engine_options, random_model_dir
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=5)
+    p.add_argument("--compare-paths", action="store_true")
     args = p.parse_args()
+    paged = {"on": False}
+    if args.compare_paths:
+        import dataclasses
+
+        from mini_paged_attn.engine.input_batch import InputBuilder
+        build = InputBuilder.build
+
+        def build_as_told(self, *a, **k):
+            step = build(self, *a, **k)
+            return dataclasses.replace(step, no_prefix=False) if paged["on"] else step
+        InputBuilder.build = build_as_told
     from mini_paged_attn.engine import SamplingParams
     with tempfile.TemporaryDirectory() as tmp:
         llm = engine_llm(random_model_dir("qwen2.5-0.5b", Path(tmp)),
@@ -32,12 +46,14 @@ def main() -> None:
         gen = torch.Generator().manual_seed(1)
         one = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
         for i in range(args.prompts):
+            paged["on"] = args.compare_paths and i % 2 == 1
             prompt = torch.randint(0, 10000, (512,), generator=gen).tolist()
             torch.cuda.synchronize()
             t = time.perf_counter()
             (out,) = llm.generate([prompt], one, use_tqdm=False)
             wall = time.perf_counter() - t
-            print(f"prompt {i}: TTFT {1e3 * out.metrics.time_to_first_token:.1f} ms, "
+            path = "block tables" if paged["on"] else "new K/V"
+            print(f"prompt {i} ({path}): TTFT {1e3 * out.metrics.time_to_first_token:.1f} ms, "
                   f"generate wall {1e3 * wall:.1f} ms", flush=True)
         from torch.profiler import ProfilerActivity, profile
         prompt = torch.randint(0, 10000, (512,), generator=gen).tolist()
