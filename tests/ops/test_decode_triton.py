@@ -51,6 +51,22 @@ def test_matches_reference(hq, hkv, head_size, block_size, lens, dtype, seed_lay
     assert_decode_matches_reference(batch, out, lse)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_value_cache_with_strides_of_its_own(num_splits):
+    # K and V caches usually share one layout; the kernel takes each cache's own strides.
+    import dataclasses
+    batch = make_decode_batch([37, 1, 20], num_q_heads=4, num_kv_heads=2, head_size=16,
+                              block_size=4, dtype=torch.float16, seed=9, device=DEVICE)
+    vc = batch.value_cache
+    head_major = torch.empty(vc.shape[0], vc.shape[2], vc.shape[1], vc.shape[3],
+                             dtype=vc.dtype, device=vc.device).transpose(1, 2)
+    head_major.copy_(vc)
+    assert head_major.stride() != batch.key_cache.stride()
+    batch = dataclasses.replace(batch, value_cache=head_major)
+    out, lse = _run(batch, num_splits=num_splits)
+    assert_decode_matches_reference(batch, out, lse)
+
+
 def test_auto_plan_splits_small_batches():
     # 2 seqs x 2 kv heads on 132 assumed SMs: the heuristic splits (the interpreter tiles).
     plan = plan_decode(2, 8, 2, 64, 40 * 16, 16, torch.float16, 132, on_gpu=False)
