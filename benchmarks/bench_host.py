@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.common import start_gpu_run
-from mini_paged_attn.ops import dispatch, paged_decode, paged_prefill, store_kv
+from mini_paged_attn.ops import (dispatch, flash_attn_varlen_func, paged_decode, paged_prefill,
+                                 store_kv, varlen)
 
 H_Q, H_KV, D, BS = 32, 8, 128, 16
 DECODE_SHAPES = ((1, 1024), (1, 4096), (8, 1024), (1, 16384), (64, 4096))
@@ -86,9 +87,9 @@ def first_call_us(fn, clear, n: int = 100) -> float:
     return total / n * 1e6
 
 
-def _clear_cache(name: str):
+def _clear_cache(name: str, module=dispatch):
     """Empties the op's launch cache (a no-op for a version of the ops without one)."""
-    cache = getattr(dispatch, name, None)
+    cache = getattr(module, name, None)
     return cache.clear if cache is not None else (lambda: None)
 
 
@@ -144,8 +145,18 @@ def prefill_and_store_rows(gen) -> list[tuple[dict, object]]:
 
     def store():
         return store_kv(k, k, kc, vc, slots)
+    # Four whole 64-token prompts over their own K/V, as an engine step of fresh prompts calls
+    # it (tensor-descriptor loads on Hopper).
+    new_k, new_v = (torch.randn(256, H_KV, D, device="cuda", generator=gen,
+                                dtype=torch.bfloat16) for _ in range(2))
+
+    def prompts():
+        return flash_attn_varlen_func(query, new_k, new_v, cu, cu, 64, 64, causal=True)
     return [(dict(op="paged_prefill", shape="4x64 on 1k",
                   first_call_us=first_call_us(prefill, _clear_cache("_PREFILL_RUNS"))), prefill),
+            (dict(op="flash_attn_varlen_func", shape="4x64 prompts",
+                  first_call_us=first_call_us(prompts, _clear_cache("_CONTIGUOUS_RUNS",
+                                                                    varlen))), prompts),
             (dict(op="store_kv", shape="8 tokens",
                   first_call_us=first_call_us(store, _clear_cache("_STORE_RUNS"))), store)]
 

@@ -52,16 +52,17 @@ class _Address:
 
 
 class _Rebased:
-    """A tensor descriptor argument of a prepared launch whose base pointer each repeat sets
-    (shape, strides and box stay those prepared, as the repeat contract requires). Triton's
-    launcher encodes the hardware descriptor from these fields at every launch."""
+    """A tensor descriptor argument of one repeat: the prepared descriptor's shape, strides and
+    box (the repeat contract keeps them) over a new base pointer. Triton's launcher encodes the
+    hardware descriptor from these fields at every launch. Made per call, so repeats of one
+    prepared launch on several threads never share one."""
 
     __slots__ = ("base", "shape", "strides", "block_shape", "padding")
 
-    def __init__(self, descriptor: TensorDescriptor) -> None:
-        self.base = _Address(descriptor.base.data_ptr())
-        self.shape, self.strides = list(descriptor.shape), list(descriptor.strides)
-        self.block_shape, self.padding = list(descriptor.block_shape), descriptor.padding
+    def __init__(self, descriptor, address: int) -> None:
+        self.base = _Address(address)
+        self.shape, self.strides = descriptor.shape, descriptor.strides
+        self.block_shape, self.padding = descriptor.block_shape, descriptor.padding
 
 
 class PreparedLaunch:
@@ -77,9 +78,13 @@ class PreparedLaunch:
         grid: the launch grid, a tuple of 1 to 3 ints.
         args, kwargs: the kernel's arguments as for ``jit_fn[grid]``: the tensors first and
             positional, launch options such as ``num_warps`` among ``kwargs``.
+        descriptor_sources: for each ``TensorDescriptor`` among the other arguments, in order,
+            the index of the tensor argument it is over: a repeat makes it anew over that
+            argument's pointer. A launch with a descriptor not named here is not repeatable.
     """
 
-    def __init__(self, jit_fn, grid: tuple[int, ...], args: Sequence, kwargs: dict) -> None:
+    def __init__(self, jit_fn, grid: tuple[int, ...], args: Sequence, kwargs: dict,
+                 descriptor_sources: Sequence[int] = ()) -> None:
         compiled = jit_fn[grid](*args, **kwargs)
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         num_tensors = _leading_tensors(args)
@@ -88,7 +93,7 @@ class PreparedLaunch:
                       and not any(isinstance(a, torch.Tensor) for a in args[num_tensors:]))
         if not self.ready:
             return
-        self._bind_arguments(jit_fn, args, kwargs, num_tensors)
+        self._bind_arguments(jit_fn, args, kwargs, num_tensors, descriptor_sources)
         compiled._init_handles()
         launcher = compiled.run
         if (getattr(launcher, "global_scratch_size", 0) or getattr(
@@ -104,7 +109,8 @@ class PreparedLaunch:
         from triton.runtime import driver
         self._stream_of = driver.active.get_current_stream
 
-    def _bind_arguments(self, jit_fn, args: Sequence, kwargs: dict, num_tensors: int) -> None:
+    def _bind_arguments(self, jit_fn, args: Sequence, kwargs: dict, num_tensors: int,
+                        descriptor_sources: Sequence[int]) -> None:
         """What a repeat needs from the prepared arguments: the tensors' alignment and device,
         and the kernel's remaining arguments in signature order, constexprs included (the
         launcher's argument format lists them too, and skips them)."""
@@ -112,13 +118,18 @@ class PreparedLaunch:
         self.all_aligned = all(self._aligned)
         self._device_index = args[0].get_device()
         tail = list(args[num_tensors:]) + [kwargs[name] for name in jit_fn.arg_names[len(args):]]
-        # Tensor descriptors over one of the tensor arguments follow that argument's pointer.
-        self._descriptors: list[tuple[int, _Rebased]] = []
-        for i, arg in enumerate(tail):
-            if isinstance(arg, TensorDescriptor):
-                index = next(j for j, t in enumerate(args[:num_tensors]) if t is arg.base)
-                tail[i] = _Rebased(arg)
-                self._descriptors.append((index, tail[i]))
+        # Tensor descriptor j follows tensor argument descriptor_sources[j]: (position in the
+        # tail, tensor index, the prepared descriptor's fields). By position, not by identity:
+        # one tensor may be passed in several places (k is v, a scale pointer standing in).
+        self._descriptors: list[tuple[int, int, _Rebased]] = []
+        positions = [i for i, arg in enumerate(tail) if isinstance(arg, TensorDescriptor)]
+        if len(positions) != len(descriptor_sources):
+            self.ready = False     # a descriptor whose tensor argument nobody named
+            return
+        for i, index in zip(positions, descriptor_sources):
+            assert tail[i].base is args[index], "a descriptor over another tensor than named"
+            tail[i] = _Rebased(tail[i], 0)
+            self._descriptors.append((i, index, tail[i]))
         self._tail = tuple(tail)
 
     def __call__(self, tensors: Sequence[torch.Tensor | int]) -> bool:
@@ -134,12 +145,20 @@ class PreparedLaunch:
         ptrs = [t if type(t) is int else t.data_ptr() for t in tensors]
         if [p % ALIGNMENT == 0 for p in ptrs] != self._aligned:
             return False
-        for index, descriptor in self._descriptors:
-            descriptor.base.address = ptrs[index]
         g0, g1, g2 = self.grid
         self._launch(g0, g1, g2, self._stream_of(self._device_index), *self._head, *ptrs,
-                     *self._tail)
+                     *self._tail_for(ptrs))
         return True
+
+    def _tail_for(self, ptrs: Sequence[int]) -> tuple:
+        """The non-tensor arguments of a repeat over ``ptrs``: the prepared ones, with each
+        tensor descriptor made anew over its tensor's pointer."""
+        if not self._descriptors:
+            return self._tail
+        tail = list(self._tail)
+        for position, index, prepared in self._descriptors:
+            tail[position] = _Rebased(prepared, ptrs[index])
+        return tuple(tail)
 
     def stream(self) -> int:
         """The handle of the current CUDA stream of the launch's device (where it launches)."""
@@ -149,10 +168,8 @@ class PreparedLaunch:
         """Launch on ``stream`` with raw device pointers in place of the tensor arguments,
         without :meth:`__call__`'s checks: only for a ready launch and pointers whose 16-byte
         alignment the caller has checked against the prepared one (:attr:`all_aligned`)."""
-        for index, descriptor in self._descriptors:
-            descriptor.base.address = ptrs[index]
         g0, g1, g2 = self.grid
-        self._launch(g0, g1, g2, stream, *self._head, *ptrs, *self._tail)
+        self._launch(g0, g1, g2, stream, *self._head, *ptrs, *self._tail_for(ptrs))
 
 
 def tensor_key(t: torch.Tensor) -> tuple:

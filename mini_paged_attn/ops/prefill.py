@@ -61,7 +61,8 @@ def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs:
         K_SCALED=k_scale is not None, V_SCALED=v_scale is not None,
         WINDOW=window_size[0] >= 0, SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
         KV_TMA=descriptors[0] is not None, SAME_KV_STRIDES=k.stride()[:3] == v.stride()[:3],
-        num_warps=config.num_warps, num_stages=config.num_stages))
+        num_warps=config.num_warps, num_stages=config.num_stages),
+        descriptor_sources=(1, 2) if descriptors[0] is not None else ())  # over k, over v
     return launch if launch.ready else None
 
 

@@ -43,3 +43,31 @@ def test_options_are_keyed_with_their_types(monkeypatch):
     assert dispatch._call_key((t,), (True,)) is not None
     assert dispatch._call_key((t,), (True,)) != dispatch._call_key((t,), (1,))
     assert dispatch._call_key((t,), (None,)) == dispatch._call_key((t,), (None,))
+
+
+def test_tensor_descriptors_follow_the_tensor_argument_named_for_them():
+    """A descriptor follows the argument position it was named for, not whichever argument
+    holds the same tensor (k also passed as a scale pointer, or k is v), and each repeat makes
+    its own descriptor objects (threads may repeat one launch at once)."""
+    from types import SimpleNamespace
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from mini_paged_attn.ops.launch import PreparedLaunch
+    x = torch.zeros(4, 8)
+    kernel = SimpleNamespace(arg_names=["q", "k", "k_scale", "k_desc", "n"])
+
+    def bound(sources):
+        launch = object.__new__(PreparedLaunch)
+        launch.ready = True
+        desc = TensorDescriptor(x, [4, 8], [8, 1], [2, 8])
+        # Prepared with one tensor as q, k and the scale stand-in (a user's q is k is v).
+        launch._bind_arguments(kernel, (x, x, x, desc, 3), {}, 3, sources)
+        return launch
+
+    launch = bound((1,))
+    first, second = launch._tail_for([100, 200, 300]), launch._tail_for([400, 500, 600])
+    assert first[0].base.data_ptr() == 200 and second[0].base.data_ptr() == 500
+    assert (first[0].shape, first[0].strides, first[0].block_shape) == ([4, 8], [8, 1], [2, 8])
+    assert first[1] == second[1] == 3 and first[0] is not second[0]
+    assert not bound(()).ready       # a descriptor nobody named: never repeated

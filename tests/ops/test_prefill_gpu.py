@@ -185,3 +185,20 @@ def test_contiguous_descriptor_loads_repeat_with_new_tensors():
                                                        causal=True, scale=0.1)
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
         assert len(varlen._CONTIGUOUS_RUNS) == 1
+
+
+def test_descriptor_launch_prepared_on_aliased_tensors_repeats_on_distinct_ones():
+    """A first call with q, k and v one tensor prepares the launch that later calls of the same
+    shapes repeat: their descriptors must follow k and v, not whichever argument was k."""
+    from mini_paged_attn import flash_attn_varlen_func
+    from mini_paged_attn.ops import varlen
+    cu = torch.tensor([0, 1024], dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x, q, k, v = (torch.randn(1024, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+                  for _ in range(4))
+    varlen._CONTIGUOUS_RUNS.clear()
+    for args in ((x, x, x), (q, x, x), (q, k, v)):
+        out = flash_attn_varlen_func(*args, cu, cu, 1024, 1024, causal=True)
+        ref, _ = reference.varlen_attention_contiguous(*args, cu, cu, causal=True,
+                                                       scale=128 ** -0.5)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
