@@ -92,8 +92,14 @@ def _load_tile(desc, ptr, table_row, row0, start_n, kvh, offs_n, offs_d,
 
 
 @triton.jit
-def _step(acc, l_i, m_i, q, k, v, start_n, last_visible, qk_scale,
-          MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+def _step(acc, l_i, m_i, q, start_n, last_visible, qk_scale, k_desc, v_desc, k_ptr, v_ptr,
+          table_row, row0, kvh, offs_n, offs_d, stride_b, stride_t, MODE: tl.constexpr,
+          BLOCK_N: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr):
+    """Load one K/V tile (see _load_tile) and run the online softmax over it."""
+    k = _load_tile(k_desc, k_ptr, table_row, row0, start_n, kvh, offs_n, offs_d,
+                   stride_b, stride_t, MODE, BLOCK_N, PAGE, D)  # [BLOCK_N, D]
+    v = _load_tile(v_desc, v_ptr, table_row, row0, start_n, kvh, offs_n, offs_d,
+                   stride_b, stride_t, MODE, BLOCK_N, PAGE, D)
     s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
     if MASKED:
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -150,19 +156,13 @@ def _prefill(q_ptr, out_ptr, k_desc, v_desc, k_ptr, v_ptr, tables_ptr,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     for start_n in tl.range(0, unmasked_end, BLOCK_N, num_stages=STAGES, warp_specialize=WS):
-        k = _load_tile(k_desc, k_ptr, table_row, row0, start_n, kvh, offs_n, offs_d,
-                       stride_b, stride_t, MODE, BLOCK_N, PAGE, D)
-        v = _load_tile(v_desc, v_ptr, table_row, row0, start_n, kvh, offs_n, offs_d,
-                       stride_b, stride_t, MODE, BLOCK_N, PAGE, D)
-        acc, l_i, m_i = _step(acc, l_i, m_i, q, k, v, start_n, last_visible, qk_scale,
-                              False, BLOCK_N)
+        acc, l_i, m_i = _step(acc, l_i, m_i, q, start_n, last_visible, qk_scale, k_desc,
+                              v_desc, k_ptr, v_ptr, table_row, row0, kvh, offs_n, offs_d,
+                              stride_b, stride_t, MODE, BLOCK_N, PAGE, D, False)
     for start_n in tl.range(unmasked_end, kv_end, BLOCK_N, num_stages=STAGES):
-        k = _load_tile(k_desc, k_ptr, table_row, row0, start_n, kvh, offs_n, offs_d,
-                       stride_b, stride_t, MODE, BLOCK_N, PAGE, D)
-        v = _load_tile(v_desc, v_ptr, table_row, row0, start_n, kvh, offs_n, offs_d,
-                       stride_b, stride_t, MODE, BLOCK_N, PAGE, D)
-        acc, l_i, m_i = _step(acc, l_i, m_i, q, k, v, start_n, last_visible, qk_scale,
-                              True, BLOCK_N)
+        acc, l_i, m_i = _step(acc, l_i, m_i, q, start_n, last_visible, qk_scale, k_desc,
+                              v_desc, k_ptr, v_ptr, table_row, row0, kvh, offs_n, offs_d,
+                              stride_b, stride_t, MODE, BLOCK_N, PAGE, D, True)
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh
              + offs_d[None, :], out.to(out_ptr.dtype.element_ty))
