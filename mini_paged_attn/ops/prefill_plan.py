@@ -110,7 +110,8 @@ def default_config(head_size: int, dtype: torch.dtype, device: torch.device,
     - The interpreter (no CUDA) runs every program in numpy: small tiles keep tests quick.
     - head_size 128, whole prompts and chunks: 128 x 128 tiles, 8 warps (one program per SM),
       5 stages where a program may have 225 KiB of shared memory (Hopper), else 3: the paged
-      K/V loads lose a stage to the block-table load, and 5 keeps three tiles in flight.
+      K/V loads lose a stage to the block-table load, and 5 keeps three tiles in flight
+      (contiguous K/V: 3 stages, else 2).
     - head_size <= 64: 128 x 64, 4 warps.
     - head_size <= 128, a decode-heavy batch (``avg_q_len <= SHORT_QUERY_AVG``, e.g. decode
       rows mixed with a few prompts): the work is streaming long contexts' K/V; 64 x 64 tiles
@@ -132,15 +133,17 @@ def default_config(head_size: int, dtype: torch.dtype, device: torch.device,
         return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
     if padded <= 64:
         return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    deep = max_shared_memory(device) >= THREE_TILE_SHARED_MEMORY
     if contiguous:
-        return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3,
+        return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3 if deep else 2,
                              tma=head_size == 128)
-    deep = max_shared_memory(device) >= FIVE_STAGE_SHARED_MEMORY
     return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=5 if deep else 3)
 
 
-# Shared memory of the 128 x 128 tiles at 5 stages, 16-bit (Q + three K/V tile pairs).
-FIVE_STAGE_SHARED_MEMORY = 230_400
+# Shared memory of 128 x 128 16-bit tiles with three K/V tile pairs in flight (Q + 3 x K, V):
+# contiguous K/V at 3 stages, paged K/V at 5 (their table load takes a stage). Hopper has it;
+# an A100's 163 KiB holds two pairs.
+THREE_TILE_SHARED_MEMORY = 230_400
 
 
 @functools.lru_cache(maxsize=None)

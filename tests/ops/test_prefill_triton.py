@@ -177,8 +177,9 @@ def test_default_config_by_head_size_and_batch_shape(shared_memory):
     prompts = default_config(128, torch.bfloat16, cuda, avg_q_len=4096)
     decode_heavy = default_config(128, torch.bfloat16, cuda, avg_q_len=65)
     assert (prompts.block_m, prompts.block_n, prompts.num_stages) == (128, 128, 5)
-    shared_memory(166_912)          # an A100's: the 5-stage tiles would not fit
+    shared_memory(166_912)          # an A100's: three K/V tile pairs would not fit
     assert default_config(128, torch.bfloat16, cuda, avg_q_len=4096).num_stages == 3
+    assert default_config(128, torch.bfloat16, cuda, 4096, contiguous=True).num_stages == 2
     assert (decode_heavy.block_m, decode_heavy.block_n) == (64, 64)
     assert default_config(256, torch.float16, cuda, 4096).num_stages == 2
     assert default_config(128, torch.float16, torch.device("cpu")).block_m == 16
@@ -275,6 +276,7 @@ def test_default_config_loads_contiguous_head_128_through_descriptors(shared_mem
     from mini_paged_attn.ops.prefill_plan import default_config
     cuda = torch.device("cuda")
     assert default_config(128, torch.bfloat16, cuda, 4096, contiguous=True).tma
+    assert default_config(128, torch.bfloat16, cuda, 4096, contiguous=True).num_stages == 3
     assert not default_config(128, torch.bfloat16, cuda, 4096).tma        # paged
     assert not default_config(64, torch.bfloat16, cuda, 4096, contiguous=True).tma
     with pytest.raises(ValueError, match="tma"):
