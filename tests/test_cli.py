@@ -211,3 +211,19 @@ def test_an_unloadable_model_is_one_line_end_to_end(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "is not a directory" in _one_error_line(proc.stderr)
+
+
+def test_demo_runs_where_triton_is_not_installed():
+    """The README's quick start installs a CPU torch, which brings no Triton: the package and
+    its demo must not need it (a subprocess where ``import triton`` fails)."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "from mini_paged_attn.cli import main\n"
+            "main(['demo'])\n"
+            "assert not any(m == 'triton' or m.startswith('triton.') for m in sys.modules\n"
+            "               if sys.modules[m] is not None)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "blocks free" in done.stdout

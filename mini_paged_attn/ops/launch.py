@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 import torch
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 ALIGNMENT = 16
 """Triton specialises pointer arguments on ``data_ptr() % 16 == 0``."""
@@ -121,6 +120,7 @@ class PreparedLaunch:
         # Tensor descriptor j follows tensor argument descriptor_sources[j]: (position in the
         # tail, tensor index, the prepared descriptor's fields). By position, not by identity:
         # one tensor may be passed in several places (k is v, a scale pointer standing in).
+        from triton.tools.tensor_descriptor import TensorDescriptor  # triton is optional
         self._descriptors: list[tuple[int, int, _Rebased]] = []
         positions = [i for i, arg in enumerate(tail) if isinstance(arg, TensorDescriptor)]
         if len(positions) != len(descriptor_sources):
