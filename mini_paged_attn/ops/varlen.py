@@ -101,11 +101,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             and alibi_slopes is None and not return_attn_probs
             and type(max_seqlen_q) is int and type(max_seqlen_k) is int
             and max_seqlen_q >= 0 and max_seqlen_k >= 0
-            and (variant := _variant_options(window_size, softcap)) is not None):
+            and (variant_key := _variant_options(window_size, softcap)) is not None):
         # A repeat of an earlier call's shapes: launch what it prepared (max_seqlen_q/k are
         # unused, so checked but not keyed on).
         key = _call_key((q, k, v, cu_seqlens_q, cu_seqlens_k, sinks),
-                        (causal, softmax_scale, backend, *variant))
+                        (causal, softmax_scale, backend, *variant_key))
         launch = _CONTIGUOUS_RUNS.get(key) if key is not None else None
         if launch is not None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
