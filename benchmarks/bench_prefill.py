@@ -104,19 +104,25 @@ def prefill_fn(batch, config: PrefillConfig | None):
                                         out=out, lse=None, config=config)
 
 
-def contiguous_fn(batch):
-    """The same attention with the batch's K/V gathered into contiguous ``[total_k, Hkv, D]``
-    (``flash_attn_varlen_func``'s layout; the engine's layout for whole prompts)."""
-    from mini_paged_attn.ops import flash_attn_varlen_func
+def contiguous_kv(batch):
+    """A paged batch's K/V gathered into contiguous ``[total_k, Hkv, D]`` tensors
+    (``flash_attn_varlen_func``'s layout; the engine's layout for whole prompts), with their
+    int32 ``cu_seqlens_k``."""
     q, kc, vc, tables, cu, ctx = batch
     page = kc.shape[1]
     rows = [tables[i, torch.arange(int(n), device=DEVICE) // page].long() * page
             + torch.arange(int(n), device=DEVICE) % page for i, n in enumerate(ctx.tolist())]
     rows = torch.cat(rows)
-    k = kc.flatten(0, 1)[rows].contiguous()
-    v = vc.flatten(0, 1)[rows].contiguous()
     cu_k = torch.zeros(len(ctx) + 1, dtype=torch.int32, device=DEVICE)
     cu_k[1:] = torch.cumsum(ctx, 0)
+    return kc.flatten(0, 1)[rows].contiguous(), vc.flatten(0, 1)[rows].contiguous(), cu_k
+
+
+def contiguous_fn(batch):
+    """The same attention over :func:`contiguous_kv`'s K/V."""
+    from mini_paged_attn.ops import flash_attn_varlen_func
+    q, _, _, _, cu, ctx = batch
+    k, v, cu_k = contiguous_kv(batch)
     max_q, max_k = int((cu[1:] - cu[:-1]).max()), int(ctx.max())
     # The public call: its repeats launch what the first call prepared (host time ~20 us).
     return lambda: flash_attn_varlen_func(q, k, v, cu, cu_k, max_q, max_k, causal=True)

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.bench_prefill import (CASES, HKV, HQ, config_name, paged_batch, prefill_fn,
-                                      sdpa_tflops)
+from benchmarks.bench_prefill import (CASES, HKV, HQ, config_name, contiguous_kv, paged_batch,
+                                      prefill_fn, sdpa_tflops)
 from benchmarks.common import environment, measure_ceilings, time_us
 from mini_paged_attn.ops import prefill_plan
 from mini_paged_attn.ops.prefill_plan import PrefillConfig
@@ -187,16 +187,6 @@ class Variant:
                 f"{ws}")
 
 
-def contiguous_kv(kc, vc, tables, ctx):
-    """The paged caches gathered into [B * L, Hkv, D] (equal lengths)."""
-    b, length = len(ctx), int(ctx[0])
-    page = kc.shape[1]
-    n = (length + page - 1) // page
-    k = kc[tables[:, :n].long()].reshape(b, n * page, HKV, D)[:, :length]
-    v = vc[tables[:, :n].long()].reshape(b, n * page, HKV, D)[:, :length]
-    return k.reshape(b * length, HKV, D).contiguous(), v.reshape(b * length, HKV, D).contiguous()
-
-
 def library_output(batch) -> torch.Tensor:
     from mini_paged_attn.ops import paged_prefill
     q, kc, vc, tables, cu, ctx = batch
@@ -206,10 +196,8 @@ def library_output(batch) -> torch.Tensor:
 def library_contiguous(batch, contiguous, config):
     """The library kernel on the gathered K/V, repeated through its prepared launch."""
     from mini_paged_attn.ops.prefill import triton_varlen_contiguous
-    q, kc, vc, tables, cu, ctx = batch
-    k, v = contiguous
-    cu_k = torch.zeros_like(cu)
-    cu_k[1:] = torch.cumsum(ctx, 0)
+    q, cu = batch[0], batch[4]
+    k, v, cu_k = contiguous
     out = torch.empty_like(q)
     launch = triton_varlen_contiguous(q, k, v, cu, cu_k, 0, 0, causal=True, scale=D ** -0.5,
                                       out=out, config=config)
@@ -222,7 +210,7 @@ def launcher(variant: Variant, batch, contiguous):
     b = len(ctx)
     q_len, kv_len = q.shape[0] // b, int(ctx[0])
     paged = variant.mode.startswith("paged")
-    k, v = (kc, vc) if paged else contiguous
+    k, v = (kc, vc) if paged else contiguous[:2]
     page = kc.shape[1]
     k2, v2 = k.reshape(-1, HKV * D), v.reshape(-1, HKV * D)
     box = [min(page, variant.block_n) if paged else variant.block_n, D]
@@ -277,7 +265,7 @@ def main() -> None:
     rows = []
     for case in [c for c in CASES if c.name in args.cases.split(",")]:
         batch = paged_batch(case)
-        contiguous = contiguous_kv(*batch[1:3], batch[3], batch[5])
+        contiguous = contiguous_kv(batch)
         by_page = {16: batch}
         ref = prefill_fn(batch, None)
         ref()
