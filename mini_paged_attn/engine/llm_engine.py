@@ -35,6 +35,15 @@ from .structured.bitmask import TokenMasks
 
 logger = logging.getLogger(__name__)
 
+
+def _await_fill(masks: Callable[[], TokenMasks | None] | None) -> None:
+    """After a failure: wait for a grammar fill that may still run on the worker thread, so
+    no later grammar work shares its matchers (its own error, if any, is the failure's)."""
+    if masks is not None:
+        with contextlib.suppress(Exception):
+            masks()
+
+
 class LLMEngine:
     """Continuous-batching engine over the paged KV cache (see the module doc for threads).
 
@@ -314,9 +323,7 @@ class LLMEngine:
             self._process_outputs(grew, touched)     # while the masks fill
             return masks
         except BaseException:
-            if masks is not None:   # no matcher is shared with a fill still running
-                with contextlib.suppress(Exception):
-                    masks()
+            _await_fill(masks)
             # The held step was never counted: its sequences are scheduled again.
             self.scheduler.rollback(held.out)
             if prev is not None:
@@ -454,11 +461,7 @@ class LLMEngine:
                 return
         except Exception:
             logger.exception("the tokens of the step before the failed one are lost")
-            if masks is not None:
-                # The grammar fill may still run on the worker thread: the next step's
-                # grammar work must not share its matchers.
-                with contextlib.suppress(Exception):
-                    masks()
+            _await_fill(masks)
         for seq, at in zip(step.out.seqs, step.where):
             if at >= 0 and seq.token_ids[at] == PLACEHOLDER_TOKEN:
                 del seq.token_ids[at:]

@@ -189,5 +189,3 @@ def load_model_and_tokenizer(model: str | Path, *, dtype="auto", device=None):
     tokenizer = load_tokenizer(model)
     net, config = load_model(model, dtype=dtype, device=device)
     return net, config, tokenizer
-
-
