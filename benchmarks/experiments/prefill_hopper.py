@@ -250,10 +250,12 @@ def variants(quick: bool) -> list[Variant]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("bench_out"))
+    parser.add_argument("--out", type=Path, default=Path("bench_out"),
+                        help="directory for prefill_hopper.json")
     parser.add_argument("--quick", action="store_true", help="two variants only")
     parser.add_argument("--cases", default="causal 1x4k,causal 4x4k,causal 1x16k,"
-                        "chunk 512 on 8k x8")
+                        "chunk 512 on 8k x8",
+                        help="comma-separated case names of bench_prefill")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     # Device-side descriptors (tma-dev) live in per-program scratch memory.

@@ -24,8 +24,10 @@ from benchmarks.bench_engine import engine_llm, engine_options, random_model_dir
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=5)
-    p.add_argument("--compare-paths", action="store_true")
+    p.add_argument("--prompts", type=int, default=5, help="fresh 512-token prompts to time")
+    p.add_argument("--compare-paths", action="store_true",
+                   help="alternate the prompts between attention over the new K/V and the "
+                        "block-table path")
     args = p.parse_args()
     paged = {"on": False}
     if args.compare_paths:
