@@ -45,11 +45,13 @@ def _attend_kv_tile(acc, l_i, m_i, q, start_n, first_visible, last_visible, kv_l
                     HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
                     MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, KV_TMA: tl.constexpr):
+                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, KV_TMA: tl.constexpr,
+                    PAST_END: tl.constexpr):
     """One K/V tile of the online softmax; MASKED tiles mask keys outside each row's
     ``first_visible .. last_visible`` (the first only with WINDOW) and load nothing outside
-    ``kv_lo .. kv_len - 1``, the keys some row of the tile may see (KV_TMA: load whole rows,
-    then zero V outside it)."""
+    ``kv_lo .. kv_len - 1``, the keys some row of the tile may see. KV_TMA loads whole rows
+    of the sequence's contiguous K/V instead; PAST_END (a tile that may reach past the
+    sequence's last key) then zeroes V past it."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions in the sequence
     kv_in_range = offs_n < kv_len             # [BLOCK_N]
     if WINDOW:
@@ -60,11 +62,13 @@ def _attend_kv_tile(acc, l_i, m_i, q, start_n, first_visible, last_visible, kv_l
         # Whole tiles of contiguous rows; rows past the tensor come back as zeros.
         k = k_desc.load([kv_row0 + start_n, desc_col])  # [BLOCK_N, HEAD_SIZE]
         v = v_desc.load([kv_row0 + start_n, desc_col])
-        if MASKED:
-            # Rows outside the keys this tile may see belong to other sequences (or past
+        if PAST_END:
+            # Rows past the sequence's keys belong to the next sequence (or, past
             # cu_seqlens_k[-1], to nobody): their scores are masked below, and their values,
-            # which may not even be finite, must not reach P @ V.
-            v = tl.where(kv_in_range[:, None], v, 0.0)
+            # which may not even be finite, must not reach P @ V. (Rows left of a window
+            # are the sequence's own, finite keys.) Only the tiles that reach past the end
+            # pay for this, which takes V from shared memory to registers and back.
+            v = tl.where((offs_n < kv_len)[:, None], v, 0.0)
     elif PAGED:
         if BLOCK_SIZE % BLOCK_N == 0:
             # Tiles start at multiples of BLOCK_N, so when BLOCK_N divides BLOCK_SIZE a tile
@@ -199,22 +203,33 @@ def _attend_q_tile(q_ptr, out_ptr, lse_ptr, sinks_ptr, k_base, v_base, k_desc, v
                 acc, l_i, m_i, q, start_n, first_visible, last_visible, kv_lo, kv_len,
                 qk_scale, softcap, k_base, v_base, k_desc, v_desc, desc_col, table_row, kv_row0,
                 offs_d, stride_kb, stride_kt, stride_vb, stride_vt, HEAD_SIZE, HEAD_SIZE_PADDED,
-                BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION, WINDOW, SOFTCAP, KV_TMA)
+                BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION, WINDOW, SOFTCAP, KV_TMA, True)
     for start_n in range(unmasked_begin, unmasked_end, BLOCK_N):
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, start_n, first_visible, last_visible, kv_lo, kv_len, qk_scale,
             softcap, k_base, v_base, k_desc, v_desc, desc_col, table_row, kv_row0, offs_d,
             stride_kb, stride_kt, stride_vb, stride_vt, HEAD_SIZE, HEAD_SIZE_PADDED,
-            BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION, WINDOW, SOFTCAP, KV_TMA)
+            BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION, WINDOW, SOFTCAP, KV_TMA, False)
     tail_begin = unmasked_end
     if WINDOW:
         tail_begin = tl.maximum(unmasked_end, unmasked_begin)  # no middle run: all masked
+    if KV_TMA:
+        # Masked tiles that end inside the sequence (the diagonal of every query tile but
+        # the last) need no V zeroing.
+        inside_end = tl.maximum(tl.minimum(kv_end, kv_len // BLOCK_N * BLOCK_N), tail_begin)
+        for start_n in range(tail_begin, inside_end, BLOCK_N):
+            acc, l_i, m_i = _attend_kv_tile(
+                acc, l_i, m_i, q, start_n, first_visible, last_visible, kv_lo, kv_len,
+                qk_scale, softcap, k_base, v_base, k_desc, v_desc, desc_col, table_row, kv_row0,
+                offs_d, stride_kb, stride_kt, stride_vb, stride_vt, HEAD_SIZE, HEAD_SIZE_PADDED,
+                BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION, WINDOW, SOFTCAP, KV_TMA, False)
+        tail_begin = inside_end
     for start_n in range(tail_begin, kv_end, BLOCK_N):
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, start_n, first_visible, last_visible, kv_lo, kv_len, qk_scale,
             softcap, k_base, v_base, k_desc, v_desc, desc_col, table_row, kv_row0, offs_d,
             stride_kb, stride_kt, stride_vb, stride_vt, HEAD_SIZE, HEAD_SIZE_PADDED,
-            BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION, WINDOW, SOFTCAP, KV_TMA)
+            BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION, WINDOW, SOFTCAP, KV_TMA, True)
 
     # Rows that saw no key and no sink (only possible for contiguous K/V shorter than Q) give
     # 0 and -inf.
@@ -255,39 +270,73 @@ def _prefill_kernel(
     # (stride 0: one for all heads); else the pointers are never read (scale 1).
     # BOUNDED_RIGHT, WINDOW, SOFTCAP, HAS_SINKS: see _attend_q_tile (causal is a right window
     # of 0); softcap is in log2 units, as qk_scale is.
-    # program = (tile slot, kv head, head chunk), slot-major: programs start in slot order, the
-    # tiles of one sequence together (they share its K/V in L2). See prefill_plan for the slot
-    # layout. (Taking slots from both ends in turn, to pair heavy tiles with light ones and mix
-    # decode rows with prompt tiles, gave 343 instead of 398 TFLOP/s on a causal 16k prompt on
-    # an H100 and no gain on a mixed batch.)
+    # Programs are ordered sequence, then (KV head, head chunk), then tile slot: sequence i
+    # owns programs [start_i * HEADS, start_{i+1} * HEADS) with start_i = cu_seqlens_q[i] //
+    # TOKENS_PER_TILE + i (see prefill_plan), one run of its slots per head. The programs
+    # resident at once then mostly share one KV head's K/V, which stays in L2; ordered KV
+    # head-fastest they stream every head's K/V together, which a 16k prompt's 64 MB does not
+    # fit (1x16k causal: 528 against 583 TFLOP/s on an H100). Sequences in batch order keep a
+    # mixed batch's decode rows first. (Taking slots from both ends in turn, to pair heavy
+    # tiles with light ones, gave 343 instead of 398 TFLOP/s on a causal 16k prompt.)
+    HEADS: tl.constexpr = NUM_KV_HEADS * HEAD_CHUNKS
     pid = tl.program_id(0)
-    slot = pid // (NUM_KV_HEADS * HEAD_CHUNKS)
-    kv_head = pid % (NUM_KV_HEADS * HEAD_CHUNKS) // HEAD_CHUNKS
-    head_chunk = pid % HEAD_CHUNKS
 
-    # Sequence of this slot: the largest i with cu_seqlens_q[i] // TOKENS_PER_TILE + i <= slot.
-    lo = slot * 0  # int32 scalars (num_seqs may be specialised to a constexpr 1)
-    hi = lo + num_seqs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        mid_start = tl.load(cu_seqlens_q_ptr + mid) // TOKENS_PER_TILE + mid
-        lo = tl.where(mid_start <= slot, mid, lo)
-        hi = tl.where(mid_start <= slot, hi, mid)
-    seq = lo
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    # Sequence of this program: the largest i with start_i * HEADS <= pid.
+    SEQ_LOOKUP: tl.constexpr = 64
+    if (num_seqs > 1) & (num_seqs < SEQ_LOOKUP):
+        # Batches of 2 to 63 sequences: the sequence, its bounds and its K/V length come out
+        # of two independent vector loads. A binary search takes one dependent load per
+        # halving, and one program per SM (the 128 x 128 tiles) leaves that latency exposed
+        # at every program's start (causal 4x4k: ~35 us a program; 507 -> 526 TFLOP/s on an
+        # H100). One sequence (num_seqs specialised to 1) needs no search at all.
+        offs = tl.arange(0, SEQ_LOOKUP)                               # [SEQ_LOOKUP]
+        cu_q = tl.load(cu_seqlens_q_ptr + offs, mask=offs <= num_seqs, other=0)
+        kv_valid = offs < num_seqs          # context_lens: one entry per sequence
+        if not PAGED:
+            kv_valid = offs <= num_seqs     # cu_seqlens_k: num_seqs + 1 entries
+        kv_rows = tl.load(kv_lens_ptr + offs, mask=kv_valid, other=0)
+        owns = (offs < num_seqs) & ((cu_q // TOKENS_PER_TILE + offs) * HEADS <= pid)
+        seq = tl.sum(owns.to(tl.int32), axis=0) - 1  # the starts increase: a prefix owns
+        q_start = tl.sum(tl.where(offs == seq, cu_q, 0), axis=0)
+        q_end = tl.sum(tl.where(offs == seq + 1, cu_q, 0), axis=0)
+        kv_first = tl.sum(tl.where(offs == seq, kv_rows, 0), axis=0)
+        kv_next = tl.sum(tl.where(offs == seq + 1, kv_rows, 0), axis=0)
+    else:
+        lo = pid * 0  # int32 scalars
+        hi = lo + num_seqs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            mid_start = tl.load(cu_seqlens_q_ptr + mid) // TOKENS_PER_TILE + mid
+            lo = tl.where(mid_start * HEADS <= pid, mid, lo)
+            hi = tl.where(mid_start * HEADS <= pid, hi, mid)
+        seq = lo
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
+        kv_first = tl.load(kv_lens_ptr + seq)
+        kv_next = kv_first
+        if not PAGED:
+            kv_next = tl.load(kv_lens_ptr + seq + 1)
+    q_len = q_end - q_start
+    first_slot = q_start // TOKENS_PER_TILE + seq
+    num_slots = q_end // TOKENS_PER_TILE + seq + 1 - first_slot  # >= cdiv(q_len, TOKENS_PER_TILE)
+    local = pid - first_slot * HEADS
+    head_index = local // num_slots
+    local = local % num_slots
     num_tiles = tl.cdiv(q_len, TOKENS_PER_TILE)
-    local = slot - (q_start // TOKENS_PER_TILE + seq)
-    if local >= num_tiles:
-        return  # a spare slot, or a sequence with q_len 0: nothing to compute or write
+    if (head_index >= HEADS) | (local >= num_tiles):
+        # A spare slot, a sequence with q_len 0, or a program past the last sequence's slots
+        # (the grid is an upper bound): nothing to compute or write.
+        return
+    kv_head = head_index // HEAD_CHUNKS
+    head_chunk = head_index % HEAD_CHUNKS
     # Heaviest tile first: the last query tokens see the most keys.
     tile = num_tiles - 1 - local
     if PAGED:
-        kv_len = tl.load(kv_lens_ptr + seq)
+        kv_len = kv_first
         kv_row0 = 0
     else:
-        kv_row0 = tl.load(kv_lens_ptr + seq)
-        kv_len = tl.load(kv_lens_ptr + seq + 1) - kv_row0
+        kv_row0 = kv_first
+        kv_len = kv_next - kv_first
     if SAME_KV_STRIDES:
         # One set of row offsets serves K and V (the compiler merges the equal expressions):
         # half the address arithmetic per tile, which the pointer loads' pipeline pays for.

@@ -64,9 +64,10 @@ class PrefillTiling:
     small_rows: int        # rows of the tile for short sequences (decode rows); 0: none
 
     def grid(self, total_q: int, num_seqs: int, num_kv_heads: int) -> tuple[int]:
-        """Programs = tile slots x kv heads x head chunks, flattened slot-major into one axis
-        (so a batch's first sequences, e.g. its decode rows, start first); an upper bound
-        that needs no host sync."""
+        """Programs = tile slots x kv heads x head chunks on one axis, ordered sequence, then
+        head, then slot (a batch's first sequences, e.g. its decode rows, start first, and the
+        programs running together share one head's K/V); an upper bound that needs no host
+        sync."""
         slots = cdiv(total_q, self.tokens_per_tile) + num_seqs
         return (slots * num_kv_heads * self.head_chunks,)
 

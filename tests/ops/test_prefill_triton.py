@@ -93,6 +93,27 @@ def test_value_cache_with_strides_of_its_own():
     check_against_reference((q, kc, head_major, *rest), causal=True)
 
 
+@pytest.mark.parametrize("num_seqs", [63, 64, 70], ids=lambda n: f"{n}seqs")
+def test_batches_past_the_vector_sequence_lookup(num_seqs):
+    # Up to 63 sequences a program finds its own by one vector load, from 64 by a binary
+    # search: both, on paged and contiguous K/V, with q_len 0 and 1 rows among longer ones.
+    q_lens = [(0, 1, 3, 17)[i % 4] for i in range(num_seqs)]
+    prefix = [(5, 0, 20, 2)[i % 4] for i in range(num_seqs)]
+    batch = prefill_args(q_lens, prefix, num_q_heads=4, num_kv_heads=2, head_size=16,
+                         block_size=8, dtype=torch.float16, seed=num_seqs)
+    check_against_reference(batch, causal=True)
+    k_lens = [q + p for q, p in zip(q_lens, prefix)]
+    q, k, v, cu_q, cu_k = _contiguous_batch(q_lens, k_lens, heads=(4, 2), head_size=16,
+                                            extra_rows=3, seed=num_seqs)
+    out = torch.full_like(q, float("nan"))
+    triton_varlen_contiguous(q, k, v, cu_q, cu_k, 0, 0, causal=True, scale=0.25, out=out,
+                             config=SMALL)
+    ref, _ = reference.varlen_attention_contiguous(q, k, v, cu_q, cu_k, causal=True,
+                                                   scale=0.25)
+    torch.testing.assert_close(out.float(), ref, atol=TOL[torch.float16],
+                               rtol=TOL[torch.float16])
+
+
 def test_all_empty_and_single_sequences():
     batch = prefill_args([0, 0], [4, 0], num_q_heads=2, num_kv_heads=1, head_size=16,
                          block_size=4, dtype=torch.float32, seed=1)
