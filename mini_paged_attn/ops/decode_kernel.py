@@ -59,6 +59,17 @@ def soft_cap(s, cap):
 
 
 @triton.jit
+def e4m3_to_fp16(x):
+    """e4m3 -> fp16 (exact), four values at a time by ``cvt.rn.f16x2.e4m3x2`` (sm_89+; compiled
+    GPUs only, the interpreter runs no PTX). Declared impure so that the compiler keeps it where
+    it stands instead of moving the tile's layout change in front of it."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+        "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
 def _paged_decode_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, context_lens_ptr, out_ptr, lse_ptr, sinks_ptr,
@@ -77,6 +88,7 @@ def _paged_decode_kernel(
     K_SCALED: tl.constexpr, V_SCALED: tl.constexpr, FP16_DOTS: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    FP8_V_ASM: tl.constexpr,
 ):
     """Grid ``(num_kv_heads, num_splits, num_seqs)``: the KV heads of one sequence run side by
     side, so the token rows of a block (all heads' K and V) are read at about the same time.
@@ -92,6 +104,7 @@ def _paged_decode_kernel(
     SOFTCAP: scores (log2 units) become ``soft_cap(s, softcap_log2)``.
     HAS_SINKS: split 0 starts its online softmax at ``m = sink, l = 1`` (a key of value 0 and
     logit ``sinks[head]``), so the sink enters the merged denominator exactly once.
+    FP8_V_ASM (FP16_DOTS, compiled GPUs only): convert V with :func:`e4m3_to_fp16`.
     FUSED_MERGE (with SPLIT_KV): the last program of each (sequence, KV head) to finish merges
     the partials into ``merged_out`` (the query's dtype, strides ``stride_mo_*``) and, with
     WRITE_LSE, ``merged_lse``; ``counters`` is int32 ``[num_seqs, num_kv_heads]``, zero
@@ -167,7 +180,14 @@ def _paged_decode_kernel(
         v = tl.load(v_head + v_rows[:, None] + dims[None, :], mask=kv_valid, other=0.0)
         # k, v: [BLOCK_N, HEAD_SIZE_PADDED] in the dots' dtype (no-op unless the cache is fp8)
         k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        if FP8_V_ASM:
+            # Converted by ``.to``, V is read from shared memory one byte at a time straight
+            # into the PV dot's operand layout (its reduction axis, the tokens, is strided in
+            # the cache, and sm_90 has no 8-bit transposing ldmatrix). Opaque to the compiler,
+            # the conversion runs on 16-byte rows and only the fp16 tile is transposed.
+            v = e4m3_to_fp16(v)
+        else:
+            v = v.to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP:

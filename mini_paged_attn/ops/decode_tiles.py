@@ -76,6 +76,22 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool,
                        num_warps=8 if block_size == 1 else 4, num_stages=3)
 
 
+def fp8_v_asm(tiles: DecodeTiles, head_size_padded: int) -> bool:
+    """Whether a launch over an fp8 cache with fp16 dots converts V with the kernel's opaque
+    ``e4m3_to_fp16`` (``FP8_V_ASM``): where each thread's share of the fp16 V tile fits in 32
+    registers (128 bytes).
+
+    Converted by ``.to``, the compiler reads V from shared memory a byte at a time (256
+    ``LDS.U8`` per thread at 128 tokens / 2 warps); the opaque conversion reads 16-byte rows
+    and transposes the fp16 tile with ``ldmatrix``, a third fewer instructions per tile, but
+    holds the fp16 tile in registers: at 128 tokens / 2 warps (256 bytes a thread) it spills.
+    H100, % of copy bandwidth over fp8 bytes at 64x4k / 256x4k / 128x16k: 64/2/6 90.9 / 93.4 /
+    93.3 opaque against 87.7 / 89.1 / 91.2 by ``.to``; 128/2/3 61.9 / 72.2 / 75.2 opaque
+    (spilling) against 89.5 / 92.8 / 94.0 (docs/performance-notes.md)."""
+    per_thread = tiles.block_n * head_size_padded * 2 // (32 * tiles.num_warps)
+    return per_thread <= 128
+
+
 FP8_TILES = DecodeTiles(block_n=128, num_warps=2, num_stages=3)
 """Decode over an fp8 cache (H100, head_size 128, bf16 queries, fp16 dots), unsplit: 128-token
 tiles, 2 warps, 3 stages read 93-95% of copy bandwidth with 1024 programs or more (256x4k,
@@ -88,4 +104,5 @@ FP8_SPLIT_TILES = DecodeTiles(block_n=64, num_warps=2, num_stages=6)
 26 us at 1 x 16k (bf16: 34 us), where 128/2/3 in 128 splits took 32 us."""
 
 
-__all__ = ["DecodeTiles", "default_tiles", "FP8_SPLIT_TILES", "FP8_TILES", "MAX_BLOCK_N"]
+__all__ = ["DecodeTiles", "default_tiles", "fp8_v_asm", "FP8_SPLIT_TILES", "FP8_TILES",
+           "MAX_BLOCK_N"]
