@@ -6,7 +6,9 @@ Every row is sampled in vocabulary order with the exponential-race trick: with
 ``q ~ Exp(1)`` drawn per token, ``argmax(p / q)`` is a sample from ``p``. Filtering (top-k,
 top-p, min-p) only zeroes probabilities, through per-row thresholds, so the noise a row consumes
 never depends on which other rows share the batch: a seeded request gives the same tokens alone
-or in any batch (for the same logits).
+or in any batch (for the same logits). A batch of unseeded rows with a temperature and no
+filter (the common case) is sampled by :func:`~mini_paged_attn.ops.sample_tokens`: on CUDA one
+Triton pass over the logits that draws the noise in registers, instead of seven passes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from operator import attrgetter
 
 import torch
 
+from ..ops.sample import sample_tokens
 from .penalties import TokenHistory, add_logit_bias, apply_penalties, mask_tokens
 from .penalties import upload as _upload
 from .sampling_params import SamplingParams
@@ -254,6 +257,14 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
                 seeds: list[tuple[int, int] | None], greedy: list[bool]) -> torch.Tensor:
         device = logits.device
+        seeded_rows = [i for i, s in enumerate(seeds) if s is not None and not greedy[i]]
+        if not seeded_rows and not any(p.top_k != -1 or p.top_p < 1.0 or p.min_p > 0.0
+                                       for p in params):
+            # Temperature alone: one pass over the logits on CUDA (see ops.sample). Seeded
+            # rows keep their own generators below, so their tokens never depend on the batch.
+            temps = _upload([0.0 if g else p.temperature for g, p in zip(greedy, params)],
+                            torch.float32, device)
+            return sample_tokens(logits, temps, generator=self.generator)
         greedy_ids = logits.argmax(dim=-1) if any(greedy) else None
         temps = _upload([1.0 if p.greedy else p.temperature for p in params],
                         torch.float32, device)
@@ -271,7 +282,6 @@ class Sampler:
             logits.masked_fill_(logits < kth, float("-inf"))
 
         noise = torch.empty_like(logits)
-        seeded_rows = [i for i, s in enumerate(seeds) if s is not None and not greedy[i]]
         if len(seeded_rows) < len(seeds):
             noise.exponential_(generator=self.generator)
         for i in seeded_rows:

@@ -17,6 +17,8 @@
 - :func:`rms_norm` (optionally fused with the residual add), :func:`apply_rotary`,
   :func:`silu_and_mul`: the decoder's elementwise ops (``fused.py``, kernels in
   ``fused_triton.py``), one Triton launch each on CUDA.
+- :func:`sample_tokens`: temperature sampling of one token per logits row (``sample.py``), one
+  pass over the logits on CUDA (``sample_triton.py``).
 """
 
 from .dispatch import paged_decode, paged_prefill, resolve_backend, store_kv
@@ -25,8 +27,10 @@ from .fused import apply_rotary, rms_norm, silu_and_mul
 from .heuristics import num_splits_heuristic
 from .merge import merge_attention_states
 from .moe import fused_moe
+from .sample import sample_tokens
 from .varlen import flash_attn_varlen_func
 
 __all__ = ["paged_decode", "paged_prefill", "store_kv", "flash_attn_varlen_func",
            "merge_attention_states", "num_splits_heuristic", "explain_decode",
-           "resolve_backend", "rms_norm", "apply_rotary", "silu_and_mul", "fused_moe"]
+           "resolve_backend", "rms_norm", "apply_rotary", "silu_and_mul", "fused_moe",
+           "sample_tokens"]
