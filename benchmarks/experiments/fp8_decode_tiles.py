@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_attention import DecodeCase, make_inputs
-from benchmarks.common import environment, measure_ceilings, time_us
+from benchmarks.common import environment, start_gpu_run, time_us
 from mini_paged_attn.ops import decode as decode_module
 from mini_paged_attn.ops.checks import check_paged_decode_args
 from mini_paged_attn.ops.explain import DecodeTiles
@@ -89,8 +89,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    ceilings, env = measure_ceilings(), environment()
+    ceilings = start_gpu_run(args.out, "benchmarks.experiments.fp8_decode_tiles")
+    env = environment()
     rows = []
     for batch, context, splits in SHAPES:
         rows += run_case(batch, context, splits, ceilings.copy_gbps)

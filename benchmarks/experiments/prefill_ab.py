@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_prefill import CASES, D, contiguous_kv, paged_batch, sdpa_tflops
-from benchmarks.common import environment, measure_ceilings, time_us
+from benchmarks.common import environment, start_gpu_run, time_us
 from mini_paged_attn.ops import prefill as prefill_module
 from mini_paged_attn.ops.checks import check_paged_prefill_args
 
@@ -70,10 +70,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench_out"),
                         help="directory for prefill_ab.json")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     from torch.nn.attention import SDPBackend
     kernels = {"baseline": load_kernel(args.baseline), "current": prefill_module._prefill_kernel}
-    ceilings, env = measure_ceilings(), environment()
+    ceilings = start_gpu_run(args.out, "benchmarks.experiments.prefill_ab")
+    env = environment()
     rows = []
     for case in [c for c in CASES if c.name in args.cases.split(",")]:
         batch = paged_batch(case)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import environment, measure_ceilings, time_us
+from benchmarks.common import environment, start_gpu_run, time_us
 from mini_paged_attn.ops.sample import sample_tokens
 
 VOCAB = 151_936
@@ -35,8 +35,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    ceilings, env = measure_ceilings(), environment()
+    ceilings = start_gpu_run(args.out, "benchmarks.experiments.sample_ab")
+    env = environment()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for n in (1, 16, 64, 256):
@@ -44,7 +44,8 @@ def main() -> None:
         temps = torch.full((n,), 0.6, device="cuda")
         row = {"rows": n, "logits_mb": logits.numel() * 4 / 1e6}
         for backend in ("torch", "triton"):
-            fn = lambda b=backend: sample_tokens(logits, temps, generator=gen, backend=b)  # noqa: E731
+            def fn(b=backend):
+                return sample_tokens(logits, temps, generator=gen, backend=b)
             row[f"{backend}_gpu_us"] = time_us(fn)
             row[f"{backend}_eager_us"] = eager_us(fn)
         row["read_once_us"] = logits.numel() * 4 / (ceilings.copy_gbps * 1e3)
