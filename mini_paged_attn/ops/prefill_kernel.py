@@ -275,9 +275,10 @@ def _prefill_kernel(
     # TOKENS_PER_TILE + i (see prefill_plan), one run of its slots per head. The programs
     # resident at once then mostly share one KV head's K/V, which stays in L2; ordered KV
     # head-fastest they stream every head's K/V together, which a 16k prompt's 64 MB does not
-    # fit (1x16k causal: 528 against 583 TFLOP/s on an H100). Sequences in batch order keep a
-    # mixed batch's decode rows first. (Taking slots from both ends in turn, to pair heavy
-    # tiles with light ones, gave 343 instead of 398 TFLOP/s on a causal 16k prompt.)
+    # fit (1x16k causal, contiguous K/V: 537 -> 562 TFLOP/s on an H100). Sequences in batch
+    # order keep a mixed batch's decode rows first. (Taking slots from both ends in turn, to
+    # pair heavy tiles with light ones, gave 343 instead of 398 TFLOP/s on a causal 16k
+    # prompt.)
     HEADS: tl.constexpr = NUM_KV_HEADS * HEAD_CHUNKS
     pid = tl.program_id(0)
 
@@ -302,7 +303,7 @@ def _prefill_kernel(
         kv_first = tl.sum(tl.where(offs == seq, kv_rows, 0), axis=0)
         kv_next = tl.sum(tl.where(offs == seq + 1, kv_rows, 0), axis=0)
     else:
-        lo = pid * 0  # int32 scalars
+        lo = pid * 0  # int32 scalars (num_seqs may be specialised to a constexpr 1)
         hi = lo + num_seqs
         while hi - lo > 1:
             mid = (lo + hi) // 2

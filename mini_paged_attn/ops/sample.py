@@ -31,8 +31,7 @@ def sample_tokens_reference(logits: torch.Tensor, temperatures: torch.Tensor,
 
 
 def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, *,
-                  generator: torch.Generator | None = None, backend: str = "auto",
-                  num_sms: int | None = None) -> torch.Tensor:
+                  generator: torch.Generator | None = None, backend: str = "auto") -> torch.Tensor:
     """One token per row, sampled from ``softmax(logits / temperature)`` (argmax at 0).
 
     Args:
@@ -43,8 +42,6 @@ def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, *,
         generator: draws the noise (the reference) or the kernel's seed (Triton), on the
             logits' device; None: the device's default generator.
         backend: "auto" (Triton for CUDA tensors) | "torch" | "triton".
-        num_sms: the GPU's multiprocessor count, to size the Triton launch (None: read from
-            the device).
 
     Returns:
         int64 ``[num_rows]`` token ids on the logits' device.
@@ -61,8 +58,7 @@ def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, *,
     from .sample_triton import triton_sample_tokens
     check_last_dim_contiguous("logits", logits)
     seed = torch.randint(0, 2**62, (1,), generator=generator, device=logits.device)
-    return triton_sample_tokens(logits, temperatures, seed,
-                                num_sms or num_sms_of(logits.device))
+    return triton_sample_tokens(logits, temperatures, seed, num_sms_of(logits.device))
 
 
 __all__ = ["sample_tokens", "sample_tokens_reference"]
