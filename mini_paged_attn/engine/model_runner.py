@@ -186,8 +186,9 @@ class ModelRunner:
         - cuBLAS picks its GEMM kernel by the number of rows, and CUDA loads each kernel on
           its first launch: a 512-token prompt's first step took 31 ms on an H100 against 13 ms
           for the next one. One prompt of each power-of-two length up to
-          max_num_batched_tokens, and the LM head and greedy sampling for 1..max_num_seqs
-          rows, load the kernels that steps of those sizes use.
+          max_num_batched_tokens, and the LM head with greedy sampling (float32 and
+          model-dtype logits) and one-pass temperature sampling for 1..max_num_seqs rows,
+          load the kernels that steps of those sizes use.
         """
         start = time.perf_counter()
         cfg = self.config
@@ -203,8 +204,11 @@ class ModelRunner:
             hidden = self._run_dummy([q_len], self.kv_caches, decode_only=False)
             rows = 1
             while rows <= min(cfg.max_num_seqs, q_len):
-                logits = self.model.compute_logits(hidden[:rows])
-                self.sampler(logits, [SamplingParams(temperature=0.0)] * rows, [None] * rows)
+                for dtype in dict.fromkeys((torch.float32, self.model.dtype)):
+                    logits = self.model.compute_logits(hidden[:rows], dtype=dtype)
+                    self.sampler(logits, [SamplingParams(temperature=0.0)] * rows, [None] * rows)
+                logits = self.model.compute_logits(hidden[:rows], dtype=self.model.dtype)
+                self.sampler(logits, [SamplingParams(temperature=1.0)] * rows, [None] * rows)
                 rows *= 4
             q_len *= 2
         torch.cuda.synchronize(self.device)
@@ -229,8 +233,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput, pending: dict[int, int] | None = None,
                 previous: Callable[[], PendingSample] | None = None) -> torch.Tensor | None:
-        """Enqueue a step's forward: float32 logits ``[sum(out.num_samples), vocab_size]`` of
-        its sample rows, or None when none samples (no host sync either way).
+        """Enqueue a step's forward: logits ``[sum(out.num_samples), vocab_size]`` of its
+        sample rows, or None when none samples (no host sync either way). They are float32,
+        or in the model dtype where the sampler reads them so
+        (``Sampler.reads_model_dtype``).
 
         ``pending`` / ``previous`` (asynchronous scheduling): ``seq_id -> row`` of the previous
         step's sampled ids for the sequences whose input token the host does not know yet
@@ -259,8 +265,14 @@ class ModelRunner:
                 decode_only=out.decode_only, graph_bucket=bucket,
                 block_copies=list(out.block_copies), no_prefix=step.no_prefix))
         wanted = prompt_logprob_rows(out)
+        # The LM head's own output where the sampler reads it as is (under tensor
+        # parallelism every rank gathers float32, as the other ranks cannot know the params).
+        logits_dtype = (self.model.dtype if self.peers is None
+                        and self.sampler.reads_model_dtype(*_sample_params(out))
+                        else torch.float32)
         try:
-            return self._forward(step, n, out.decode_only, bucket, out.block_copies, wanted)
+            return self._forward(step, n, out.decode_only, bucket, out.block_copies, wanted,
+                                 logits_dtype)
         except Exception as exc:
             if self.peers is not None:
                 self.peers.check_after_failure(exc)   # raises naming a dead rank, if one is
@@ -277,15 +289,7 @@ class ModelRunner:
         outputs (called by the sampler only if some row has them); ``rows``: the step's
         :meth:`history_rows` taken when it was launched (default: made now). A synchronous
         step then reads the ids and :meth:`read_prompt_logprobs`."""
-        params, seeds = [], []
-        for seq, k in zip(out.seqs, out.num_samples):
-            if not k:
-                continue
-            p = seq.request.params
-            for j in range(k):
-                params.append(p)
-                seeds.append(None if p.seed is None else
-                             (seq.request.request_id, seq.index if k == 1 else j))
+        params, seeds = _sample_params(out)
         # Made only if some row uses penalties or min_tokens.
         return self.sampler.sample(logits, params, seeds, overlap,
                                    (lambda: rows) if rows is not None else
@@ -313,10 +317,11 @@ class ModelRunner:
                       message.block_copies)
 
     def _forward(self, step, num_seqs: int, decode_only: bool, bucket: int | None,
-                 block_copies, prompt_rows: PromptRows | None = None) -> torch.Tensor | None:
+                 block_copies, prompt_rows: PromptRows | None = None,
+                 logits_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         """Copy-on-write, the forward (a graph replay when ``bucket`` is set) and the LM head
-        on the sample rows: float32 logits ``[num_sample_rows, vocab_size]``, or None when
-        no row samples. Every rank runs it, in the same order of collectives. ``prompt_rows``
+        on the sample rows: logits ``[num_sample_rows, vocab_size]`` in ``logits_dtype``, or
+        None when no row samples. Every rank runs it, in the same order of collectives. ``prompt_rows``
         (rank 0, one rank only): the prompt positions whose logprobs go to
         :attr:`prompt_logprobs`."""
         if block_copies:
@@ -335,7 +340,7 @@ class ModelRunner:
             hidden = hidden[:num_seqs]
         else:
             hidden = hidden.index_select(0, step.sample_rows)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, dtype=logits_dtype)
 
     def read_prompt_logprobs(self) -> None:
         """The latest step's prompt logprobs, to the host, into :attr:`prompt_logprobs`
@@ -343,6 +348,20 @@ class ModelRunner:
         if self._prompt_device is not None:
             self.prompt_logprobs = self._prompt_device.read()
             self._prompt_device = None
+
+
+def _sample_params(out: SchedulerOutput
+                   ) -> tuple[list[SamplingParams], list[tuple[str, int] | None]]:
+    """Per sample row, its request's params and its seed key (None: unseeded), as
+    :meth:`Sampler.sample` takes them."""
+    params, seeds = [], []
+    for seq, k in zip(out.seqs, out.num_samples):
+        p = seq.request.params
+        for j in range(k):
+            params.append(p)
+            seeds.append(None if p.seed is None else
+                         (seq.request.request_id, seq.index if k == 1 else j))
+    return params, seeds
 
 
 def _sample_rows(out: SchedulerOutput) -> list[SampleRow]:

@@ -28,6 +28,14 @@ from .structured.bitmask import TokenMasks, apply_token_masks
 
 _USES_PROCESSORS = attrgetter("uses_processors")
 
+
+def _one_pass(params: list[SamplingParams], seeds: list[tuple[int, int] | None]) -> bool:
+    """The rows are sampled by one pass of :func:`sample_tokens` (temperature or greedy
+    alone, no seeded row that samples)."""
+    return not any(p.top_k != -1 or p.top_p < 1.0 or p.min_p > 0.0
+                   or (s is not None and not p.greedy) for p, s in zip(params, seeds))
+
+
 @dataclass(frozen=True)
 class SampleRow:
     """What the sampler reads of a row's sample when its params need the sample's tokens
@@ -131,6 +139,15 @@ class Sampler:
         if len(self.history):
             self.history.release(request_id)
 
+    @staticmethod
+    def reads_model_dtype(params: list[SamplingParams],
+                          seeds: list[tuple[int, int] | None]) -> bool:
+        """Whether :meth:`sample` takes these rows' logits in the model dtype as they are: no
+        logprobs and no processors, and every row greedy or sampled in one pass. Its other
+        paths widen such logits to float32 first."""
+        return (not any(p.logprobs is not None or p.uses_processors for p in params)
+                and _one_pass(params, seeds))
+
     def _generator_of(self, request_id: str, index: int, seed: int) -> torch.Generator:
         gens = self._seeded.setdefault(request_id, {})
         gen = gens.get(index)
@@ -149,7 +166,8 @@ class Sampler:
         """Sample one token per row: :meth:`sample`, then wait for the ids.
 
         Args:
-            logits: float32 ``[num_rows, vocab_size]`` on the device (modified in place).
+            logits: float32 ``[num_rows, vocab_size]`` on the device (may be modified in
+                place), or in the model dtype where :meth:`reads_model_dtype` allows.
             params: the sampling parameters of each row's request.
             seeds: per row, None (use the engine's generator) or ``(request_id, sample index)``
                 of a seeded request (its ``params.seed`` seeds that sample's own generator).
@@ -174,6 +192,8 @@ class Sampler:
         """Enqueue the sampling of one token per row and return without waiting for it
         (arguments as :meth:`__call__`). The ids stay on the device until
         :meth:`PendingSample.read`; the next step may use them as inputs before that."""
+        if logits.dtype != torch.float32 and not self.reads_model_dtype(params, seeds):
+            logits = logits.float()
         want_logprobs = [p.logprobs for p in params]
         raw_logprobs = None
         if any(k is not None for k in want_logprobs):
@@ -258,8 +278,7 @@ class Sampler:
                 seeds: list[tuple[int, int] | None], greedy: list[bool]) -> torch.Tensor:
         device = logits.device
         seeded_rows = [i for i, s in enumerate(seeds) if s is not None and not greedy[i]]
-        if not seeded_rows and not any(p.top_k != -1 or p.top_p < 1.0 or p.min_p > 0.0
-                                       for p in params):
+        if _one_pass(params, seeds):
             # Temperature alone: one pass over the logits on CUDA (see ops.sample). Seeded
             # rows keep their own generators below, so their tokens never depend on the batch.
             temps = _upload([0.0 if g else p.temperature for g, p in zip(greedy, params)],

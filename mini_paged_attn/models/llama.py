@@ -200,13 +200,19 @@ class CausalLM(nn.Module):
             return self.norm(hidden, backend=meta.backend)
         return self.norm(hidden, residual, backend=meta.backend)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: ``[n, hidden_size]`` model dtype -> float32 logits ``[n, vocab_size]``
-        (on every rank: a collective under tensor parallelism); soft-capped to
-        ``(-cap, cap)`` when the config has a ``final_logit_softcap`` (Gemma 2)."""
+    def compute_logits(self, hidden: torch.Tensor, *,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """hidden: ``[n, hidden_size]`` model dtype -> logits ``[n, vocab_size]`` (on every
+        rank: a collective under tensor parallelism); soft-capped to ``(-cap, cap)`` when the
+        config has a ``final_logit_softcap`` (Gemma 2).
+
+        ``dtype``: float32 (default), or the model dtype for a reader that widens the values
+        itself (the one-pass sampler). Soft-capped logits are float32 either way: the tanh
+        would flatten the top logits onto a few model-dtype values."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = parallel_logits(hidden, weight, self.config.vocab_size, self.tp)
         cap = self.config.final_logit_softcap
+        logits = parallel_logits(hidden, weight, self.config.vocab_size, self.tp,
+                                 dtype=torch.float32 if cap else dtype)
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:

@@ -61,7 +61,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
-                    tp: TPGroup) -> torch.Tensor:
+                    tp: TPGroup, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """LM head over vocab-split weight rows: every rank computes its logits columns, the
     columns are gathered (every rank gets all of them; rank 0 samples).
 
@@ -69,14 +69,16 @@ def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
         hidden: ``[n, hidden_size]`` in the model dtype.
         weight: this rank's ``[ceil(vocab_size / world_size), hidden_size]`` rows.
         vocab_size: the real vocabulary (the gathered padding columns are cut off).
+        dtype: of the logits: float32, or the model dtype (the matmul's own output, without
+            the pass over ``[n, vocab_size]`` that widens it).
 
     Returns:
-        float32 logits ``[n, vocab_size]``.
+        ``[n, vocab_size]`` logits in ``dtype``.
     """
     logits = F.linear(hidden, weight)
-    if tp.world_size == 1:
-        return logits.float()
-    return tp.all_gather_last_dim(logits)[:, :vocab_size].float()
+    if tp.world_size > 1:
+        logits = tp.all_gather_last_dim(logits)[:, :vocab_size]
+    return logits.to(dtype)
 
 
 __all__ = ["RowParallelLinear", "VocabParallelEmbedding", "parallel_logits"]
