@@ -23,7 +23,7 @@ from ..ops.varlen import flash_attn_varlen_func
 from ..distributed.group import TPGroup
 from ..distributed.sharding import ShardLayout
 from ..core.args import check_bool
-from ..ops.fused import apply_rotary
+from ..ops.fused import KVWrite, apply_rotary
 from ..ops.variants import check_softcap, check_window
 from .config import ModelConfig
 from .layers import RMSNorm
@@ -148,8 +148,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     Returns:
         ``[num_tokens, num_q_heads, head_size]`` in q's dtype.
     """
+    store_kv(k, v, *kv_cache, meta.slot_mapping, backend=meta.backend)
+    return attend(q, k, v, kv_cache, meta, scale, window_size=window_size, softcap=softcap,
+                  sinks=sinks)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+           meta: AttentionMetadata, scale: float, *, window_size: tuple[int, int] = (-1, -1),
+           softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`paged_attention` for a step whose new K/V are already in the cache (written by
+    ``ops.apply_rotary(..., store=...)``); same arguments and result. ``k`` and ``v`` are read
+    only by whole prompts that attend over their new K/V directly (``meta.no_prefix``)."""
     key_cache, value_cache = kv_cache
-    store_kv(k, v, key_cache, value_cache, meta.slot_mapping, backend=meta.backend)
     if meta.decode_only:
         triton_args = {}
         if meta.num_splits is not None:
@@ -224,7 +234,9 @@ class Attention(nn.Module):
         # Qwen3's per-head q/k norms run inside the rotary kernel (on the strided qkv views).
         qk_norm = (None if self.q_norm is None else
                    (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps))
-        q, k = apply_rotary(q, k, positions, cos_sin_cache, qk_norm=qk_norm, backend=meta.backend)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, window_size=self.window_size,
-                              softcap=self.softcap, sinks=self.sinks)
+        # The rotary kernel also writes the new K/V into the cache (one launch fewer).
+        q, k = apply_rotary(q, k, positions, cos_sin_cache, qk_norm=qk_norm, backend=meta.backend,
+                            store=KVWrite(v, *kv_cache, meta.slot_mapping))
+        out = attend(q, k, v, kv_cache, meta, self.scale, window_size=self.window_size,
+                     softcap=self.softcap, sinks=self.sinks)
         return self.o_proj(out.view(num_tokens, self.num_q_heads * self.head_size))

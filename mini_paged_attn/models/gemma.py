@@ -19,8 +19,8 @@ from torch import nn
 
 from ..distributed.group import TPGroup
 from ..distributed.sharding import ShardLayout
-from ..ops.fused import apply_rotary
-from .attention import Attention, AttentionMetadata, KVCache, paged_attention
+from ..ops.fused import KVWrite, apply_rotary
+from .attention import Attention, AttentionMetadata, KVCache, attend
 from .checkpoint import CheckpointParts, Shard
 from .config import ModelConfig
 from .llama import CausalLM, attention_variant, build_mlp
@@ -77,9 +77,10 @@ class GemmaAttention(Attention):
         q, k, v = qkv.split([self.num_q_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, positions, cos_sin_cache, backend=meta.backend)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, window_size=self.window_size,
-                              softcap=self.softcap)
+        q, k = apply_rotary(q, k, positions, cos_sin_cache, backend=meta.backend,
+                            store=KVWrite(v, *kv_cache, meta.slot_mapping))
+        out = attend(q, k, v, kv_cache, meta, self.scale, window_size=self.window_size,
+                     softcap=self.softcap)
         return self.o_proj(out.view(num_tokens, self.num_q_heads * self.head_size))
 
 

@@ -292,6 +292,38 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     return (out, lse) if return_lse else out
 
 
+def check_store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                   backend: str) -> str:
+    """Check :func:`store_kv`'s arguments (the torch backend reads the slots on the host and
+    checks their range too); returns the backend that runs it."""
+    check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
+    num_blocks, block_size, num_kv_heads, head_size = check_cache_pair(
+        key_cache, value_cache, key.dtype, key.device)
+    check_tensor("value", value, ndim=3, dtypes=(key.dtype,), device=key.device)
+    check_kv_scales(k_scale, v_scale, key_cache.dtype, num_kv_heads, key.device)
+    expected = (key.shape[0], num_kv_heads, head_size)
+    for name, t in (("key", key), ("value", value)):
+        if tuple(t.shape) != expected:
+            raise ValueError(f"{name}: expected shape {expected} (num_tokens, num_kv_heads, "
+                             f"head_size of the cache), got {tuple(t.shape)}")
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int32, torch.int64),
+                 device=key.device)
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping: expected shape ({key.shape[0]},) (one slot per token), "
+                         f"got {tuple(slot_mapping.shape)}")
+    chosen = resolve_backend(backend, key.device)
+    if chosen == "torch":
+        slots = slot_mapping.detach().to("cpu", torch.int64)
+        bad = (slots < -1) | (slots >= num_blocks * block_size)
+        if bad.any():
+            i = int(torch.nonzero(bad)[0])
+            raise ValueError(f"slot_mapping: expected slots in [-1, {num_blocks * block_size}) "
+                             f"(-1 skips), got slot_mapping[{i}]={int(slots[i])}")
+    return chosen
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
              value_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
              backend: str = "auto", k_scale: torch.Tensor | None = None,
@@ -326,29 +358,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                                           *scale_pointers(key_cache, k_scale, v_scale),
                                           slot_mapping)):
             return
-    check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
-    num_blocks, block_size, num_kv_heads, head_size = check_cache_pair(
-        key_cache, value_cache, key.dtype, key.device)
-    check_tensor("value", value, ndim=3, dtypes=(key.dtype,), device=key.device)
-    check_kv_scales(k_scale, v_scale, key_cache.dtype, num_kv_heads, key.device)
-    expected = (key.shape[0], num_kv_heads, head_size)
-    for name, t in (("key", key), ("value", value)):
-        if tuple(t.shape) != expected:
-            raise ValueError(f"{name}: expected shape {expected} (num_tokens, num_kv_heads, "
-                             f"head_size of the cache), got {tuple(t.shape)}")
-    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int32, torch.int64),
-                 device=key.device)
-    if slot_mapping.shape[0] != key.shape[0]:
-        raise ValueError(f"slot_mapping: expected shape ({key.shape[0]},) (one slot per token), "
-                         f"got {tuple(slot_mapping.shape)}")
-    chosen = resolve_backend(backend, key.device)
+    chosen = check_store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                            backend)
     if chosen == "torch":
-        slots = slot_mapping.detach().to("cpu", torch.int64)
-        bad = (slots < -1) | (slots >= num_blocks * block_size)
-        if bad.any():
-            i = int(torch.nonzero(bad)[0])
-            raise ValueError(f"slot_mapping: expected slots in [-1, {num_blocks * block_size}) "
-                             f"(-1 skips), got slot_mapping[{i}]={int(slots[i])}")
         reference.store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     else:
         from .kv_write import triton_store_kv
@@ -360,5 +372,5 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
 
 # BACKENDS, resolve_backend and triton_available live in .backend; re-exported here, where
 # the engine and the models look for them.
-__all__ = ["paged_decode", "paged_prefill", "store_kv", "resolve_backend", "triton_available",
+__all__ = ["paged_decode", "paged_prefill", "store_kv", "check_store_kv", "resolve_backend", "triton_available",
            "BACKENDS", "PagedShapes"]

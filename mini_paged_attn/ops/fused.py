@@ -10,12 +10,28 @@ tensor for rope; each Triton path is one launch, with no host sync (CUDA-graph c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from ..core.args import arg_error, is_number
 from .checks import FLOAT_DTYPES, check_last_dim_contiguous, check_tensor
-from .dispatch import resolve_backend
+from .dispatch import check_store_kv, resolve_backend, store_kv
+
+
+@dataclass(frozen=True)
+class KVWrite:
+    """Where :func:`apply_rotary` also writes the rotated keys, with their values: the
+    arguments of :func:`~.dispatch.store_kv` other than the key (see there for shapes, dtypes
+    and scales)."""
+
+    value: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 
 def _check_eps(name: str, eps: object) -> None:
@@ -111,9 +127,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor, *,
                  qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                 backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                 backend: str = "auto", store: KVWrite | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding ("rotate half", the Llama/Qwen layout) of q and k, one kernel for both;
-    optionally preceded by Qwen3's per-head RMSNorm of q and k, in the same kernel.
+    optionally preceded by Qwen3's per-head RMSNorm of q and k, and followed by the write of
+    the rotated keys and their values into the paged KV cache, in the same kernel.
 
     Args:
         q: ``[n, num_q_heads, head_size]``, float, last dim contiguous, any other strides (the
@@ -126,9 +144,16 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         qk_norm: None, or ``(q_weight, k_weight, eps)``: RMSNorm every head of q and k
             (weights ``[head_size]`` in q's dtype) before rotating, as :func:`rms_norm` would.
         backend: "auto" | "torch" | "triton".
+        store: None, or a :class:`KVWrite`: also ``store_kv(k_rotated, store.value, ...)``
+            (the same values and rounding as that call; on the Triton backend in the rotary
+            kernel, saving a launch and a read of k).
 
     Returns:
         New contiguous ``(q_rotated, k_rotated)`` of q's and k's shapes and dtype.
+
+    Raises:
+        ValueError: bad arguments (those of ``store`` as :func:`~.dispatch.store_kv` names
+            them), before anything is written.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=q.device)
@@ -154,13 +179,25 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                 raise arg_error(name, f"shape ({head_size},)", tuple(w.shape))
         _check_eps("qk_norm[2] (eps)", qk_norm[2])
     chosen = resolve_backend(backend, q.device)
+    if store is not None:
+        if not isinstance(store, KVWrite):
+            raise arg_error("store", "None or a KVWrite", type(store).__name__)
+        # k stands for the rotated keys: same shape, dtype and device.
+        check_store_kv(k, store.value, store.key_cache, store.value_cache, store.slot_mapping,
+                       store.k_scale, store.v_scale, chosen)
     if chosen == "torch":
-        return apply_rotary_reference(q, k, positions, cos_sin_cache, qk_norm)
+        q_rot, k_rot = apply_rotary_reference(q, k, positions, cos_sin_cache, qk_norm)
+        if store is not None:
+            store_kv(k_rot, store.value, store.key_cache, store.value_cache,
+                     store.slot_mapping, k_scale=store.k_scale, v_scale=store.v_scale,
+                     backend="torch")
+        return q_rot, k_rot
     from .fused_triton import triton_apply_rotary
     weights = () if qk_norm is None else (("q_weight", qk_norm[0]), ("k_weight", qk_norm[1]))
-    for name, t in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache), *weights):
+    values = () if store is None else (("value", store.value),)
+    for name, t in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache), *weights, *values):
         check_last_dim_contiguous(name, t)
-    return triton_apply_rotary(q, k, positions, cos_sin_cache, qk_norm)
+    return triton_apply_rotary(q, k, positions, cos_sin_cache, qk_norm, store)
 
 
 def silu_and_mul(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
@@ -185,5 +222,5 @@ def silu_and_mul(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     return triton_silu_and_mul(x)
 
 
-__all__ = ["rms_norm", "apply_rotary", "silu_and_mul", "rms_norm_reference",
+__all__ = ["KVWrite", "rms_norm", "apply_rotary", "silu_and_mul", "rms_norm_reference",
            "apply_rotary_reference", "rotate_half_reference", "silu_and_mul_reference"]

@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 
 from ..core.args import cdiv
+from .kv_quant import is_fp8, scale_pointers, scale_stride
+from .kv_write import store_kv_rows
 from .launch import launch
 
 
@@ -82,7 +84,8 @@ def _rotate_heads(src_ptr, dst_ptr, w_ptr, eps, stride_head, num_heads, heads, d
     """Rotate the (d, d + HALF) pairs of ``num_heads`` heads read at ``src_ptr`` (head stride
     ``stride_head``) into contiguous heads at ``dst_ptr``; with ``NORM``, RMSNorm each head
     (weight ``w_ptr`` ``[2 * HALF]``) first. Each product and the sum are rounded to the model
-    dtype like the reference's ``x1 * cos - x2 * sin``."""
+    dtype like the reference's ``x1 * cos - x2 * sin``. Returns the rotated halves as stored,
+    each ``[HEADS_PADDED, HALF_PADDED]``."""
     dtype = dst_ptr.dtype.element_ty
     mask = (heads[:, None] < num_heads) & (dims[None, :] < HALF)
     src = src_ptr + heads[:, None] * stride_head + dims[None, :]
@@ -99,19 +102,30 @@ def _rotate_heads(src_ptr, dst_ptr, w_ptr, eps, stride_head, num_heads, heads, d
     b = (x2 * sin).to(dtype).to(tl.float32)
     c = (x2 * cos).to(dtype).to(tl.float32)
     d = (x1 * sin).to(dtype).to(tl.float32)
+    lo = (a - b).to(dtype)
+    hi = (c + d).to(dtype)
     dst = dst_ptr + heads[:, None] * (2 * HALF) + dims[None, :]
-    tl.store(dst, (a - b).to(dtype), mask=mask)
-    tl.store(dst + HALF, (c + d).to(dtype), mask=mask)
+    tl.store(dst, lo, mask=mask)
+    tl.store(dst + HALF, hi, mask=mask)
+    return lo, hi
 
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, q_w_ptr, k_w_ptr, eps,
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, q_w_ptr, k_w_ptr,
+    v_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, eps,
     stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_cache,
+    stride_v_token, stride_v_head, num_slots, stride_k_scale, stride_v_scale,
+    stride_kc_block, stride_kc_token, stride_kc_head,
+    stride_vc_block, stride_vc_token, stride_vc_head,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     HEADS_PADDED: tl.constexpr, HALF_PADDED: tl.constexpr, NORM: tl.constexpr,
+    STORE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANTIZE: tl.constexpr,
+    K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
 ):
-    """Grid ``(num_tokens,)``: one program (norms and) rotates every q and k head of its token."""
+    """Grid ``(num_tokens,)``: one program (norms and) rotates every q and k head of its
+    token. With ``STORE_KV`` it also writes the rotated k and the token's v into the paged
+    caches at its slot, as ``store_kv`` would (QUANTIZE / K_SCALED / V_SCALED: see there)."""
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF_PADDED)
@@ -121,17 +135,33 @@ def _rotary_kernel(
     sin = tl.load(row + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
     _rotate_heads(q_ptr + token * stride_q_token, q_out_ptr + token * (NUM_Q_HEADS * 2 * HALF),
                   q_w_ptr, eps, stride_q_head, NUM_Q_HEADS, heads, dims, cos, sin, HALF, NORM)
-    _rotate_heads(k_ptr + token * stride_k_token, k_out_ptr + token * (NUM_KV_HEADS * 2 * HALF),
-                  k_w_ptr, eps, stride_k_head, NUM_KV_HEADS, heads, dims, cos, sin, HALF, NORM)
+    k_lo, k_hi = _rotate_heads(
+        k_ptr + token * stride_k_token, k_out_ptr + token * (NUM_KV_HEADS * 2 * HALF),
+        k_w_ptr, eps, stride_k_head, NUM_KV_HEADS, heads, dims, cos, sin, HALF, NORM)
+    if STORE_KV:
+        # k_lo, k_hi, v_lo, v_hi: [HEADS_PADDED, HALF_PADDED], the halves of each KV head
+        slot = tl.load(slot_mapping_ptr + token)
+        for half in tl.static_range(2):
+            k_half = k_lo if half == 0 else k_hi
+            store_kv_rows(k_half, key_cache_ptr + half * HALF, k_scale_ptr, stride_k_scale,
+                          slot, num_slots, heads, dims, stride_kc_block, stride_kc_token,
+                          stride_kc_head, NUM_KV_HEADS, HALF, BLOCK_SIZE, QUANTIZE, K_SCALED)
+            v_mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HALF)
+            v_half = tl.load(v_ptr + token * stride_v_token + heads[:, None] * stride_v_head
+                             + half * HALF + dims[None, :], mask=v_mask)
+            store_kv_rows(v_half, value_cache_ptr + half * HALF, v_scale_ptr, stride_v_scale,
+                          slot, num_slots, heads, dims, stride_vc_block, stride_vc_token,
+                          stride_vc_head, NUM_KV_HEADS, HALF, BLOCK_SIZE, QUANTIZE, V_SCALED)
 
 
 def triton_apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                         cos_sin_cache: torch.Tensor,
                         qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        store=None) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``[n, Hq, D]``, k ``[n, Hkv, D]`` (last dim contiguous), positions ``[n]``, table
     ``[max_positions, D]`` (last dim contiguous), optional per-head norm ``(q_weight [D],
-    k_weight [D], eps)`` -> new contiguous rotated (q, k)."""
+    k_weight [D], eps)`` -> new contiguous rotated (q, k); with ``store`` (a checked
+    ``fused.KVWrite``) the rotated k and ``store.value`` are also written into its caches."""
     num_tokens, num_q_heads, head_size = q.shape
     num_kv_heads = k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -142,11 +172,33 @@ def triton_apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
     heads_padded = triton.next_power_of_2(max(num_q_heads, num_kv_heads))
     half_padded = triton.next_power_of_2(half)
     q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)
+    if store is None:
+        # Never read: the pointers stand in so the launch's tensors come first (see .launch).
+        v, key_cache, value_cache, slots = k, k, k, positions
+        k_scale = v_scale = k
+        num_slots = stride_k_scale = stride_v_scale = block_size = 0
+        v_strides, kc_strides, vc_strides = (0, 0), (0, 0, 0), (0, 0, 0)
+        quantize = False
+    else:
+        v, key_cache, value_cache, slots = (store.value, store.key_cache, store.value_cache,
+                                            store.slot_mapping)
+        k_scale, v_scale = scale_pointers(key_cache, store.k_scale, store.v_scale)
+        num_slots = key_cache.shape[0] * key_cache.shape[1]
+        block_size = key_cache.shape[1]
+        stride_k_scale, stride_v_scale = scale_stride(store.k_scale), scale_stride(store.v_scale)
+        v_strides = v.stride()[:2]
+        kc_strides, vc_strides = key_cache.stride()[:3], value_cache.stride()[:3]
+        quantize = is_fp8(key_cache.dtype)
     launch(_rotary_kernel, (num_tokens,), (
-        q, k, q_out, k_out, positions, cos_sin_cache, q_weight, k_weight, float(eps),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0)), dict(
+        q, k, q_out, k_out, positions, cos_sin_cache, q_weight, k_weight,
+        v, key_cache, value_cache, k_scale, v_scale, slots, float(eps),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        *v_strides, num_slots, stride_k_scale, stride_v_scale, *kc_strides, *vc_strides), dict(
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
         HEADS_PADDED=heads_padded, HALF_PADDED=half_padded, NORM=qk_norm is not None,
+        STORE_KV=store is not None, BLOCK_SIZE=block_size, QUANTIZE=quantize,
+        K_SCALED=store is not None and store.k_scale is not None,
+        V_SCALED=store is not None and store.v_scale is not None,
         num_warps=_num_warps(heads_padded * half_padded)))
     return q_out, k_out
 

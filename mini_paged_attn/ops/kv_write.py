@@ -56,6 +56,25 @@ def _quantize(x, scale_ptr, stride_scale, heads, NUM_KV_HEADS: tl.constexpr,
 
 
 @triton.jit
+def store_kv_rows(x, cache_ptr, scale_ptr, stride_scale, slot, num_slots, heads, dims,
+                  stride_block, stride_token, stride_head, NUM_KV_HEADS: tl.constexpr,
+                  HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANTIZE: tl.constexpr,
+                  SCALED: tl.constexpr):
+    """Write one token's ``x`` (``[HEADS_PADDED, DIMS]``, the values of KV heads ``heads`` at
+    dims ``dims`` of each) into ``cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE]``; quantized to
+    e4m3 when QUANTIZE (divided by the head's scale first when SCALED). Slot -1 (padding) and
+    slots past the pool write nothing."""
+    slot = slot.to(tl.int64)
+    in_pool = (slot >= 0) & (slot < num_slots)
+    valid = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_SIZE) & in_pool
+    if QUANTIZE:
+        x = _quantize(x, scale_ptr, stride_scale, heads, NUM_KV_HEADS, SCALED)
+    dst = ((slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_token
+           + heads[:, None] * stride_head + dims[None, :])
+    tl.store(cache_ptr + dst, x.to(cache_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
 def _store_kv_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
     slot_mapping_ptr, num_slots, stride_k_scale, stride_v_scale,
@@ -69,31 +88,21 @@ def _store_kv_kernel(
     """Grid ``(num_tokens,)``. QUANTIZE: the caches are fp8 (K_SCALED / V_SCALED: divide by
     the KV head's scale at ``*_scale_ptr + head * stride_*_scale`` first)."""
     token = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    in_pool = (slot >= 0) & (slot < num_slots)      # -1 is padding; beyond the pool: skip
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-
+    slot = tl.load(slot_mapping_ptr + token)
     heads = tl.arange(0, HEADS_PADDED)              # [HEADS_PADDED]
     dims = tl.arange(0, HEAD_SIZE_PADDED)           # [HEAD_SIZE_PADDED]
-    valid = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_SIZE) & in_pool
+    valid = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_SIZE)
     # valid: [HEADS_PADDED, HEAD_SIZE_PADDED]
-
     src = token.to(tl.int64) * stride_k_token + heads[:, None] * stride_k_head + dims[None, :]
     k = tl.load(key_ptr + src, mask=valid)          # [HEADS_PADDED, HEAD_SIZE_PADDED]
-    if QUANTIZE:
-        k = _quantize(k, k_scale_ptr, stride_k_scale, heads, NUM_KV_HEADS, K_SCALED)
-    dst = (block * stride_kc_block + offset * stride_kc_token
-           + heads[:, None] * stride_kc_head + dims[None, :])
-    tl.store(key_cache_ptr + dst, k, mask=valid)
-
+    store_kv_rows(k, key_cache_ptr, k_scale_ptr, stride_k_scale, slot, num_slots, heads, dims,
+                  stride_kc_block, stride_kc_token, stride_kc_head, NUM_KV_HEADS, HEAD_SIZE,
+                  BLOCK_SIZE, QUANTIZE, K_SCALED)
     src = token.to(tl.int64) * stride_v_token + heads[:, None] * stride_v_head + dims[None, :]
     v = tl.load(value_ptr + src, mask=valid)        # [HEADS_PADDED, HEAD_SIZE_PADDED]
-    if QUANTIZE:
-        v = _quantize(v, v_scale_ptr, stride_v_scale, heads, NUM_KV_HEADS, V_SCALED)
-    dst = (block * stride_vc_block + offset * stride_vc_token
-           + heads[:, None] * stride_vc_head + dims[None, :])
-    tl.store(value_cache_ptr + dst, v, mask=valid)
+    store_kv_rows(v, value_cache_ptr, v_scale_ptr, stride_v_scale, slot, num_slots, heads, dims,
+                  stride_vc_block, stride_vc_token, stride_vc_head, NUM_KV_HEADS, HEAD_SIZE,
+                  BLOCK_SIZE, QUANTIZE, V_SCALED)
 
 
 def triton_store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -132,4 +141,4 @@ def triton_store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Ten
     return launch if launch.ready else None
 
 
-__all__ = ["triton_store_kv"]
+__all__ = ["store_kv_rows", "triton_store_kv"]
