@@ -1,0 +1,109 @@
+"""Workload (a) on one engine in one process, with and without engine changes, alternated
+(GPU).
+
+Workload (a) of ``bench_engine`` (256 requests, prompts and outputs uniform in 100..1024,
+temperature 0.6, Qwen3-0.6B shapes with random bf16 weights). Each variant undoes one change
+by patching the engine for its rounds; "current" patches nothing. Engines differ by ~5%
+between machines, more than most single changes, so changes are compared here, on one engine.
+
+    python -m benchmarks.experiments.engine_ab [--variants current eager_sampling ...]
+        [--rounds 2] [--kv-cache-dtype auto|fp8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+import tempfile
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+from benchmarks.bench_engine import engine_llm, engine_options, random_model_dir, timed_generate
+
+
+@contextmanager
+def patched(obj, name: str, value):
+    # A class's own entry (a staticmethod stays one when it is put back).
+    before = vars(obj)[name] if isinstance(obj, type) else getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, before)
+
+
+def eager_sampling(stack: ExitStack, llm) -> None:
+    """Temperature rows sampled by the torch reference (seven eager passes over the logits)."""
+    import mini_paged_attn.engine.sampler as sampler_module
+    from mini_paged_attn.ops.sample import sample_tokens
+    stack.enter_context(patched(sampler_module, "sample_tokens",
+                                functools.partial(sample_tokens, backend="torch")))
+
+
+def float32_logits(stack: ExitStack, llm) -> None:
+    """The LM head's output widened to float32 before every sampler."""
+    from mini_paged_attn.engine.sampler import Sampler
+    stack.enter_context(patched(Sampler, "reads_model_dtype",
+                                staticmethod(lambda params, seeds: False)))
+
+
+def store_kv_launch(stack: ExitStack, llm) -> None:
+    """The new K/V written by a store_kv launch of their own after the rotary kernel (the
+    decode graphs are captured again on entry and on exit)."""
+    import mini_paged_attn.models.attention as attention
+    from mini_paged_attn.ops.dispatch import store_kv
+    rotary = attention.apply_rotary
+
+    def unfused(q, k, positions, table, *, store=None, **kwargs):
+        q, k = rotary(q, k, positions, table, **kwargs)
+        if store is not None:
+            store_kv(k, store.value, store.key_cache, store.value_cache, store.slot_mapping,
+                     backend=kwargs.get("backend", "auto"))
+        return q, k
+
+    graphs = llm.engine.runner.graphs
+    if graphs is not None:
+        stack.callback(graphs.capture)
+    stack.enter_context(patched(attention, "apply_rotary", unfused))
+    if graphs is not None:
+        graphs.capture()
+
+
+VARIANTS = {"current": lambda stack, llm: None, "eager_sampling": eager_sampling,
+            "float32_logits": float32_logits, "store_kv_launch": store_kv_launch}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    args = parser.parse_args()
+    from mini_paged_attn.engine import SamplingParams
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
+               for _ in range(256)]
+    limits = [random.randint(100, 1024) for _ in range(256)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in limits]
+    results = {name: [] for name in args.variants}
+    with tempfile.TemporaryDirectory() as root:
+        path = random_model_dir("qwen3-0.6b", Path(root))
+        # No prefix caching: every round prefills its prompts as the first did.
+        llm = engine_llm(path, engine_options(kv_cache_dtype=args.kv_cache_dtype),
+                         enable_prefix_caching=False)
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+        timed_generate(llm, prompts, params)                                     # warm-up
+        for _ in range(args.rounds):
+            for name in args.variants:
+                with ExitStack() as stack:
+                    VARIANTS[name](stack, llm)
+                    seconds, _ = timed_generate(llm, prompts, params)
+                results[name].append(sum(limits) / seconds)
+                print(f"{name:16} {sum(limits) / seconds:8.0f} tok/s", flush=True)
+    print(f"kv cache {args.kv_cache_dtype}: " + ", ".join(
+        f"{name} {' / '.join(f'{v:.0f}' for v in vals)} tok/s" for name, vals in results.items()))
+
+
+if __name__ == "__main__":
+    main()
