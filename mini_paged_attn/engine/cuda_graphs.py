@@ -1,10 +1,15 @@
-"""CUDA graphs for decode-only steps: one captured forward per batch-size bucket.
+"""CUDA graphs for decode-only steps: captured forwards per batch-size bucket.
 
 A decode step of a small model is dominated by kernel launch overhead (hundreds of launches of
 microsecond kernels); replaying a captured graph issues them all at once. The graphs read their
 inputs in place from the fixed device regions :class:`~.input_batch.InputBuilder` uploads into,
 and a static block table; a batch of ``n`` sequences replays the smallest bucket ``>= n`` with
 the extra rows padded (slot -1: nothing written; context length 0: nothing read).
+
+The decode op plans its launch from the block table's width, the bound on the context lengths
+it can see. A bucket is captured over the full table and, where the op would plan differently
+(an fp8 cache splits short sequences, see ``ops.explain``), over narrower leading views of it
+(powers of two of blocks): a step replays the narrowest view that holds its blocks.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import time
 
 import torch
 
-from ..models.attention import AttentionMetadata
+from ..models.attention import Attention, AttentionMetadata
 from .input_batch import InputBuilder, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -54,7 +59,42 @@ class DecodeGraphs:
         device = model.device
         self.block_tables = torch.zeros(max_batch, inputs.max_blocks_per_seq, dtype=torch.int32,
                                         device=device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Per bucket, the table widths (blocks) captured, narrowest first.
+        self.widths = {b: self._widths(b) for b in self.buckets}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _widths(self, b: int) -> list[int]:
+        """The table widths to capture bucket ``b`` over: the full width, then each power of
+        two below it (down to 16 blocks) whose decode plans differ from the next wider one
+        kept."""
+        full = self.inputs.max_blocks_per_seq
+        kept = [full]
+        width = 1 << ((full - 1).bit_length() - 1)
+        while width >= 16:
+            if self._plans(b, width) != self._plans(b, kept[-1]):
+                kept.append(width)
+            width //= 2
+        return kept[::-1]
+
+    def _plans(self, b: int, width: int) -> tuple:
+        """The (tiles, splits) of the model's decode launches for ``b`` sequences and a
+        ``width``-block table (one per distinct attention window)."""
+        from ..ops.decode import workspace_size
+        from ..ops.explain import explain_decode
+        key_cache = self.kv_caches[0][0]
+        block_size, num_kv_heads, head_size = key_cache.shape[1:]
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        num_q_heads = layers[0].num_q_heads
+        max_splits = None
+        if self.workspace is not None:
+            max_splits = max(1, self.workspace.numel()
+                             // workspace_size(b, num_q_heads, head_size, 1))
+        windows = sorted({m.window_size for m in layers})
+        plans = (explain_decode(b, num_q_heads, num_kv_heads, head_size, width * block_size,
+                                block_size, self.model.dtype, key_cache.device,
+                                window_size=w, kv_cache_dtype=key_cache.dtype,
+                                max_splits=max_splits) for w in windows)
+        return tuple((p.tiles, p.num_splits) for p in plans)
 
     def bucket_for(self, n: int) -> int | None:
         for b in self.buckets:
@@ -62,15 +102,16 @@ class DecodeGraphs:
                 return b
         return None
 
-    def _step(self, b: int) -> StepInputs:
-        """The inputs of a ``b``-sequence decode step, read in place from the fixed regions."""
+    def _step(self, b: int, width: int) -> StepInputs:
+        """The inputs of a ``b``-sequence decode step, read in place from the fixed regions,
+        with the leading ``width`` blocks of the table."""
         inputs = self.inputs
         return StepInputs(
             input_ids=inputs.region("input_ids", b), positions=inputs.region("positions", b),
             slot_mapping=inputs.region("slot_mapping", b),
             cu_seqlens_q=inputs.region("cu_seqlens_q", b + 1),
             context_lens=inputs.region("context_lens", b),
-            block_tables=self.block_tables[:b], max_seqlen_q=1,
+            block_tables=self.block_tables[:b, :width], max_seqlen_q=1,
             num_sample_rows=b, sample_rows=None)
 
     @torch.inference_mode()
@@ -85,27 +126,30 @@ class DecodeGraphs:
         inputs.region("cu_seqlens_q", top + 1).zero_()
         pool = None
         for b in reversed(self.buckets):        # largest first: later graphs reuse its pool
-            step = self._step(b)
-            ids, pos = step.input_ids, step.positions
-            meta = AttentionMetadata.for_step(step, decode_only=True, backend=self.backend,
-                                              decode_workspace=self.workspace)
-            self.model(ids, pos, self.kv_caches, meta)     # warm-up: compiles the kernels
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(ids, pos, self.kv_caches, meta)
-            pool = graph.pool() if pool is None else pool
-            self._graphs[b] = (graph, hidden)
+            for width in reversed(self.widths[b]):
+                step = self._step(b, width)
+                ids, pos = step.input_ids, step.positions
+                meta = AttentionMetadata.for_step(step, decode_only=True, backend=self.backend,
+                                                  decode_workspace=self.workspace)
+                self.model(ids, pos, self.kv_caches, meta)     # warm-up: compiles the kernels
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = self.model(ids, pos, self.kv_caches, meta)
+                pool = graph.pool() if pool is None else pool
+                self._graphs[b, width] = (graph, hidden)
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
-                    len(self.buckets), self.buckets, time.perf_counter() - start)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s; %d over narrower tables) "
+                    "in %.1f s", len(self._graphs), self.buckets,
+                    len(self._graphs) - len(self.buckets), time.perf_counter() - start)
 
     def replay(self, n: int, block_tables: torch.Tensor) -> torch.Tensor:
         """Run the captured forward for ``n`` sequences whose inputs were built with
         ``pad_to=bucket_for(n)``; ``block_tables`` is the step's int32 ``[n, width]`` table.
         Returns the hidden states ``[n, hidden_size]`` (a view of the graph's output)."""
         b = self.bucket_for(n)
-        graph, hidden = self._graphs[b]
         width = block_tables.shape[1]
+        captured = next(w for w in self.widths[b] if w >= width)
+        graph, hidden = self._graphs[b, captured]
         self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
         graph.replay()
         return hidden[:n]

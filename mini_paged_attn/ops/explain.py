@@ -34,6 +34,7 @@ import torch
 from ..core.args import cdiv, is_int, next_pow2, non_negative_int, positive_int
 from .decode_tiles import FP8_SPLIT_TILES, FP8_TILES, MAX_BLOCK_N, DecodeTiles, default_tiles
 from .heuristics import num_splits_heuristic
+from .kv_quant import FP8_DTYPE
 from .variants import check_window
 
 FUSED_MERGE = True
@@ -65,6 +66,14 @@ FP8_SPLIT_BELOW = 3.2
 """Programs per SM under which an fp8 launch that the 16-bit rule leaves unsplit splits
 anyway: 32x64k (256 programs, 1.9 a SM) in 4 splits read 94% against 63% unsplit; 64x4k (512,
 3.9 a SM) unsplit 91%, in 2 splits 86%."""
+
+FP8_SHORT_TILES = 16
+"""An fp8 launch that the rules above leave with at most 2 splits splits in exactly 2 when its
+longest sequence fits this many of its 128-token tiles (2k tokens): programs this short start
+and end unevenly, and halving them evens the SMs' load. H100, workload (a)'s batches (16 query
+/ 8 KV heads, contexts 100..2048): 128 x ~1k 60% -> 69% of copy bandwidth, 256 x ~1k 73% ->
+79%, 32 x ~1k (4 splits before) 40% -> 47%; at 4k the unsplit launch stays (89% against 85%
+in 2 splits)."""
 
 ASSUMED_NUM_SMS = 132
 """SM count used for planning when no CUDA device is given (an H100 or H200)."""
@@ -126,7 +135,8 @@ class DecodePlan:
     tiles: DecodeTiles
     num_sms: int
     num_splits: int
-    split_reason: str         # "forced", "enough programs", "heuristic", "fp8 programs"
+    split_reason: str         # "forced", "enough programs", "heuristic", "fp8 programs",
+                              # "fp8 short"
     heuristic_splits: int | None = None    # FlashAttention's choice, before balance_splits
     heuristic_kv_tiles: int | None = None  # the num_n_blocks it was given (split tiles)
     kv_dtype: torch.dtype | None = None    # the cache's dtype when not the query's (fp8)
@@ -218,6 +228,10 @@ class DecodePlan:
             why = (f"{self.units} programs over an fp8 cache are under {FP8_SPLIT_BELOW} per "
                    f"SM: split toward {FP8_PROGRAMS_PER_SM} per SM, what its tiles need to "
                    "read at full speed")
+        elif self.split_reason == "fp8 short":
+            why = (f"over an fp8 cache, sequences of at most {FP8_SHORT_TILES} tiles "
+                   f"({self.max_context_len} tokens) split in 2 (shorter programs even out "
+                   "the SMs' load)")
         elif self.split_reason == "enough programs":
             why = (f"{self.units} programs >= 80% of {self.wave_slots} slots: no split "
                    "needed (FlashAttention's rule)")
@@ -271,15 +285,22 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
         if splits > 1:
             splits = balance_splits(splits, max(units, 1), slots, n_tiles, cap)
         elif (reason == "enough programs" and kv_dtype is not None and kv_dtype.itemsize == 1
-              and on_gpu and tiles is None and units < FP8_SPLIT_BELOW * num_sms):
-            # fp8 tiles need more programs than 16-bit ones to read at full speed.
+              and on_gpu and tiles is None):
+            # fp8 tiles need more programs than 16-bit ones to read at full speed, and short
+            # programs split evenly.
             tiles = default_tiles(head_size, dtype, on_gpu, False, block_size=block_size,
                                   kv_dtype=kv_dtype)
             n_tiles = max(1, window_kv_tiles(max_context_len, tiles.block_n, window_left))
-            chosen = splits = min(n_tiles, max(1, min(max_splits, MAX_SPLITS)),
-                                  max(1, round(FP8_PROGRAMS_PER_SM * num_sms / units)))
-            if splits > 1:
-                reason = "fp8 programs"
+            cap = max(1, min(max_splits, MAX_SPLITS))
+            if n_tiles <= FP8_SHORT_TILES and n_tiles > 1 and cap > 1:
+                chosen, splits, reason = 2, 2, "fp8 short"
+            elif units < FP8_SPLIT_BELOW * num_sms:
+                chosen = splits = min(n_tiles, cap,
+                                      max(1, round(FP8_PROGRAMS_PER_SM * num_sms / units)))
+                if splits > 1:
+                    reason = "fp8 programs"
+            else:
+                tiles = None
     tiles = tiles or default_tiles(head_size, dtype, on_gpu, splits > 1, block_size=block_size,
                                    kv_dtype=kv_dtype)
     return DecodePlan(num_seqs, num_q_heads, num_kv_heads, head_size, block_size, dtype,
@@ -300,13 +321,17 @@ def explain_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size
                    max_context_len: int, block_size: int = 16,
                    dtype: torch.dtype = torch.bfloat16,
                    device: torch.device | str | None = None, *,
-                   window_size: tuple[int, int] = (-1, -1)) -> DecodePlan:
+                   window_size: tuple[int, int] = (-1, -1),
+                   kv_cache_dtype: torch.dtype | None = None,
+                   max_splits: int | None = None) -> DecodePlan:
     """Which decode kernel runs for these sizes, with which tiles and splits, and why.
 
     ``device``: the CUDA device whose SM count to plan for; None uses the current CUDA device
     if there is one, else assumes an H100's 132 SMs. ``window_size``: the layer's sliding
-    window (as ``paged_decode``'s); a left window plans for the tiles it can touch. The plan
-    is that of a call without a workspace (its merge as :data:`FUSED_MERGE` says). Returns a
+    window (as ``paged_decode``'s); a left window plans for the tiles it can touch.
+    ``kv_cache_dtype``: the cache's dtype when it is not ``dtype`` (``torch.float8_e4m3fn``).
+    ``max_splits``: the splits a caller's workspace holds (see ``decode.workspace_size``);
+    None plans a call without a workspace (its merge as :data:`FUSED_MERGE` says). Returns a
     :class:`DecodePlan`; print it for a short explanation. ``paged_decode(..., explain=True)``
     logs the plan of the call itself.
     """
@@ -325,9 +350,17 @@ def explain_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size
         device = torch.device("cuda", torch.cuda.current_device())
     device = torch.device(device) if device is not None else None
     window = check_window(window_size)
+    if kv_cache_dtype is not None and kv_cache_dtype not in (dtype, FP8_DTYPE):
+        raise ValueError(f"kv_cache_dtype: expected None, {dtype} or {FP8_DTYPE}, "
+                         f"got {kv_cache_dtype}")
+    if max_splits is not None:
+        max_splits = positive_int("max_splits", max_splits)
     return plan_decode(num_seqs, num_q_heads, num_kv_heads, head_size, max_context_len,
-                       block_size, dtype, num_sms_of(device), window_left=window[0],
-                       fused_merge=FUSED_MERGE)
+                       block_size, dtype, num_sms_of(device),
+                       max_splits=min(max_splits or MAX_SPLITS, MAX_SPLITS),
+                       window_left=window[0],
+                       kv_dtype=None if kv_cache_dtype in (None, dtype) else kv_cache_dtype,
+                       fused_merge=FUSED_MERGE and max_splits is None)
 
 
 # DecodeTiles, default_tiles, FP8_TILES and MAX_BLOCK_N live in .decode_tiles; re-exported

@@ -315,6 +315,33 @@ def test_fp8_cache_plans_its_own_tiles_and_fp16_dots(num_seqs):
     assert not plan_decode(*args[:6], torch.float32, 132, kv_dtype=FP8_DTYPE).fp16_dots
 
 
+@pytest.mark.parametrize("num_seqs, context, splits, reason", [
+    (32, 2048, 2, "fp8 short"),       # 16 tiles of 128 (the "fp8 programs" rule gave 4)
+    (128, 2048, 2, "fp8 short"),      # enough programs, but short ones
+    (256, 1000, 2, "fp8 short"),
+    (256, 2049, 1, "enough programs"),
+    (64, 4096, 1, "enough programs"),
+    (256, 128, 1, "enough programs"),  # one tile: nothing to split
+])
+def test_fp8_launches_of_short_sequences_split_in_two(num_seqs, context, splits, reason):
+    """Sequences of at most FP8_SHORT_TILES unsplit tiles split in exactly 2 (the unsplit
+    tiles), where the other rules would leave them unsplit or split them more; a workspace
+    with room for one split keeps them unsplit."""
+    from mini_paged_attn.ops.explain import FP8_SHORT_TILES, FP8_TILES, plan_decode
+
+    assert FP8_SHORT_TILES * FP8_TILES.block_n == 2048
+    plan = plan_decode(num_seqs, 16, 8, 128, context, 16, torch.bfloat16, 132,
+                       kv_dtype=FP8_DTYPE)
+    assert (plan.num_splits, plan.tiles, plan.split_reason) == (splits, FP8_TILES, reason)
+    if reason == "fp8 short":
+        assert "split in 2" in str(plan)
+        one = plan_decode(num_seqs, 16, 8, 128, context, 16, torch.bfloat16, 132,
+                          max_splits=1, kv_dtype=FP8_DTYPE)
+        assert one.num_splits == 1
+    # 16-bit caches keep their own rule.
+    assert plan_decode(num_seqs, 16, 8, 128, context, 16, torch.bfloat16, 132).num_splits == 1
+
+
 @pytest.mark.parametrize("num_seqs, context, splits", [
     (32, 65536, 4),     # 256 programs: split toward 8 a SM
     (30, 4096, 4),
