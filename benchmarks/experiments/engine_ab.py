@@ -70,8 +70,28 @@ def store_kv_launch(stack: ExitStack, llm) -> None:
         graphs.capture()
 
 
+def fp8_short_unsplit(stack: ExitStack, llm) -> None:
+    """fp8 launches of short sequences planned as before the "fp8 short" rule (unsplit, or
+    split toward 8 programs a SM); the decode graphs are planned and captured again."""
+    from mini_paged_attn.ops import dispatch, explain
+
+    def replan() -> None:
+        explain.plan_decode.cache_clear()
+        dispatch._DECODE_RUNS.clear()
+        graphs = llm.engine.runner.graphs
+        if graphs is not None:
+            graphs.widths = {b: graphs._widths(b) for b in graphs.buckets}
+            graphs._graphs.clear()
+            graphs.capture()
+
+    stack.callback(replan)
+    stack.enter_context(patched(explain, "FP8_SHORT_TILES", 0))
+    replan()
+
+
 VARIANTS = {"current": lambda stack, llm: None, "eager_sampling": eager_sampling,
-            "float32_logits": float32_logits, "store_kv_launch": store_kv_launch}
+            "float32_logits": float32_logits, "store_kv_launch": store_kv_launch,
+            "fp8_short_unsplit": fp8_short_unsplit}
 
 
 def main() -> None:
