@@ -65,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                         help="the engine's KV cache: the model dtype (auto) or fp8 (e4m3)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="the engine without prefix caching (on by default)")
     add_async_argument(parser)
     parser.add_argument("--profile", action="store_true",
                         help="also profile steady decode steps (kernels per step, GPU busy share)")
@@ -173,6 +175,7 @@ def engine_llm(path: Path, args, **overrides):
     options = dict(dtype="bfloat16", max_model_len=4096, enforce_eager=args.enforce_eager,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    kv_cache_dtype=args.kv_cache_dtype,
+                   enable_prefix_caching=not args.no_prefix_caching,
                    async_scheduling=ASYNC_CHOICES[args.async_scheduling])
     options.update(overrides)
     return LLM(str(path), **options)
@@ -407,7 +410,8 @@ def run(args: argparse.Namespace) -> int:
     import transformers
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
-           "async_scheduling": args.async_scheduling, "kv_cache_dtype": args.kv_cache_dtype}
+           "async_scheduling": args.async_scheduling, "kv_cache_dtype": args.kv_cache_dtype,
+           "prefix_caching": not args.no_prefix_caching}
     results: dict = {"env": env}
     workloads = {"parity": workload_parity, "a": workload_a, "b": workload_b}
     with tempfile.TemporaryDirectory() as tmp:
