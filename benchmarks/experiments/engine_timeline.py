@@ -3,17 +3,21 @@ the GPU is idle, and the run's steps by phase (GPU).
 
 Workload (a) of ``bench_engine`` (256 requests, prompts and outputs uniform in 100..1024,
 temperature 0.6, Qwen3-0.6B shapes with random bf16 weights) runs once untimed (warm), once
-timed, then once under the torch profiler (CUDA kernels only; graph replays included). The
+timed (the untimed run's rate is reported too: an engine's first run pays first-use costs),
+then once under the torch profiler (each run with prompts of its own, so a prefix
+cache finds none; prefix caching is off unless asked) (CUDA kernels only; graph replays included). The
 kernels are grouped by name; "idle" is the run's wall time not covered by any kernel.
 Alongside, every ``step()`` call's host wall time is summed by the phase of the batch it
 launched (a batch with prompt tokens, or decode only).
 
-    python -m benchmarks.experiments.engine_timeline [--kv-cache-dtype auto fp8] [--out DIR]
+    python -m benchmarks.experiments.engine_timeline [--kv-cache-dtype auto fp8]
+        [--prefix-caching off on] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import tempfile
@@ -133,6 +137,7 @@ def profile_run(llm, prompts, params) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto", "fp8"])
+    parser.add_argument("--prefix-caching", nargs="+", default=["off"], choices=("off", "on"))
     parser.add_argument("--out", default="engine_timeline_out")
     args = parser.parse_args()
     start_gpu_run(args.out, "engine_timeline")
@@ -142,23 +147,28 @@ def main() -> None:
                for _ in range(256)]
     limits = [random.randint(100, 1024) for _ in range(256)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in limits]
+    # The same lengths with other tokens, for the runs a prefix cache must not serve.
+    others = [[[random.randint(0, 10000) for _ in p] for p in prompts] for _ in range(2)]
     results = {}
     with tempfile.TemporaryDirectory() as root:
         path = random_model_dir("qwen3-0.6b", Path(root))
-        for dtype in args.kv_cache_dtype:
-            llm = engine_llm(path, engine_options(kv_cache_dtype=dtype), enable_prefix_caching=False)
+        for dtype, caching in itertools.product(args.kv_cache_dtype, args.prefix_caching):
+            llm = engine_llm(path, engine_options(kv_cache_dtype=dtype),
+                             enable_prefix_caching=caching == "on")
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
-            timed_generate(llm, prompts, params)
+            first, _ = timed_generate(llm, others[0], params)
             seconds, _ = timed_generate(llm, prompts, params)
             row = {"seconds": seconds, "tok_per_s": sum(limits) / seconds,
-                   **profile_run(llm, prompts, params)}
-            results[dtype] = row
+                   "first_run_tok_per_s": sum(limits) / first,
+                   **profile_run(llm, others[1], params)}
+            results[dtype if caching == "off" else f"{dtype}, prefix caching"] = row
             del llm
             torch.cuda.empty_cache()
     Path(args.out, "engine_timeline.json").write_text(json.dumps(results, indent=1))
     for dtype, row in results.items():
         wall = row["seconds_profiled"] * 1e3
-        print(f"\nkv cache {dtype}: {row['tok_per_s']:.0f} tok/s unprofiled ({row['seconds']:.2f} s); "
+        print(f"\nkv cache {dtype}: {row['tok_per_s']:.0f} tok/s unprofiled ({row['seconds']:.2f} s; "
+              f"the engine's first run {row['first_run_tok_per_s']:.0f} tok/s); "
               f"profiled {wall:.0f} ms, GPU busy {row['gpu_busy_ms']:.0f} ms, "
               f"idle {wall - row['gpu_busy_ms']:.0f} ms")
         for kind, v in sorted(row["kinds"].items(), key=lambda kv: -kv[1]["ms"]):
