@@ -110,6 +110,8 @@ class ModelRunner:
         self.inputs = InputBuilder(self.cache.tables, max_num_seqs=config.max_num_seqs,
                                    max_num_tokens=max_num_tokens, block_size=bs, device=device)
 
+        # The last forward's SchedulerOutput and its sample rows' params and seeds.
+        self._sample_inputs: tuple | None = None
         if device.type == "cuda":
             self._warm_up(max_model_len)
         self.graphs = None
@@ -267,9 +269,10 @@ class ModelRunner:
         wanted = prompt_logprob_rows(out)
         # The LM head's own output where the sampler reads it as is (under tensor
         # parallelism every rank gathers float32, as the other ranks cannot know the params).
+        params, seeds = _sample_params(out)
+        self._sample_inputs = (out, params, seeds)     # for sample(out), without a second pass
         logits_dtype = (self.model.dtype if self.peers is None
-                        and self.sampler.reads_model_dtype(*_sample_params(out))
-                        else torch.float32)
+                        and self.sampler.reads_model_dtype(params, seeds) else torch.float32)
         try:
             return self._forward(step, n, out.decode_only, bucket, out.block_copies, wanted,
                                  logits_dtype)
@@ -289,7 +292,11 @@ class ModelRunner:
         outputs (called by the sampler only if some row has them); ``rows``: the step's
         :meth:`history_rows` taken when it was launched (default: made now). A synchronous
         step then reads the ids and :meth:`read_prompt_logprobs`."""
-        params, seeds = _sample_params(out)
+        cached = self._sample_inputs
+        if cached is not None and cached[0] is out:
+            params, seeds = cached[1:]
+        else:
+            params, seeds = _sample_params(out)
         # Made only if some row uses penalties or min_tokens.
         return self.sampler.sample(logits, params, seeds, overlap,
                                    (lambda: rows) if rows is not None else

@@ -27,13 +27,15 @@ from .sampling_params import SamplingParams
 from .structured.bitmask import TokenMasks, apply_token_masks
 
 _USES_PROCESSORS = attrgetter("uses_processors")
+_USES_FILTERS = attrgetter("uses_filters")
+_PLAIN = attrgetter("plain")
 
 
 def _one_pass(params: list[SamplingParams], seeds: list[tuple[int, int] | None]) -> bool:
     """The rows are sampled by one pass of :func:`sample_tokens` (temperature or greedy
     alone, no seeded row that samples)."""
-    return not any(p.top_k != -1 or p.top_p < 1.0 or p.min_p > 0.0
-                   or (s is not None and not p.greedy) for p, s in zip(params, seeds))
+    return not (any(map(_USES_FILTERS, params))
+                or any(s is not None and not p.greedy for p, s in zip(params, seeds)))
 
 
 @dataclass(frozen=True)
@@ -145,8 +147,8 @@ class Sampler:
         """Whether :meth:`sample` takes these rows' logits in the model dtype as they are: no
         logprobs and no processors, and every row greedy or sampled in one pass. Its other
         paths widen such logits to float32 first."""
-        return (not any(p.logprobs is not None or p.uses_processors for p in params)
-                and _one_pass(params, seeds))
+        return all(map(_PLAIN, params)) and all(
+            s is None or p.greedy for p, s in zip(params, seeds))
 
     def _generator_of(self, request_id: str, index: int, seed: int) -> torch.Generator:
         gens = self._seeded.setdefault(request_id, {})

@@ -89,6 +89,10 @@ class SamplingParams:
     uses_history: bool = field(init=False, repr=False, compare=False, default=False)
     uses_logit_bias: bool = field(init=False, repr=False, compare=False, default=False)
     uses_processors: bool = field(init=False, repr=False, compare=False, default=False)
+    # top-k, top-p or min-p filter the distribution; plain rows (no filter, processor or
+    # logprobs) can be sampled in one pass over model-dtype logits.
+    uses_filters: bool = field(init=False, repr=False, compare=False, default=False)
+    plain: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> ValueError:
@@ -153,6 +157,8 @@ class SamplingParams:
             raise fail("structured_outputs", "None or a StructuredOutputsParams")
         self.uses_processors = (self.uses_history or self.uses_logit_bias
                                 or self.structured_outputs is not None)
+        self.uses_filters = self.top_k != -1 or self.top_p < 1.0 or self.min_p > 0.0
+        self.plain = not (self.uses_filters or self.uses_processors or self.logprobs is not None)
 
     @property
     def uses_penalties(self) -> bool:

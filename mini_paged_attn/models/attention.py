@@ -2,8 +2,9 @@
 
 One step's tokens are flattened (``[num_tokens, ...]``, no batch dim, no padding): sequence ``i``
 owns rows ``cu_seqlens_q[i] .. cu_seqlens_q[i+1]``, which are the *last* tokens of its
-``context_lens[i]`` tokens. Each layer writes the new tokens' K/V into its cache with
-``ops.store_kv`` and attends with ``ops.paged_decode`` (one new token per sequence) or
+``context_lens[i]`` tokens. Each layer writes the new tokens' K/V into its cache (from the
+rotary kernel, ``ops.apply_rotary(..., store=KVWrite(...))``; :func:`paged_attention` with
+``ops.store_kv``) and attends with ``ops.paged_decode`` (one new token per sequence) or
 ``ops.paged_prefill`` (any mix of prompts, prompt chunks, prefix-cache hits and decodes), or, when
 no sequence has cached tokens before the step's (whole prompts), ``ops.flash_attn_varlen_func``
 over the new K/V themselves (FlashInfer's ragged prefill: contiguous tiles, no block table).

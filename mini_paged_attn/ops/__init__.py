@@ -14,16 +14,17 @@
   (its tiles: ``decode_tiles.py``).
 - :func:`fused_moe`: a mixture-of-experts layer's experts, a Triton grouped GEMM over tokens
   sorted by expert (``moe_triton.py``) next to its torch reference (``moe.py``).
-- :func:`rms_norm` (optionally fused with the residual add), :func:`apply_rotary`,
-  :func:`silu_and_mul`: the decoder's elementwise ops (``fused.py``, kernels in
-  ``fused_triton.py``), one Triton launch each on CUDA.
+- :func:`rms_norm` (optionally fused with the residual add), :func:`apply_rotary` (optionally
+  writing the new K/V into the paged cache, :class:`KVWrite`), :func:`silu_and_mul`: the
+  decoder's elementwise ops (``fused.py``, kernels in ``fused_triton.py``), one Triton launch
+  each on CUDA.
 - :func:`sample_tokens`: temperature sampling of one token per logits row (``sample.py``), one
   pass over the logits on CUDA (``sample_triton.py``).
 """
 
 from .dispatch import paged_decode, paged_prefill, resolve_backend, store_kv
 from .explain import explain_decode
-from .fused import apply_rotary, rms_norm, silu_and_mul
+from .fused import KVWrite, apply_rotary, rms_norm, silu_and_mul
 from .heuristics import num_splits_heuristic
 from .merge import merge_attention_states
 from .moe import fused_moe
@@ -32,5 +33,5 @@ from .varlen import flash_attn_varlen_func
 
 __all__ = ["paged_decode", "paged_prefill", "store_kv", "flash_attn_varlen_func",
            "merge_attention_states", "num_splits_heuristic", "explain_decode",
-           "resolve_backend", "rms_norm", "apply_rotary", "silu_and_mul", "fused_moe",
-           "sample_tokens"]
+           "resolve_backend", "rms_norm", "apply_rotary", "KVWrite", "silu_and_mul",
+           "fused_moe", "sample_tokens"]
