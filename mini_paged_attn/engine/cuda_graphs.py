@@ -8,8 +8,9 @@ the extra rows padded (slot -1: nothing written; context length 0: nothing read)
 
 The decode op plans its launch from the block table's width, the bound on the context lengths
 it can see. A bucket is captured over the full table and, where the op would plan differently
-(an fp8 cache splits short sequences, see ``ops.explain``), over narrower leading views of it
-(powers of two of blocks): a step replays the narrowest view that holds its blocks.
+(small batches' split heuristic counts the tiles; an fp8 cache splits short sequences, see
+``ops.explain``), over narrower leading views of it (powers of two of blocks): a step replays
+the narrowest view that holds its blocks.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def graph_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode forwards of ``model``, keyed by batch size.
+    """Captured decode forwards of ``model``, keyed by (batch-size bucket, table width).
 
     Args:
         model: the CausalLM; ``forward(input_ids, positions, kv_caches, meta) -> hidden``.
@@ -69,6 +70,8 @@ class DecodeGraphs:
         kept."""
         full = self.inputs.max_blocks_per_seq
         kept = [full]
+        if self.backend != "triton":    # only the Triton decode plans from the width
+            return kept
         width = 1 << ((full - 1).bit_length() - 1)
         while width >= 16:
             if self._plans(b, width) != self._plans(b, kept[-1]):

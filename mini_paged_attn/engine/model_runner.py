@@ -114,6 +114,9 @@ class ModelRunner:
         self._sample_inputs: tuple | None = None
         if device.type == "cuda":
             self._warm_up(max_model_len)
+            # The pool sizing's and the warm-up's sampling drew from the engine's generator:
+            # requests start from the seed, whatever the limits those steps were sized by.
+            self.sampler.generator.manual_seed(config.seed)
         self.graphs = None
         if device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(model, self.kv_caches, self.inputs,
@@ -267,12 +270,12 @@ class ModelRunner:
                 decode_only=out.decode_only, graph_bucket=bucket,
                 block_copies=list(out.block_copies), no_prefix=step.no_prefix))
         wanted = prompt_logprob_rows(out)
-        # The LM head's own output where the sampler reads it as is (under tensor
-        # parallelism every rank gathers float32, as the other ranks cannot know the params).
+        # The LM head's own output where the sampler reads it as is (the ranks gather the
+        # model-dtype columns either way; the other ranks drop their copy).
         params, seeds = _sample_params(out)
         self._sample_inputs = (out, params, seeds)     # for sample(out), without a second pass
-        logits_dtype = (self.model.dtype if self.peers is None
-                        and self.sampler.reads_model_dtype(params, seeds) else torch.float32)
+        logits_dtype = (self.model.dtype if self.sampler.reads_model_dtype(params, seeds)
+                        else torch.float32)
         try:
             return self._forward(step, n, out.decode_only, bucket, out.block_copies, wanted,
                                  logits_dtype)
@@ -295,6 +298,7 @@ class ModelRunner:
         cached = self._sample_inputs
         if cached is not None and cached[0] is out:
             params, seeds = cached[1:]
+            self._sample_inputs = None      # keeps the step's sequences alive no longer
         else:
             params, seeds = _sample_params(out)
         # Made only if some row uses penalties or min_tokens.
@@ -321,15 +325,15 @@ class ModelRunner:
                                 num_sample_rows=message.num_sample_rows,
                                 no_prefix=message.no_prefix)
         self._forward(step, message.num_seqs, message.decode_only, message.graph_bucket,
-                      message.block_copies)
+                      message.block_copies, logits_dtype=self.model.dtype)
 
     def _forward(self, step, num_seqs: int, decode_only: bool, bucket: int | None,
                  block_copies, prompt_rows: PromptRows | None = None,
                  logits_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         """Copy-on-write, the forward (a graph replay when ``bucket`` is set) and the LM head
         on the sample rows: logits ``[num_sample_rows, vocab_size]`` in ``logits_dtype``, or
-        None when no row samples. Every rank runs it, in the same order of collectives. ``prompt_rows``
-        (rank 0, one rank only): the prompt positions whose logprobs go to
+        None when no row samples. Every rank runs it, in the same order of collectives.
+        ``prompt_rows`` (rank 0, one rank only): the prompt positions whose logprobs go to
         :attr:`prompt_logprobs`."""
         if block_copies:
             self.cache.copy_blocks(block_copies)

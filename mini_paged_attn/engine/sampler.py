@@ -31,7 +31,7 @@ _USES_FILTERS = attrgetter("uses_filters")
 _PLAIN = attrgetter("plain")
 
 
-def _one_pass(params: list[SamplingParams], seeds: list[tuple[int, int] | None]) -> bool:
+def _one_pass(params: list[SamplingParams], seeds: list[tuple[str, int] | None]) -> bool:
     """The rows are sampled by one pass of :func:`sample_tokens` (temperature or greedy
     alone, no seeded row that samples)."""
     return not (any(map(_USES_FILTERS, params))
@@ -143,7 +143,7 @@ class Sampler:
 
     @staticmethod
     def reads_model_dtype(params: list[SamplingParams],
-                          seeds: list[tuple[int, int] | None]) -> bool:
+                          seeds: list[tuple[str, int] | None]) -> bool:
         """Whether :meth:`sample` takes these rows' logits in the model dtype as they are: no
         logprobs and no processors, and every row greedy or sampled in one pass. Its other
         paths widen such logits to float32 first."""
@@ -161,7 +161,7 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 seeds: list[tuple[int, int] | None],
+                 seeds: list[tuple[str, int] | None],
                  overlap: Callable[[], None] | None = None,
                  rows: Callable[[], list[SampleRow]] | None = None,
                  masks: Callable[[], TokenMasks | None] | None = None) -> SamplerOutput:
@@ -187,7 +187,7 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               seeds: list[tuple[int, int] | None],
+               seeds: list[tuple[str, int] | None],
                overlap: Callable[[], None] | None = None,
                rows: Callable[[], list[SampleRow]] | None = None,
                masks: Callable[[], TokenMasks | None] | None = None) -> PendingSample:
@@ -277,7 +277,7 @@ class Sampler:
         return logits, (history, at)
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
-                seeds: list[tuple[int, int] | None], greedy: list[bool]) -> torch.Tensor:
+                seeds: list[tuple[str, int] | None], greedy: list[bool]) -> torch.Tensor:
         device = logits.device
         seeded_rows = [i for i, s in enumerate(seeds) if s is not None and not greedy[i]]
         if _one_pass(params, seeds):

@@ -296,8 +296,21 @@ def check_store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor,
                    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                    backend: str) -> str:
-    """Check :func:`store_kv`'s arguments (the torch backend reads the slots on the host and
-    checks their range too); returns the backend that runs it."""
+    """Check :func:`store_kv`'s arguments (shapes, dtypes and devices as documented there;
+    the torch backend also reads the slots on the host and checks their range) before
+    anything is written.
+
+    Args:
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale: as in
+            :func:`store_kv`.
+        backend: "auto" | "torch" | "triton".
+
+    Returns:
+        The backend that runs the write, "torch" or "triton".
+
+    Raises:
+        ValueError: naming the first bad argument.
+    """
     check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
     num_blocks, block_size, num_kv_heads, head_size = check_cache_pair(
         key_cache, value_cache, key.dtype, key.device)
@@ -372,5 +385,5 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
 
 # BACKENDS, resolve_backend and triton_available live in .backend; re-exported here, where
 # the engine and the models look for them.
-__all__ = ["paged_decode", "paged_prefill", "store_kv", "check_store_kv", "resolve_backend", "triton_available",
-           "BACKENDS", "PagedShapes"]
+__all__ = ["paged_decode", "paged_prefill", "store_kv", "check_store_kv", "resolve_backend",
+           "triton_available", "BACKENDS", "PagedShapes"]

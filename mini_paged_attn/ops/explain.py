@@ -68,12 +68,12 @@ anyway: 32x64k (256 programs, 1.9 a SM) in 4 splits read 94% against 63% unsplit
 3.9 a SM) unsplit 91%, in 2 splits 86%."""
 
 FP8_SHORT_TILES = 16
-"""An fp8 launch that the rules above leave with at most 2 splits splits in exactly 2 when its
-longest sequence fits this many of its 128-token tiles (2k tokens): programs this short start
-and end unevenly, and halving them evens the SMs' load. H100, workload (a)'s batches (16 query
-/ 8 KV heads, contexts 100..2048): 128 x ~1k 60% -> 69% of copy bandwidth, 256 x ~1k 73% ->
-79%, 32 x ~1k (4 splits before) 40% -> 47%; at 4k the unsplit launch stays (89% against 85%
-in 2 splits)."""
+"""An fp8 launch with enough programs for the 16-bit rule (which leaves it unsplit) splits in
+exactly 2, instead of as :data:`FP8_SPLIT_BELOW` says, when the tiles its longest sequence
+can touch (a window's, with one) fit this many of its 128-token tiles (2k tokens): programs
+this short start and end unevenly, and halving them evens the SMs' load. Measured on an H100
+at the engine's batches, 6-9 points of copy bandwidth gained; at 4k the unsplit launch stays
+ahead (see docs/performance-notes.md, "fp8 at the engine's shapes")."""
 
 ASSUMED_NUM_SMS = 132
 """SM count used for planning when no CUDA device is given (an H100 or H200)."""
@@ -290,17 +290,19 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
             # programs split evenly.
             tiles = default_tiles(head_size, dtype, on_gpu, False, block_size=block_size,
                                   kv_dtype=kv_dtype)
-            n_tiles = max(1, window_kv_tiles(max_context_len, tiles.block_n, window_left))
+            fp8_tiles = max(1, window_kv_tiles(max_context_len, tiles.block_n, window_left))
             cap = max(1, min(max_splits, MAX_SPLITS))
-            if n_tiles <= FP8_SHORT_TILES and n_tiles > 1 and cap > 1:
+            if 1 < fp8_tiles <= FP8_SHORT_TILES and cap > 1:
                 chosen, splits, reason = 2, 2, "fp8 short"
+                n_tiles = fp8_tiles
             elif units < FP8_SPLIT_BELOW * num_sms:
+                n_tiles = fp8_tiles
                 chosen = splits = min(n_tiles, cap,
                                       max(1, round(FP8_PROGRAMS_PER_SM * num_sms / units)))
                 if splits > 1:
                     reason = "fp8 programs"
             else:
-                tiles = None
+                tiles = None    # unsplit; n_tiles stays counted in split tiles
     tiles = tiles or default_tiles(head_size, dtype, on_gpu, splits > 1, block_size=block_size,
                                    kv_dtype=kv_dtype)
     return DecodePlan(num_seqs, num_q_heads, num_kv_heads, head_size, block_size, dtype,

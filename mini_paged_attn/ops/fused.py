@@ -17,14 +17,25 @@ import torch.nn.functional as F
 
 from ..core.args import arg_error, is_number
 from .checks import FLOAT_DTYPES, check_last_dim_contiguous, check_tensor
-from .dispatch import check_store_kv, resolve_backend, store_kv
+from . import reference
+from .dispatch import check_store_kv, resolve_backend
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KVWrite:
     """Where :func:`apply_rotary` also writes the rotated keys, with their values: the
-    arguments of :func:`~.dispatch.store_kv` other than the key (see there for shapes, dtypes
-    and scales)."""
+    arguments of :func:`~.dispatch.store_kv` other than the key.
+
+    Attributes:
+        value: ``[num_tokens, num_kv_heads, head_size]`` in k's dtype (any strides, last dim
+            contiguous on the Triton backend).
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, k's
+            dtype or ``torch.float8_e4m3fn``; any strides on the first three dims.
+        slot_mapping: int32 / int64 ``[num_tokens]``, each token's slot (``block *
+            block_size + offset``); -1 skips the token.
+        k_scale, v_scale: an fp8 cache's float32 ``[]`` or ``[num_kv_heads]`` scales (None:
+            1.0); None for a cache in k's dtype.
+    """
 
     value: torch.Tensor
     key_cache: torch.Tensor
@@ -187,10 +198,9 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                        store.k_scale, store.v_scale, chosen)
     if chosen == "torch":
         q_rot, k_rot = apply_rotary_reference(q, k, positions, cos_sin_cache, qk_norm)
-        if store is not None:
-            store_kv(k_rot, store.value, store.key_cache, store.value_cache,
-                     store.slot_mapping, k_scale=store.k_scale, v_scale=store.v_scale,
-                     backend="torch")
+        if store is not None:       # checked above, the slots' range included
+            reference.store_kv(k_rot, store.value, store.key_cache, store.value_cache,
+                               store.slot_mapping, store.k_scale, store.v_scale)
         return q_rot, k_rot
     from .fused_triton import triton_apply_rotary
     weights = () if qk_norm is None else (("q_weight", qk_norm[0]), ("k_weight", qk_norm[1]))

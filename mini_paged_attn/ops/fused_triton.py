@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..core.args import cdiv
+from .fused import KVWrite
 from .kv_quant import is_fp8, scale_pointers, scale_stride
 from .kv_write import store_kv_rows
 from .launch import launch
@@ -102,8 +103,8 @@ def _rotate_heads(src_ptr, dst_ptr, w_ptr, eps, stride_head, num_heads, heads, d
     b = (x2 * sin).to(dtype).to(tl.float32)
     c = (x2 * cos).to(dtype).to(tl.float32)
     d = (x1 * sin).to(dtype).to(tl.float32)
-    lo = (a - b).to(dtype)
-    hi = (c + d).to(dtype)
+    lo = (a - b).to(dtype)                              # [HEADS_PADDED, HALF_PADDED]
+    hi = (c + d).to(dtype)                              # [HEADS_PADDED, HALF_PADDED]
     dst = dst_ptr + heads[:, None] * (2 * HALF) + dims[None, :]
     tl.store(dst, lo, mask=mask)
     tl.store(dst + HALF, hi, mask=mask)
@@ -139,16 +140,16 @@ def _rotary_kernel(
         k_ptr + token * stride_k_token, k_out_ptr + token * (NUM_KV_HEADS * 2 * HALF),
         k_w_ptr, eps, stride_k_head, NUM_KV_HEADS, heads, dims, cos, sin, HALF, NORM)
     if STORE_KV:
-        # k_lo, k_hi, v_lo, v_hi: [HEADS_PADDED, HALF_PADDED], the halves of each KV head
+        # k_lo, k_hi: [HEADS_PADDED, HALF_PADDED], the rotated halves of each KV head
         slot = tl.load(slot_mapping_ptr + token)
         for half in tl.static_range(2):
-            k_half = k_lo if half == 0 else k_hi
+            k_half = k_lo if half == 0 else k_hi                # [HEADS_PADDED, HALF_PADDED]
             store_kv_rows(k_half, key_cache_ptr + half * HALF, k_scale_ptr, stride_k_scale,
                           slot, num_slots, heads, dims, stride_kc_block, stride_kc_token,
                           stride_kc_head, NUM_KV_HEADS, HALF, BLOCK_SIZE, QUANTIZE, K_SCALED)
             v_mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HALF)
             v_half = tl.load(v_ptr + token * stride_v_token + heads[:, None] * stride_v_head
-                             + half * HALF + dims[None, :], mask=v_mask)
+                             + half * HALF + dims[None, :], mask=v_mask)   # like k_half
             store_kv_rows(v_half, value_cache_ptr + half * HALF, v_scale_ptr, stride_v_scale,
                           slot, num_slots, heads, dims, stride_vc_block, stride_vc_token,
                           stride_vc_head, NUM_KV_HEADS, HALF, BLOCK_SIZE, QUANTIZE, V_SCALED)
@@ -157,7 +158,7 @@ def _rotary_kernel(
 def triton_apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                         cos_sin_cache: torch.Tensor,
                         qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                        store=None) -> tuple[torch.Tensor, torch.Tensor]:
+                        store: KVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``[n, Hq, D]``, k ``[n, Hkv, D]`` (last dim contiguous), positions ``[n]``, table
     ``[max_positions, D]`` (last dim contiguous), optional per-head norm ``(q_weight [D],
     k_weight [D], eps)`` -> new contiguous rotated (q, k); with ``store`` (a checked

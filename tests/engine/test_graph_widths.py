@@ -24,8 +24,14 @@ def _graphs(tiny_model_factory, kv_cache_dtype: str, max_model_len: int) -> Deco
         config=EngineConfig(kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
                             max_num_seqs=64, cpu_kv_cache_bytes=1 << 22))
     runner = engine.runner
+    # The engine's workspace (made on CUDA only): it caps the splits the plans may take.
+    from mini_paged_attn.engine.model_runner import WORKSPACE_SPLITS_PER_SEQ
+    from mini_paged_attn.ops.decode import workspace_size
+    workspace = torch.empty(workspace_size(64, HEADS["num_attention_heads"],
+                                           runner.model_config.head_size,
+                                           WORKSPACE_SPLITS_PER_SEQ))
     return DecodeGraphs(runner.model, runner.kv_caches, runner.inputs, max_batch=64,
-                        backend="triton", decode_workspace=None)
+                        backend="triton", decode_workspace=workspace)
 
 
 def _check_widths(graphs: DecodeGraphs) -> None:
@@ -55,6 +61,12 @@ def test_fp8_buckets_of_enough_sequences_add_a_2k_table(tiny_model_factory):
     assert big
     for b in big:
         assert graphs.widths[b] == [2048 // graphs.inputs.block_size, full], b
+
+
+def test_other_backends_capture_the_full_table_only(tiny_model_factory):
+    graphs = _graphs(tiny_model_factory, "fp8", 4096)
+    graphs.backend = "torch"
+    assert graphs._widths(64) == [graphs.inputs.max_blocks_per_seq]
 
 
 def test_16_bit_caches_of_enough_sequences_capture_the_full_table_only(tiny_model_factory):

@@ -87,6 +87,25 @@ def test_fused_write_equals_store_kv_of_the_rotated_keys(backend, dtype, cache_d
                for f in flat)
 
 
+def test_triton_skips_slots_past_the_pool_and_takes_int32_slots():
+    """A launch reads no values on the host, so a slot past the pool is skipped (the torch
+    backend raises, see below); int32 slot_mapping works like int64."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, positions, table, slots, caches = _inputs(4, 4, 2, 64, torch.float16,
+                                                       torch.float16, gen)
+    slots = slots.to(torch.int32)
+    slots[1] = NUM_BLOCKS * BLOCK_SIZE          # one past the pool
+    want_caches = [c.clone() for c in caches]
+    ok = slots.clone()
+    ok[1] = -1
+    _unfused(q, k, v, positions, table, ok, want_caches, (None, None), None, "triton")
+    apply_rotary(q, k, positions, table, backend="triton", store=KVWrite(v, *caches, slots))
+    for c, w in zip(caches, want_caches):
+        assert _same(c, w)
+    with pytest.raises(ValueError, match="^slot_mapping: expected slots in"):
+        apply_rotary(q, k, positions, table, backend="torch", store=KVWrite(v, *caches, slots))
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_bad_store_arguments_raise_before_anything_is_written(backend):
     gen = torch.Generator().manual_seed(0)
