@@ -60,6 +60,10 @@ class DecodeGraphs:
         device = model.device
         self.block_tables = torch.zeros(max_batch, inputs.max_blocks_per_seq, dtype=torch.int32,
                                         device=device)
+        # What the decode launches are planned from, besides the batch and the table width.
+        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self._num_q_heads = layers[0].num_q_heads
+        self._windows = sorted({m.window_size for m in layers})
         # Per bucket, the table widths (blocks) captured, narrowest first.
         self.widths = {b: self._widths(b) for b in self.buckets}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -73,9 +77,12 @@ class DecodeGraphs:
         if self.backend != "triton":    # only the Triton decode plans from the width
             return kept
         width = 1 << ((full - 1).bit_length() - 1)
+        plans = self._plans(b, full)
         while width >= 16:
-            if self._plans(b, width) != self._plans(b, kept[-1]):
+            narrower = self._plans(b, width)
+            if narrower != plans:
                 kept.append(width)
+                plans = narrower
             width //= 2
         return kept[::-1]
 
@@ -86,17 +93,14 @@ class DecodeGraphs:
         from ..ops.explain import explain_decode
         key_cache = self.kv_caches[0][0]
         block_size, num_kv_heads, head_size = key_cache.shape[1:]
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        num_q_heads = layers[0].num_q_heads
         max_splits = None
         if self.workspace is not None:
             max_splits = max(1, self.workspace.numel()
-                             // workspace_size(b, num_q_heads, head_size, 1))
-        windows = sorted({m.window_size for m in layers})
-        plans = (explain_decode(b, num_q_heads, num_kv_heads, head_size, width * block_size,
-                                block_size, self.model.dtype, key_cache.device,
-                                window_size=w, kv_cache_dtype=key_cache.dtype,
-                                max_splits=max_splits) for w in windows)
+                             // workspace_size(b, self._num_q_heads, head_size, 1))
+        plans = (explain_decode(b, self._num_q_heads, num_kv_heads, head_size,
+                                width * block_size, block_size, self.model.dtype,
+                                key_cache.device, window_size=w, kv_cache_dtype=key_cache.dtype,
+                                max_splits=max_splits) for w in self._windows)
         return tuple((p.tiles, p.num_splits) for p in plans)
 
     def bucket_for(self, n: int) -> int | None:

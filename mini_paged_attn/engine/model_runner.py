@@ -212,7 +212,7 @@ class ModelRunner:
                 for dtype in dict.fromkeys((torch.float32, self.model.dtype)):
                     logits = self.model.compute_logits(hidden[:rows], dtype=dtype)
                     self.sampler(logits, [SamplingParams(temperature=0.0)] * rows, [None] * rows)
-                logits = self.model.compute_logits(hidden[:rows], dtype=self.model.dtype)
+                # The model-dtype logits (the last ones; greedy sampling left them as they were).
                 self.sampler(logits, [SamplingParams(temperature=1.0)] * rows, [None] * rows)
                 rows *= 4
             q_len *= 2

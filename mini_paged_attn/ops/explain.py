@@ -287,22 +287,20 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
         elif (reason == "enough programs" and kv_dtype is not None and kv_dtype.itemsize == 1
               and on_gpu and tiles is None):
             # fp8 tiles need more programs than 16-bit ones to read at full speed, and short
-            # programs split evenly.
-            tiles = default_tiles(head_size, dtype, on_gpu, False, block_size=block_size,
-                                  kv_dtype=kv_dtype)
-            fp8_tiles = max(1, window_kv_tiles(max_context_len, tiles.block_n, window_left))
+            # programs split evenly. Either split keeps the unsplit launch's tiles.
+            unsplit = default_tiles(head_size, dtype, on_gpu, False, block_size=block_size,
+                                    kv_dtype=kv_dtype)
+            fp8_tiles = max(1, window_kv_tiles(max_context_len, unsplit.block_n, window_left))
             cap = max(1, min(max_splits, MAX_SPLITS))
             if 1 < fp8_tiles <= FP8_SHORT_TILES and cap > 1:
                 chosen, splits, reason = 2, 2, "fp8 short"
-                n_tiles = fp8_tiles
             elif units < FP8_SPLIT_BELOW * num_sms:
-                n_tiles = fp8_tiles
-                chosen = splits = min(n_tiles, cap,
+                chosen = splits = min(fp8_tiles, cap,
                                       max(1, round(FP8_PROGRAMS_PER_SM * num_sms / units)))
                 if splits > 1:
                     reason = "fp8 programs"
-            else:
-                tiles = None    # unsplit; n_tiles stays counted in split tiles
+            if splits > 1:
+                tiles, n_tiles = unsplit, fp8_tiles
     tiles = tiles or default_tiles(head_size, dtype, on_gpu, splits > 1, block_size=block_size,
                                    kv_dtype=kv_dtype)
     return DecodePlan(num_seqs, num_q_heads, num_kv_heads, head_size, block_size, dtype,
