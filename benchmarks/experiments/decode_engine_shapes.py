@@ -7,13 +7,17 @@ lengths uniform in 100..2048 (seeded), the engine's float32 workspace (split lau
 merge in a second kernel); then two of bench_fp8's shapes (32 query heads, 4k contexts) to
 check a rule against. Each row: % of the copy bandwidth over the bytes the batch reads
 (its K/V at the cache's width, the queries and outputs), L2 flushed before each call.
+``--longest-first`` adds rows where the batch is ordered by context length, longest first: the
+grid's last axis is the sequence, so the longest programs start first and the short ones fill
+the tail.
 
-    python -m benchmarks.experiments.decode_engine_shapes [--sweep] [--out DIR]
+    python -m benchmarks.experiments.decode_engine_shapes [--sweep] [--longest-first] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -44,10 +48,12 @@ BF16_SWEEP = tuple((tiles, splits) for tiles in (
 
 
 def make_batch(batch: int, hq: int, lens_range: tuple[int, int], width: int,
-               kv_dtype: torch.dtype, seed: int):
+               kv_dtype: torch.dtype, seed: int, longest_first: bool = False):
     g = torch.Generator(device="cuda").manual_seed(seed)
     lens = torch.randint(lens_range[0], lens_range[1] + 1, (batch,), generator=g, device="cuda",
                          dtype=torch.int32)
+    if longest_first:
+        lens = lens.sort(descending=True).values
     blocks = (lens + BLOCK - 1) // BLOCK
     num_blocks = int(blocks.sum())
     pool = torch.randn((num_blocks, BLOCK, 2, HKV, D), generator=g, device="cuda",
@@ -67,13 +73,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     parser.add_argument("--sweep", action="store_true", help="also a grid of tiles x splits")
+    parser.add_argument("--longest-first", action="store_true",
+                        help="also the planned launches over batches ordered longest first")
     args = parser.parse_args()
     ceilings = start_gpu_run(args.out, "benchmarks.experiments.decode_engine_shapes")
     rows = []
     for kv_dtype in (torch.bfloat16, FP8_DTYPE):
-        for label, batch, hq, lens_range, width in CASES:
+        orders = (False, True) if args.longest_first else (False,)
+        for (label, batch, hq, lens_range, width), ordered in itertools.product(CASES, orders):
             query, kc, vc, tables, lens, nbytes = make_batch(batch, hq, lens_range, width,
-                                                             kv_dtype, seed=batch)
+                                                             kv_dtype, seed=batch,
+                                                             longest_first=ordered)
             ws = torch.empty(workspace_size(batch, hq, D, 64), dtype=torch.float32,
                              device="cuda")
             shapes = check_paged_decode_args(query, kc, vc, tables, lens, None, None)
@@ -82,7 +92,8 @@ def main() -> None:
                                kv_dtype=kv_dtype if kv_dtype == FP8_DTYPE else None)
             ref = None
             sweep = FP8_SWEEP if kv_dtype == FP8_DTYPE else BF16_SWEEP
-            variants = VARIANTS + (sweep if args.sweep else ())
+            variants = ((None, (None, 1), (None, 2)) if ordered else
+                        VARIANTS + (sweep if args.sweep else ()))
             for variant in dict.fromkeys(variants):
                 tiles, splits = variant if variant else (None, None)
                 if kv_dtype != FP8_DTYPE and tiles is not None and variant not in sweep:
@@ -101,12 +112,13 @@ def main() -> None:
                     continue
                 ref = out.float() if ref is None else ref
                 row = {"kv": str(kv_dtype).split(".")[-1], "batch": label,
-                       "variant": "planned" if variant is None else
-                       f"{'/'.join(map(str, tiles)) if tiles else 'planned tiles'}, "
-                       f"splits {splits or 'planned'}",
+                       "variant": ("planned" if variant is None else
+                                   f"{'/'.join(map(str, tiles)) if tiles else 'planned tiles'}, "
+                                   f"splits {splits or 'planned'}")
+                       + (", longest first" if ordered else ""),
                        "us": us, "pct_copy": 100 * nbytes / (us * 1e-6) / 1e9 / ceilings.copy_gbps,
                        "max_diff": float((out.float() - ref).abs().max())}
-                if variant is None:
+                if variant is None and not ordered:
                     row["plan"] = (f"tiles {plan.tiles}, splits {plan.num_splits} "
                                    f"({plan.split_reason})")
                 rows.append(row)

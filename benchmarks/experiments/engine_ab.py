@@ -89,9 +89,21 @@ def fp8_short_unsplit(stack: ExitStack, llm) -> None:
     replan()
 
 
+def unordered_decode(stack: ExitStack, llm) -> None:
+    """Decode programs take the sequences in batch order instead of longest first (the decode
+    graphs are captured again on entry and on exit)."""
+    runner = llm.engine.runner
+    graphs = runner.graphs
+    if graphs is not None:
+        stack.callback(graphs.capture)
+    stack.enter_context(patched(runner.inputs, "order_decode", False))
+    if graphs is not None:
+        graphs.capture()
+
+
 VARIANTS = {"current": lambda stack, llm: None, "eager_sampling": eager_sampling,
             "float32_logits": float32_logits, "store_kv_launch": store_kv_launch,
-            "fp8_short_unsplit": fp8_short_unsplit}
+            "fp8_short_unsplit": fp8_short_unsplit, "unordered_decode": unordered_decode}
 
 
 def main() -> None:

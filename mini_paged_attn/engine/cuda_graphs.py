@@ -119,7 +119,8 @@ class DecodeGraphs:
             cu_seqlens_q=inputs.region("cu_seqlens_q", b + 1),
             context_lens=inputs.region("context_lens", b),
             block_tables=self.block_tables[:b, :width], max_seqlen_q=1,
-            num_sample_rows=b, sample_rows=None)
+            num_sample_rows=b, sample_rows=None,
+            seq_order=inputs.region("seq_order", b) if inputs.order_decode else None)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -131,6 +132,8 @@ class DecodeGraphs:
         inputs.region("slot_mapping", top).fill_(-1)
         inputs.region("context_lens", top).zero_()
         inputs.region("cu_seqlens_q", top + 1).zero_()
+        # Any permutation of every bucket's rows: the steps write theirs before each replay.
+        inputs.region("seq_order", top).copy_(torch.arange(top, dtype=torch.int32))
         pool = None
         for b in reversed(self.buckets):        # largest first: later graphs reuse its pool
             for width in reversed(self.widths[b]):

@@ -51,7 +51,10 @@ class StepInputs:
     to a multiple of 16);
     ``sample_rows``: int64 ``[num_sample_rows]``, the hidden rows to sample from (a request
     about to fork repeats its row n times), None when they are simply ``0 .. num_seqs - 1``;
-    ``no_prefix``: every sequence's new tokens are all its tokens (nothing cached before them).
+    ``no_prefix``: every sequence's new tokens are all its tokens (nothing cached before them);
+    ``seq_order``: int32 ``[num_seqs]`` (padding included), the rows by context length, longest
+    first, for the decode kernel's grid (``ops.paged_decode``'s ``seq_order``); None unless the
+    builder orders decode steps and this is one.
     """
 
     input_ids: torch.Tensor
@@ -66,6 +69,7 @@ class StepInputs:
     # Input tokens still on the device (asynchronous scheduling), see TokenFill.
     fill: TokenFill | None = None
     no_prefix: bool = False
+    seq_order: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -94,12 +98,14 @@ def table_width(max_blocks_per_seq: int) -> int:
 
 
 def dummy_inputs(q_lens: list[int], width: int, device: torch.device, *,
-                 no_prefix: bool = True) -> StepInputs:
+                 no_prefix: bool = True, ordered: bool = False) -> StepInputs:
     """Inputs of a made-up step, for profiling and warm-up: sequence ``i`` computes its first
     ``q_lens[i]`` tokens (all ``>= 1``; token id 0), writes nothing (slot -1) and reads block 0
     only (every table entry is 0; ``width`` columns, as the engine's steps have). Nothing
     samples. ``no_prefix=False`` marks the step as if some sequence had cached tokens, so a
-    prefill attends through the block tables (the path of chunks and prefix-cache hits)."""
+    prefill attends through the block tables (the path of chunks and prefix-cache hits).
+    ``ordered``: with a ``seq_order`` (the rows in order), as an ordering builder's decode
+    steps have."""
     assert q_lens and min(q_lens) >= 1, q_lens
     num_tokens = sum(q_lens)
     lens = torch.tensor(q_lens, dtype=torch.int32)
@@ -111,7 +117,9 @@ def dummy_inputs(q_lens: list[int], width: int, device: torch.device, *,
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
         cu_seqlens_q=cu.to(device), context_lens=lens.to(device),
         block_tables=torch.zeros(len(q_lens), width, dtype=torch.int32, device=device),
-        max_seqlen_q=max(q_lens), num_sample_rows=0, sample_rows=None, no_prefix=no_prefix)
+        max_seqlen_q=max(q_lens), num_sample_rows=0, sample_rows=None, no_prefix=no_prefix,
+        seq_order=(torch.arange(len(q_lens), dtype=torch.int32, device=device)
+                   if ordered else None))
 
 
 class InputBuilder:
@@ -123,11 +131,14 @@ class InputBuilder:
         max_num_seqs, max_num_tokens: the most sequences and tokens a step holds.
         block_size: tokens per block.
         device: where the inputs go.
+        order_decode: give decode-only steps a ``seq_order`` (the Triton decode kernel takes
+            its sequences longest first; the torch reference has no use for it).
     """
 
     def __init__(self, tables: BlockTable, *, max_num_seqs: int, max_num_tokens: int,
-                 block_size: int, device: torch.device) -> None:
+                 block_size: int, device: torch.device, order_decode: bool = False) -> None:
         self.max_num_seqs = max_num_seqs
+        self.order_decode = order_decode
         self.max_num_tokens = max_num_tokens
         self.block_size = block_size
         # Block-table widths are multiples of 16 and every region starts 256-byte aligned:
@@ -140,7 +151,7 @@ class InputBuilder:
         self._i64_regions = _layout({"input_ids": t, "positions": t, "slot_mapping": t,
                                      "sample_rows": s, "fill": 2 * s})
         self._i32_regions = _layout({"cu_seqlens_q": s + 1, "context_lens": s,
-                                     "block_tables": s * w})
+                                     "seq_order": s, "block_tables": s * w})
         self.i64 = StagingBuffer(self._i64_regions["end"], torch.int64, device)
         self.i32 = StagingBuffer(self._i32_regions["end"], torch.int32, device)
         # Recorded after each step's uploads. The copies read the pinned host buffers when the
@@ -152,7 +163,8 @@ class InputBuilder:
     def region(self, name: str, n: int) -> torch.Tensor:
         """The first ``n`` elements of a staging region on the device, a view at a fixed
         address: int64 for input_ids / positions / slot_mapping / sample_rows, int32 for
-        cu_seqlens_q / context_lens / block_tables (flattened ``[num_seqs * width]``)."""
+        cu_seqlens_q / context_lens / seq_order / block_tables (flattened
+        ``[num_seqs * width]``)."""
         if name in self._i64_regions:
             start = self._i64_regions[name]
             return self.i64.device[start:start + n]
@@ -165,6 +177,8 @@ class InputBuilder:
         sizes = {name: getattr(step, name).numel() for name in STEP_ARRAYS}
         if step.sample_rows is not None:
             sizes["sample_rows"] = step.num_sample_rows
+        if step.seq_order is not None:
+            sizes["seq_order"] = step.seq_order.numel()
         return {name: self._host(name, n).copy() for name, n in sizes.items()}
 
     def load(self, arrays: dict[str, np.ndarray], *, table_width: int, max_seqlen_q: int,
@@ -187,7 +201,8 @@ class InputBuilder:
             context_lens=views["context_lens"],
             block_tables=views["block_tables"].view(num_seqs, table_width),
             max_seqlen_q=max_seqlen_q, num_sample_rows=num_sample_rows,
-            sample_rows=views.get("sample_rows"), no_prefix=no_prefix)
+            sample_rows=views.get("sample_rows"), no_prefix=no_prefix,
+            seq_order=views.get("seq_order"))
         if self._uploaded is not None:
             self._uploaded.record()
         return inputs
@@ -252,6 +267,13 @@ class InputBuilder:
             i32[ctx_at + n:ctx_at + padded] = 0            # and reads nothing
         # Entries past a sequence's blocks are stale; the kernels never read them.
         i32[bt_at:bt_at + n * width].reshape(n, width)[:] = table[rows, :width]
+        seq_order = None
+        if self.order_decode and out.decode_only:
+            order_at = r32["seq_order"]
+            # Longest first; the padding rows (nothing to read) last.
+            i32[order_at:order_at + n] = np.argsort(-context_lens, kind="stable")
+            i32[order_at + n:order_at + padded] = np.arange(n, padded)
+            seq_order = self.i32.upload(order_at, order_at + padded)
 
         # Rows to sample from: the last token of each sequence that samples, k times for k samples.
         num_samples = out.num_samples
@@ -273,7 +295,7 @@ class InputBuilder:
             block_tables=self.i32.upload(bt_at, bt_at + n * width).view(n, width),
             max_seqlen_q=int(q_lens.max()) if n else 0,
             num_sample_rows=num_sample_rows, sample_rows=sample_rows,
-            no_prefix=n > 0 and not computed.any())
+            no_prefix=n > 0 and not computed.any(), seq_order=seq_order)
         if self._uploaded is not None:
             self._uploaded.record()
         return inputs

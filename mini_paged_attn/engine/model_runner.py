@@ -108,7 +108,8 @@ class ModelRunner:
         # A decode graph pads the batch to its bucket: room for max_num_seqs tokens at least.
         max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.inputs = InputBuilder(self.cache.tables, max_num_seqs=config.max_num_seqs,
-                                   max_num_tokens=max_num_tokens, block_size=bs, device=device)
+                                   max_num_tokens=max_num_tokens, block_size=bs, device=device,
+                                   order_decode=self.backend == "triton")
 
         # The last forward's SchedulerOutput and its sample rows' params and seeds.
         self._sample_inputs: tuple | None = None
@@ -225,7 +226,8 @@ class ModelRunner:
         ``q_lens[i]`` tokens, writes nothing, reads block 0 of ``kv_caches``) through the
         decode path (every ``q_lens[i]`` 1) or the prefill path. Returns the hidden states
         ``[sum(q_lens), hidden_size]``."""
-        step = dummy_inputs(q_lens, self.table_width, self.device, no_prefix=no_prefix)
+        step = dummy_inputs(q_lens, self.table_width, self.device, no_prefix=no_prefix,
+                            ordered=decode_only and self.backend == "triton")
         meta = AttentionMetadata.for_step(step, decode_only=decode_only, backend=self.backend,
                                           decode_workspace=self.workspace)
         return self.model(step.input_ids, step.positions, kv_caches, meta)

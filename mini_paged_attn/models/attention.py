@@ -43,6 +43,7 @@ class StepArrays(Protocol):
     block_tables: torch.Tensor
     max_seqlen_q: int
     no_prefix: bool
+    seq_order: torch.Tensor | None
 
 
 @dataclass
@@ -69,6 +70,9 @@ class AttentionMetadata:
             captured CUDA graph keeps the plan it was captured with). The engine leaves it None.
         decode_workspace: triton decode only: float32 scratch for split-KV partials so the
             launch allocates nothing (see ``ops.decode.workspace_size``).
+        seq_order: decode only: None or int32 ``[num_seqs]``, a permutation of the rows (the
+            longest contexts first), the order the decode kernel's grid takes them in
+            (``ops.paged_decode``'s ``seq_order``); results do not depend on it.
     """
     slot_mapping: torch.Tensor
     cu_seqlens_q: torch.Tensor
@@ -80,6 +84,7 @@ class AttentionMetadata:
     backend: str = "auto"
     num_splits: int | None = None
     decode_workspace: torch.Tensor | None = None
+    seq_order: torch.Tensor | None = None
 
     def __post_init__(self):
         # Shapes and dtypes only: reading values would sync the host with the device.
@@ -104,6 +109,15 @@ class AttentionMetadata:
             raise ValueError("decode_only: expected one new token per sequence (num_tokens == "
                              f"num_seqs == {num_seqs}, max_seqlen_q 1), got num_tokens="
                              f"{self.slot_mapping.shape[0]}, max_seqlen_q={self.max_seqlen_q}")
+        if self.seq_order is not None and (
+                not self.decode_only or not isinstance(self.seq_order, torch.Tensor)
+                or self.seq_order.dtype != torch.int32
+                or tuple(self.seq_order.shape) != (num_seqs,)):
+            got = (f"{self.seq_order.dtype} tensor of shape {tuple(self.seq_order.shape)}"
+                   if isinstance(self.seq_order, torch.Tensor) else type(self.seq_order).__name__)
+            raise ValueError(f"seq_order: expected None or, for a decode_only step, an int32 "
+                             f"tensor of shape ({num_seqs},), got {got} "
+                             f"(decode_only={self.decode_only})")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
         check_bool("no_prefix", self.no_prefix)
@@ -117,7 +131,8 @@ class AttentionMetadata:
                    context_lens=step.context_lens, block_tables=step.block_tables,
                    max_seqlen_q=step.max_seqlen_q, decode_only=decode_only,
                    no_prefix=step.no_prefix, backend=backend,
-                   decode_workspace=decode_workspace if decode_only else None)
+                   decode_workspace=decode_workspace if decode_only else None,
+                   seq_order=step.seq_order if decode_only else None)
 
     @property
     def num_seqs(self) -> int:
@@ -167,6 +182,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
             triton_args["num_splits"] = meta.num_splits
         if meta.decode_workspace is not None:
             triton_args["workspace"] = meta.decode_workspace
+        if meta.seq_order is not None:
+            triton_args["seq_order"] = meta.seq_order
         return paged_decode(q, key_cache, value_cache, meta.block_tables, meta.context_lens,
                             scale=scale, backend=meta.backend, window_size=window_size,
                             softcap=softcap, sinks=sinks, **triton_args)

@@ -71,6 +71,37 @@ def check_tensor(name: str, t: object, *, ndim: int, dtypes: tuple[torch.dtype, 
     return t
 
 
+def check_index_vector(name: str, t: object, *, dtypes: tuple[torch.dtype, ...],
+                       device: torch.device | None = None) -> torch.Tensor:
+    """Check a 1-D integer argument that the kernels index with stride 1 (lengths, offsets,
+    slots, an order): rank, dtype, device and a contiguous layout; return it."""
+    check_tensor(name, t, ndim=1, dtypes=dtypes, device=device)
+    if t.shape[0] > 1 and t.stride(0) != 1:
+        raise arg_error(name, "a contiguous 1-D tensor (stride 1)", f"stride {t.stride(0)}")
+    return t
+
+
+def check_seq_order(seq_order: object, num_seqs: int, device: torch.device) -> None:
+    """``seq_order``: None, or int32 ``[num_seqs]`` on ``device`` (its values are checked by
+    :func:`check_seq_order_values`)."""
+    if seq_order is None:
+        return
+    check_index_vector("seq_order", seq_order, dtypes=(torch.int32,), device=device)
+    if seq_order.shape[0] != num_seqs:
+        raise arg_error("seq_order", f"shape ({num_seqs},) (num_seqs)", tuple(seq_order.shape))
+
+
+def check_seq_order_values(seq_order: torch.Tensor) -> None:
+    """``seq_order`` holds each of ``0 .. num_seqs - 1`` once (a host sync on CUDA)."""
+    values = seq_order.detach().to("cpu", torch.int64)
+    seen = torch.zeros(values.shape[0], dtype=torch.int64)
+    in_range = (values >= 0) & (values < values.shape[0])
+    seen.index_add_(0, values[in_range], torch.ones_like(values[in_range]))
+    if not in_range.all() or (seen != 1).any():
+        raise arg_error("seq_order", f"a permutation of 0..{values.shape[0] - 1}",
+                        values.tolist()[:16])
+
+
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     """The kernels index a tensor's last dim with stride 1; other dims may have any strides."""
     if t.stride(-1) != 1:
@@ -153,7 +184,7 @@ def check_paged_decode_args(query, key_cache, value_cache, block_tables, context
         query, key_cache, value_cache)
     num_seqs = query.shape[0]
     _check_table_rows(block_tables, num_seqs, "the query", query.device)
-    check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,), device=query.device)
+    check_index_vector("context_lens", context_lens, dtypes=(torch.int32,), device=query.device)
     if context_lens.shape[0] != num_seqs:
         raise arg_error("context_lens", f"shape ({num_seqs},)", tuple(context_lens.shape))
     check_out(out, query)
@@ -169,9 +200,9 @@ def check_paged_prefill_args(query, key_cache, value_cache, block_tables, cu_seq
     """
     num_q_heads, head_size, num_blocks, block_size, num_kv_heads = _check_query_and_caches(
         query, key_cache, value_cache)
-    check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,), device=query.device)
+    check_index_vector("context_lens", context_lens, dtypes=(torch.int32,), device=query.device)
     num_seqs = context_lens.shape[0]
-    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=query.device)
+    check_index_vector("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), device=query.device)
     if cu_seqlens_q.shape[0] != num_seqs + 1:
         raise arg_error("cu_seqlens_q", f"shape ({num_seqs + 1},) (num_seqs + 1)",
                         tuple(cu_seqlens_q.shape))

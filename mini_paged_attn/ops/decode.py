@@ -104,7 +104,8 @@ class DecodeRun:
                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor | None, workspace: torch.Tensor | None,
-                 sinks: torch.Tensor | None = None) -> bool:
+                 sinks: torch.Tensor | None = None,
+                 seq_order: torch.Tensor | None = None) -> bool:
         """Launch for tensors of the prepared shapes; False (nothing launched) if a pointer's
         alignment differs from the prepared one."""
         q, kc = query.data_ptr(), key_cache.data_ptr()
@@ -113,7 +114,7 @@ class DecodeRun:
         head = (q, kc, value_cache.data_ptr(),
                 kc if k_scale is None else k_scale.data_ptr(),
                 kc if v_scale is None else v_scale.data_ptr(),
-                block_tables.data_ptr(), ctx)
+                block_tables.data_ptr(), ctx, ctx if seq_order is None else seq_order.data_ptr())
         sinks_p = q if sinks is None else sinks.data_ptr()
         decode = self.decode
         stream = decode.stream()
@@ -164,7 +165,8 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
                         window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                         sinks: torch.Tensor | None = None, fused_merge: bool = False,
                         counters: torch.Tensor | None = None,
-                        keep_scratch: bool = False) -> DecodeRun | None:
+                        keep_scratch: bool = False,
+                        seq_order: torch.Tensor | None = None) -> DecodeRun | None:
     """Launch paged decode; arguments as :func:`~mini_paged_attn.ops.paged_decode`, validated.
 
     Writes ``out`` ``[num_seqs, num_q_heads, head_size]`` (query dtype) and, if given, ``lse``
@@ -174,7 +176,8 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     ``v_scale``: None or float32 ``[]`` / ``[num_kv_heads]``, the fp8 cache's scales (checked).
     ``window_size`` (checked pair), ``softcap`` (float >= 0), ``sinks`` (None or float32
     ``[num_q_heads]``): see :mod:`.variants`; a left window plans the splits for the window's
-    tiles only.
+    tiles only. ``seq_order``: None or int32 ``[num_seqs]`` (checked, but not that it is a
+    permutation), the order the grid takes the sequences in.
 
     ``fused_merge``: a split launch merges inside the decode kernel (one launch, see
     :mod:`.decode_kernel`); its tickets are taken from ``counters``, int32, contiguous, at
@@ -214,7 +217,8 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     meta = dict(_constexprs(plan), K_SCALED=k_scale is not None, V_SCALED=v_scale is not None,
                 WINDOW=window_size[0] >= 0, SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
                 FP8_V_ASM=(plan.fp16_dots and device.type == "cuda"
-                           and fp8_v_asm(plan.tiles, plan.head_size_padded)))
+                           and fp8_v_asm(plan.tiles, plan.head_size_padded)),
+                ORDERED=seq_order is not None)
     # Unused values still pass as arguments: the launch's argument list never changes shape.
     variant_args = (max(window_size[0], 0), softcap * LOG2E if softcap > 0 else 1.0)
     sinks_arg = sinks if sinks is not None else query  # never read without HAS_SINKS
@@ -230,7 +234,8 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     os_ = out.stride()
     # The final output's strides, for a fused merge (the unsplit launch writes it directly).
     merged = (os_[0], os_[1], os_[2], lse_seq, lse_head)
-    head_args = (query, key_cache, value_cache, *scales, block_tables, context_lens)
+    head_args = (query, key_cache, value_cache, *scales, block_tables, context_lens,
+                 seq_order if seq_order is not None else context_lens)  # never read unordered
     scalar_args = (scale_log2, *variant_args, *scale_strides, qs[0], qs[1], *cache_strides,
                    block_tables.stride(0))
     if plan.num_splits == 1:

@@ -72,7 +72,7 @@ def e4m3_to_fp16(x):
 @triton.jit
 def _paged_decode_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
-    block_tables_ptr, context_lens_ptr, out_ptr, lse_ptr, sinks_ptr,
+    block_tables_ptr, context_lens_ptr, seq_order_ptr, out_ptr, lse_ptr, sinks_ptr,
     merged_out_ptr, merged_lse_ptr, counters_ptr, scale_log2,
     window_left, softcap_log2, stride_k_scale, stride_v_scale,
     stride_q_seq, stride_q_head,
@@ -88,7 +88,7 @@ def _paged_decode_kernel(
     K_SCALED: tl.constexpr, V_SCALED: tl.constexpr, FP16_DOTS: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-    FP8_V_ASM: tl.constexpr,
+    FP8_V_ASM: tl.constexpr, ORDERED: tl.constexpr,
 ):
     """Grid ``(num_kv_heads, num_splits, num_seqs)``: the KV heads of one sequence run side by
     side, so the token rows of a block (all heads' K and V) are read at about the same time.
@@ -105,6 +105,9 @@ def _paged_decode_kernel(
     HAS_SINKS: split 0 starts its online softmax at ``m = sink, l = 1`` (a key of value 0 and
     logit ``sinks[head]``), so the sink enters the merged denominator exactly once.
     FP8_V_ASM (FP16_DOTS, compiled GPUs only): convert V with :func:`e4m3_to_fp16`.
+    ORDERED: grid row ``z`` serves sequence ``seq_order[z]`` (int32, a permutation of the
+    batch): the hardware starts programs in grid order, so sequences ordered longest first
+    leave the short ones to fill the launch's tail. Without ORDERED the pointer is never read.
     FUSED_MERGE (with SPLIT_KV): the last program of each (sequence, KV head) to finish merges
     the partials into ``merged_out`` (the query's dtype, strides ``stride_mo_*``) and, with
     WRITE_LSE, ``merged_lse``; ``counters`` is int32 ``[num_seqs, num_kv_heads]``, zero
@@ -113,6 +116,8 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2)
+    if ORDERED:
+        seq = tl.load(seq_order_ptr + seq)
     num_splits = tl.num_programs(1)
 
     context_len = tl.load(context_lens_ptr + seq)

@@ -28,8 +28,9 @@ from .kv_quant import check_kv_scales, scale_pointers
 from . import explain as _explain
 from .launch import ALIGNMENT, LaunchCache
 from .variants import NO_WINDOW, check_variant
-from .checks import (FLOAT_DTYPES, PagedShapes, check_cache_pair, check_paged_decode_args,
-                     check_paged_prefill_args, check_paged_values, check_tensor)
+from .checks import (FLOAT_DTYPES, PagedShapes, check_cache_pair, check_index_vector,
+                     check_paged_decode_args, check_paged_prefill_args, check_paged_values,
+                     check_seq_order, check_seq_order_values, check_tensor)
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                  explain: bool = False, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None,
                  window_size: tuple[int, int] = NO_WINDOW, softcap: float = 0.0,
-                 sinks: torch.Tensor | None = None):
+                 sinks: torch.Tensor | None = None, seq_order: torch.Tensor | None = None):
     """Attention of one new query token per sequence over its paged K/V.
 
     Args:
@@ -137,6 +138,14 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         softcap: ``>= 0``; scores become ``softcap * tanh(scores / softcap)`` (0: off).
         sinks: None or float32 ``[num_q_heads]`` on the query's device: a per-head logit in
             the softmax denominator only; lse then includes it (see :mod:`.variants`).
+        seq_order: None or int32 ``[num_seqs]`` on the query's device, a permutation of
+            ``0 .. num_seqs - 1``: the order in which the kernel's programs take the
+            sequences. Results do not depend on it; launch time does when lengths differ:
+            sequences ordered longest first (e.g. ``torch.argsort(context_lens,
+            descending=True).int()``, made once per step) leave the short ones to fill the
+            launch's tail (docs/performance-notes.md, "Decode in longest-first order"). The
+            torch backend checks that it is a permutation; the triton backend reads it
+            unchecked (checking would sync with the device).
 
     Query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)`` (MHA, GQA, MQA).
     Scores and the softmax accumulate in float32 (an fp8 cache too: the output is in the
@@ -155,7 +164,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     if (backend != "torch" and explain is False and type(window_size) is tuple
             and len(window_size) == 2):
         key = _call_key((query, key_cache, value_cache, block_tables, context_lens, out,
-                         workspace, k_scale, v_scale, sinks),
+                         workspace, k_scale, v_scale, sinks, seq_order),
                         (scale, return_lse, backend, num_splits, *window_size, softcap))
         if key is not None:
             # A run made under CUDA-graph capture keeps no scratch of its own (see DecodeRun).
@@ -166,7 +175,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                 lse = (torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
                        if return_lse else None)
                 if run(query, key_cache, value_cache, k_scale, v_scale, block_tables,
-                       context_lens, out_, lse, workspace, sinks):
+                       context_lens, out_, lse, workspace, sinks, seq_order):
                     return (out_, lse) if return_lse else out_
             key = (key, capturing)
     shapes = check_paged_decode_args(query, key_cache, value_cache, block_tables,
@@ -174,6 +183,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     check_kv_scales(k_scale, v_scale, key_cache.dtype, shapes.num_kv_heads, query.device)
     window, softcap = check_variant(window_size, softcap, sinks, shapes.num_q_heads,
                                     query.device)
+    check_seq_order(seq_order, shapes.num_seqs, query.device)
     check_bool("return_lse", return_lse)
     check_bool("explain", explain)
     chosen = resolve_backend(backend, query.device)
@@ -182,6 +192,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
             raise ValueError("num_splits/workspace: only the triton backend takes them, "
                              f"got num_splits={num_splits}, workspace given={workspace is not None}")
         check_paged_values(shapes, block_tables, context_lens)
+        if seq_order is not None:
+            check_seq_order_values(seq_order)
         out, lse = _reference_outputs(query, out, return_lse, reference.paged_decode_gather(
             query, key_cache, value_cache, block_tables, context_lens, scale=shapes.scale,
             k_scale=k_scale, v_scale=v_scale, window_size=window, softcap=softcap,
@@ -198,7 +210,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                                   shapes, out=out, lse=lse, num_splits=num_splits,
                                   workspace=workspace, explain=explain, k_scale=k_scale,
                                   v_scale=v_scale, window_size=window, softcap=softcap,
-                                  sinks=sinks,
+                                  sinks=sinks, seq_order=seq_order,
                                   fused_merge=_explain.FUSED_MERGE and workspace is None,
                                   keep_scratch=key is not None and not capturing)
         if run is not None and key is not None:
@@ -321,8 +333,8 @@ def check_store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         if tuple(t.shape) != expected:
             raise ValueError(f"{name}: expected shape {expected} (num_tokens, num_kv_heads, "
                              f"head_size of the cache), got {tuple(t.shape)}")
-    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int32, torch.int64),
-                 device=key.device)
+    check_index_vector("slot_mapping", slot_mapping, dtypes=(torch.int32, torch.int64),
+                       device=key.device)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping: expected shape ({key.shape[0]},) (one slot per token), "
                          f"got {tuple(slot_mapping.shape)}")

@@ -21,7 +21,8 @@ import torch
 
 from ..core.args import check_bool, is_number, non_negative_int
 from . import reference
-from .checks import FLOAT_DTYPES, check_cu_seqlens, check_scale, check_tensor
+from .checks import (FLOAT_DTYPES, check_cu_seqlens, check_index_vector, check_scale,
+                     check_tensor)
 from .dispatch import _call_key, _variant_options, paged_prefill, resolve_backend
 from .launch import LaunchCache
 from .variants import check_sinks, check_softcap, check_window
@@ -118,8 +119,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_q = non_negative_int("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = non_negative_int("max_seqlen_k", max_seqlen_k)
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=q.device)
-    check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=(torch.int32,), device=q.device)
+    check_index_vector("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), device=q.device)
+    check_index_vector("cu_seqlens_k", cu_seqlens_k, dtypes=(torch.int32,), device=q.device)
     if cu_seqlens_q.shape[0] < 1 or cu_seqlens_k.shape != cu_seqlens_q.shape:
         raise ValueError(f"cu_seqlens_k: expected the shape of cu_seqlens_q "
                          f"{tuple(cu_seqlens_q.shape)} (num_seqs + 1, at least 1), "

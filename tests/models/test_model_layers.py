@@ -104,18 +104,38 @@ def test_gated_mlp_matches_separate_projections():
         torch.testing.assert_close(mlp(x), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_attention_metadata_for_step_keeps_the_workspace_for_decode_only():
+def test_attention_metadata_for_step_keeps_the_workspace_and_order_for_decode_only():
     def step(q_lens):
         cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
         return SimpleNamespace(slot_mapping=torch.arange(int(cu[-1])), cu_seqlens_q=cu,
                                context_lens=torch.tensor(q_lens, dtype=torch.int32),
                                block_tables=torch.zeros(len(q_lens), 4, dtype=torch.int32),
-                               max_seqlen_q=max(q_lens), no_prefix=True)
+                               max_seqlen_q=max(q_lens), no_prefix=True,
+                               seq_order=torch.tensor([1, 0], dtype=torch.int32))
 
     workspace = torch.zeros(8)
-    decode = AttentionMetadata.for_step(step([1, 1]), decode_only=True, backend="torch",
+    decode_step = step([1, 1])
+    decode = AttentionMetadata.for_step(decode_step, decode_only=True, backend="torch",
                                         decode_workspace=workspace)
     assert decode.decode_workspace is workspace and decode.num_seqs == decode.num_tokens == 2
+    assert decode.seq_order is decode_step.seq_order
     prefill = AttentionMetadata.for_step(step([3, 1]), decode_only=False, backend="torch",
                                          decode_workspace=workspace)
     assert prefill.decode_workspace is None and prefill.num_tokens == 4 and prefill.no_prefix
+    assert prefill.seq_order is None
+
+
+@pytest.mark.parametrize("seq_order, decode_only", [
+    (torch.tensor([1, 0]), True),                      # int64
+    (torch.tensor([0], dtype=torch.int32), True),      # one row for two
+    (torch.tensor([1, 0], dtype=torch.int32), False),  # not a decode step
+])
+def test_attention_metadata_refuses_a_bad_seq_order(seq_order, decode_only):
+    q_lens = [1, 1] if decode_only else [3, 1]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    with pytest.raises(ValueError, match="^seq_order"):
+        AttentionMetadata(slot_mapping=torch.arange(int(cu[-1])), cu_seqlens_q=cu,
+                          context_lens=torch.tensor(q_lens, dtype=torch.int32),
+                          block_tables=torch.zeros(2, 4, dtype=torch.int32),
+                          max_seqlen_q=max(q_lens), decode_only=decode_only,
+                          seq_order=seq_order)

@@ -77,14 +77,21 @@ BAD = [
     ("max_seqlen_q", dict(max_seqlen_q=-1)),  # prefill only
     ("max_seqlen_q", dict(max_seqlen_q=2.5)),  # prefill only
     ("explain", dict(explain="yes")),  # decode only
+    ("context_lens", dict(context_lens=int32(6, 0, 3, 0)[::2])),  # strided: read as 6, 0
+    ("cu_seqlens_q", dict(cu_seqlens_q=int32(0, 9, 3, 9, 5)[::2])),  # prefill only: strided
+    ("seq_order", dict(seq_order=int32(0, 0))),  # decode only: not a permutation
+    ("seq_order", dict(seq_order=int32(1, 2))),  # decode only: 2 is no row
+    ("seq_order", dict(seq_order=torch.tensor([1, 0]))),  # decode only: int64
+    ("seq_order", dict(seq_order=int32(1, 0, 2))),  # decode only: 3 entries for 2 sequences
+    ("seq_order", dict(seq_order=int32(1, 9, 0, 9)[::2])),  # decode only: strided
 ]
 
 
 def applies(op, change):
-    """decode has no cu_seqlens_q, causal or max_seqlen_q; prefill has no num_splits or
-    explain."""
+    """decode has no cu_seqlens_q, causal or max_seqlen_q; prefill has no num_splits,
+    explain or seq_order."""
     only_prefill = {"cu_seqlens_q", "causal", "max_seqlen_q"} & change.keys()
-    only_decode = {"num_splits", "explain"} & change.keys()
+    only_decode = {"num_splits", "explain", "seq_order"} & change.keys()
     return not (only_prefill if op == "decode" else only_decode)
 
 
@@ -150,6 +157,7 @@ def store_args():
     ("slot_mapping", dict(slot_mapping=torch.tensor([5, 1, NUM_BLOCKS * BLOCK_SIZE]))),
     ("slot_mapping", dict(slot_mapping=torch.tensor([5, 1]))),
     ("slot_mapping", dict(slot_mapping=torch.tensor([5.0, 1.0, 2.0]))),
+    ("slot_mapping", dict(slot_mapping=torch.tensor([5, 0, 1, 0, 2, 0])[::2])),  # strided
     ("key", dict(key=torch.zeros(3, HKV + 1, D))),
     ("value", dict(value=torch.zeros(2, HKV, D))),
     ("value", dict(value=torch.zeros(3, HKV, D).half())),

@@ -119,6 +119,26 @@ def test_num_splits_1_is_batch_invariant():
         assert torch.equal(alone, out_batch[i:i + 1])
 
 
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_seq_order_changes_the_grid_order_not_the_results(num_splits):
+    """Programs that take the sequences in another order (longest first, or a shuffle)
+    compute every sequence exactly as in order: same output and lse, bit for bit, and the
+    reference's; NaN-poisoned unused slots and an empty sequence included."""
+    lens = [17, 0, 130, 1, 15, 16, 64]
+    batch = make_decode_batch(lens, num_q_heads=8, num_kv_heads=2, head_size=32, block_size=16,
+                              dtype=torch.float16, seed=11, pool_layout=True, device=DEVICE)
+    out, lse = _run(batch, num_splits=num_splits)
+    lens_t = torch.tensor(lens)
+    for order in (torch.argsort(lens_t, descending=True, stable=True),
+                  torch.randperm(len(lens), generator=torch.Generator().manual_seed(3))):
+        ordered = torch.full_like(batch.query, float("nan"))
+        _, ordered_lse = paged_decode(*batch.decode_args, out=ordered, return_lse=True,
+                                      backend="triton", num_splits=num_splits,
+                                      seq_order=order.to(torch.int32).to(DEVICE))
+        assert torch.equal(ordered, out) and torch.equal(ordered_lse, lse)
+        assert_decode_matches_reference(batch, ordered, ordered_lse)
+
+
 def test_workspace_is_used_and_checked():
     batch = make_decode_batch([60, 20], num_q_heads=4, num_kv_heads=2, head_size=64,
                               block_size=16, dtype=torch.float16, seed=13, device=DEVICE)

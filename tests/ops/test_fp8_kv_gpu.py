@@ -73,6 +73,18 @@ def test_decode_matches_reference(kind, qdtype, head_size):
         _assert_decode_close(batch, ks, vs, *_decode(batch, ks, vs, num_splits=num_splits))
 
 
+@pytest.mark.parametrize("num_splits", [None, 1, 2, 7])
+def test_decode_longest_first_equals_batch_order(num_splits):
+    """``seq_order`` moves the fp8 programs, not the results (split and unsplit tiles)."""
+    batch, ks, vs = _decode_batch(hq=16, hkv=8, seed=5)
+    out, lse = _decode(batch, ks, vs, num_splits=num_splits)
+    lens = batch.decode_args[4]
+    order = torch.argsort(lens, descending=True).to(torch.int32)
+    ordered, ordered_lse = _decode(batch, ks, vs, num_splits=num_splits, seq_order=order)
+    assert torch.equal(ordered, out) and torch.equal(ordered_lse, lse)
+    _assert_decode_close(batch, ks, vs, ordered, ordered_lse)
+
+
 @pytest.mark.parametrize("block_size, hq, hkv", [(1, 32, 8), (32, 32, 32), (64, 32, 1),
                                                  (24, 40, 8)])
 def test_decode_block_sizes_and_groups(block_size, hq, hkv):
