@@ -113,17 +113,20 @@ class ModelRunner:
 
         # The last forward's SchedulerOutput and its sample rows' params and seeds.
         self._sample_inputs: tuple | None = None
-        if device.type == "cuda":
-            self._warm_up(max_model_len)
-            # The pool sizing's and the warm-up's sampling drew from the engine's generator:
-            # requests start from the seed, whatever the limits those steps were sized by.
-            self.sampler.generator.manual_seed(config.seed)
         self.graphs = None
         if device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(model, self.kv_caches, self.inputs,
                                        max_batch=config.max_num_seqs, backend=self.backend,
                                        decode_workspace=self.workspace)
             self.graphs.capture()
+        if device.type == "cuda":
+            # After the capture: the caching allocator then keeps the blocks that eager steps
+            # take beside the graphs' memory, and a first prompt asks CUDA for none (three
+            # cudaMalloc calls cost a first 512-token prompt ~8 ms on an H100 host).
+            self._warm_up(max_model_len)
+            # The pool sizing's and the warm-up's sampling drew from the engine's generator:
+            # requests start from the seed, whatever the limits those steps were sized by.
+            self.sampler.generator.manual_seed(config.seed)
 
     # ---- pool sizing -------------------------------------------------------------------------
     def _auto_num_blocks(self, max_model_len: int) -> int:
