@@ -67,6 +67,7 @@ class DecodeGraphs:
         # Per bucket, the table widths (blocks) captured, narrowest first.
         self.widths = {b: self._widths(b) for b in self.buckets}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None    # the graphs' memory pool, once captured (other graphs may share it)
 
     def _widths(self, b: int) -> list[int]:
         """The table widths to capture bucket ``b`` over: the full width, then each power of
@@ -134,7 +135,7 @@ class DecodeGraphs:
         inputs.region("cu_seqlens_q", top + 1).zero_()
         # Any permutation of every bucket's rows: the steps write theirs before each replay.
         inputs.region("seq_order", top).copy_(torch.arange(top, dtype=torch.int32))
-        pool = None
+        pool = self.pool
         for b in reversed(self.buckets):        # largest first: later graphs reuse its pool
             for width in reversed(self.widths[b]):
                 step = self._step(b, width)
@@ -146,7 +147,9 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     hidden = self.model(ids, pos, self.kv_caches, meta)
                 pool = graph.pool() if pool is None else pool
+                graph.replay()  # an empty batch; the first replay uploads the graph
                 self._graphs[b, width] = (graph, hidden)
+        self.pool = pool
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch sizes %s; %d over narrower tables) "
                     "in %.1f s", len(self._graphs), self.buckets,

@@ -216,12 +216,16 @@ class InputBuilder:
         return self.i32.np[start:start + n]
 
     def build(self, out: SchedulerOutput, pad_to: int | None = None,
-              pending: dict[int, int] | None = None) -> StepInputs:
+              pending: dict[int, int] | None = None,
+              pad_prompt_to: int | None = None) -> StepInputs:
         """Fill and upload the inputs of ``out``. ``pad_to`` (decode-only steps): pad the batch
         to this many sequences (slot -1, context length 0) for a captured CUDA graph.
         ``pending``: ``seq_id -> row`` of the previous step's sampled ids, for sequences whose
         input token is still a placeholder (always their one token this step): the inputs'
-        :class:`TokenFill`."""
+        :class:`TokenFill`. ``pad_prompt_to`` (a step of one sequence, for a prefill graph,
+        see :mod:`.prefill_graphs`): the regions also hold rows ``num_tokens ..
+        pad_prompt_to - 1`` as a second sequence (token 0, position 0, slot -1) of
+        ``pad_prompt_to - num_tokens`` new tokens; the views returned are the step's own."""
         seqs = out.seqs
         n = len(seqs)
         num_tokens = out.num_batched_tokens
@@ -265,6 +269,14 @@ class InputBuilder:
             i64[slots_at + n:slots_at + padded] = -1       # padding writes nothing
             i32[cu_at + n + 1:cu_at + padded + 1] = num_tokens
             i32[ctx_at + n:ctx_at + padded] = 0            # and reads nothing
+        if pad_prompt_to is not None:
+            assert n == 1 and not out.decode_only and pad_prompt_to >= num_tokens, pad_prompt_to
+            m = pad_prompt_to
+            i64[ids_at + num_tokens:ids_at + m] = 0
+            i64[pos_at + num_tokens:pos_at + m] = 0
+            i64[slots_at + num_tokens:slots_at + m] = -1    # the padding writes nothing
+            i32[cu_at + 2] = m                               # and attends over itself only
+            i32[ctx_at + 1] = m - num_tokens
         # Entries past a sequence's blocks are stale; the kernels never read them.
         i32[bt_at:bt_at + n * width].reshape(n, width)[:] = table[rows, :width]
         seq_order = None
@@ -285,17 +297,24 @@ class InputBuilder:
             sample_rows = self.i64.upload(at, at + num_sample_rows)
 
         fill = self._fill(seqs, cu, pending) if pending else None
+        padded_prompt = int(pad_prompt_to is not None)     # the padding's sequence entry
         inputs = StepInputs(
             fill=fill,
             input_ids=self.i64.upload(ids_at, ids_at + m),
             positions=self.i64.upload(pos_at, pos_at + m),
             slot_mapping=self.i64.upload(slots_at, slots_at + m),
-            cu_seqlens_q=self.i32.upload(cu_at, cu_at + padded + 1),
-            context_lens=self.i32.upload(ctx_at, ctx_at + padded),
+            cu_seqlens_q=self.i32.upload(cu_at, cu_at + padded + 1 + padded_prompt),
+            context_lens=self.i32.upload(ctx_at, ctx_at + padded + padded_prompt),
             block_tables=self.i32.upload(bt_at, bt_at + n * width).view(n, width),
             max_seqlen_q=int(q_lens.max()) if n else 0,
             num_sample_rows=num_sample_rows, sample_rows=sample_rows,
             no_prefix=n > 0 and not computed.any(), seq_order=seq_order)
+        if pad_prompt_to is not None:       # the graph reads the padding; the step is its own
+            inputs.input_ids, inputs.positions, inputs.slot_mapping = (
+                t[:num_tokens] for t in (inputs.input_ids, inputs.positions,
+                                         inputs.slot_mapping))
+            inputs.cu_seqlens_q, inputs.context_lens = (inputs.cu_seqlens_q[:2],
+                                                        inputs.context_lens[:1])
         if self._uploaded is not None:
             self._uploaded.record()
         return inputs

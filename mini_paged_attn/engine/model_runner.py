@@ -32,6 +32,7 @@ from ..ops.kv_quant import kv_cache_torch_dtype
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .input_batch import InputBuilder, dummy_inputs, table_width
+from .prefill_graphs import PrefillGraphs
 from .prompt_logprobs import (PendingPromptLogprobs, PromptLogprobs, PromptRows,
                               compute_prompt_logprobs, prompt_logprob_rows)
 from .sampler import PendingSample, SampleRow, Sampler
@@ -113,12 +114,20 @@ class ModelRunner:
 
         # The last forward's SchedulerOutput and its sample rows' params and seeds.
         self._sample_inputs: tuple | None = None
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         if device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(model, self.kv_caches, self.inputs,
                                        max_batch=config.max_num_seqs, backend=self.backend,
                                        decode_workspace=self.workspace)
             self.graphs.capture()
+            # Whole prompts attend over their new K/V only with a cache in the model's dtype;
+            # other ranks would have to replay in step with rank 0.
+            if (self.backend == "triton" and self.kv_dtype == model.dtype
+                    and self.tp.world_size == 1):
+                self.prefill_graphs = PrefillGraphs(
+                    model, self.kv_caches, self.inputs,
+                    max_tokens=config.max_num_batched_tokens, backend=self.backend)
+                self.prefill_graphs.capture(self.graphs.pool)
         if device.type == "cuda":
             # After the capture: the caching allocator then keeps the blocks that eager steps
             # take beside the graphs' memory, and a first prompt asks CUDA for none (three
@@ -260,10 +269,13 @@ class ModelRunner:
         for seq_id in out.released_seq_ids:
             self.release(seq_id)
         n = out.num_seqs
-        bucket = None
+        bucket = prompt_bucket = None
         if self.graphs is not None and out.decode_only:
             bucket = self.graphs.bucket_for(n)
-        step = self.inputs.build(out, pad_to=bucket, pending=pending)
+        elif self.prefill_graphs is not None:
+            prompt_bucket = self.prefill_graphs.bucket_for(out)
+        step = self.inputs.build(out, pad_to=bucket, pending=pending,
+                                 pad_prompt_to=prompt_bucket)
         sampled = previous() if previous is not None else None
         if step.fill is not None:
             assert sampled is not None and self.peers is None, "a fill needs the sampled ids"
@@ -283,7 +295,7 @@ class ModelRunner:
                         else torch.float32)
         try:
             return self._forward(step, n, out.decode_only, bucket, out.block_copies, wanted,
-                                 logits_dtype)
+                                 logits_dtype, prompt_bucket)
         except Exception as exc:
             if self.peers is not None:
                 self.peers.check_after_failure(exc)   # raises naming a dead rank, if one is
@@ -334,8 +346,10 @@ class ModelRunner:
 
     def _forward(self, step, num_seqs: int, decode_only: bool, bucket: int | None,
                  block_copies, prompt_rows: PromptRows | None = None,
-                 logits_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
-        """Copy-on-write, the forward (a graph replay when ``bucket`` is set) and the LM head
+                 logits_dtype: torch.dtype = torch.float32,
+                 prompt_bucket: int | None = None) -> torch.Tensor | None:
+        """Copy-on-write, the forward (a decode graph's replay when ``bucket`` is set, a
+        prefill graph's when ``prompt_bucket`` is, see :meth:`forward`) and the LM head
         on the sample rows: logits ``[num_sample_rows, vocab_size]`` in ``logits_dtype``, or
         None when no row samples. Every rank runs it, in the same order of collectives.
         ``prompt_rows`` (rank 0, one rank only): the prompt positions whose logprobs go to
@@ -344,6 +358,8 @@ class ModelRunner:
             self.cache.copy_blocks(block_copies)
         if bucket is not None:
             hidden = self.graphs.replay(num_seqs, step.block_tables)
+        elif prompt_bucket is not None:
+            hidden = self.prefill_graphs.replay(prompt_bucket, step.input_ids.shape[0])
         else:
             meta = AttentionMetadata.for_step(step, decode_only=decode_only,
                                               backend=self.backend, decode_workspace=self.workspace)

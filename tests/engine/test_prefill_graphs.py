@@ -1,0 +1,111 @@
+"""Prefill graphs: a step of one whole prompt padded to a bucket of tokens, the padding a
+second sequence that attends over itself and writes nothing. On CPU the padded inputs run
+eagerly (what a graph replays) and must give the prompt's rows of the unpadded step; on a
+GPU the engine replays the graphs and its greedy tokens equal an eager engine's."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers.engines import GREEDY, make_engine
+
+from mini_paged_attn.engine import LLM
+from mini_paged_attn.engine.prefill_graphs import (MAX_GRAPH_TOKENS, PrefillGraphs,
+                                                   prefill_buckets)
+from mini_paged_attn.models.attention import AttentionMetadata
+
+
+def test_buckets_are_powers_of_two_from_16_to_the_cap():
+    assert prefill_buckets(8192) == [16, 32, 64, 128, 256, 512] and MAX_GRAPH_TOKENS == 512
+    assert prefill_buckets(100) == [16, 32, 64]
+    assert prefill_buckets(15) == []
+
+
+def _out(num_tokens, *, computed=0, num_seqs=1, decode_only=False):
+    seqs = [SimpleNamespace(num_computed_tokens=computed) for _ in range(num_seqs)]
+    return SimpleNamespace(decode_only=decode_only, num_seqs=num_seqs, seqs=seqs,
+                           num_batched_tokens=num_tokens)
+
+
+def test_only_one_whole_prompt_within_the_buckets_takes_a_graph():
+    graphs = SimpleNamespace(buckets=prefill_buckets(1024))
+    bucket_for = PrefillGraphs.bucket_for.__get__(graphs)
+    assert [bucket_for(_out(n)) for n in (1, 16, 17, 300, 512)] == [16, 16, 32, 512, 512]
+    assert bucket_for(_out(513)) is None                     # past the largest bucket
+    assert bucket_for(_out(40, computed=16)) is None         # a cached prefix or a later chunk
+    assert bucket_for(_out(40, num_seqs=2)) is None
+    assert bucket_for(_out(1, decode_only=True)) is None
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("prompt_len", [5, 16, 23])
+def test_padded_inputs_give_the_prompts_rows(tiny_model_factory, backend, prompt_len):
+    """The regions a graph reads (the prompt, then the padding's sequence) run through the
+    model give the prompt's hidden rows of the unpadded step; the views the builder returns
+    are the step's own."""
+    engine = make_engine(tiny_model_factory("qwen2"), backend=backend, block_size=4,
+                         num_kv_blocks=64, max_num_seqs=4, max_model_len=64)
+    runner = engine.runner
+    graphs = PrefillGraphs(runner.model, runner.kv_caches, runner.inputs, max_tokens=64,
+                           backend=runner.backend)
+    gen = torch.Generator().manual_seed(prompt_len)
+    engine.add_request(torch.randint(3, 300, (prompt_len,), generator=gen).tolist(), GREEDY)
+    inputs, build = runner.inputs, runner.inputs.build
+    checked = []
+
+    def checking(out, *args, **kwargs):
+        if not checked:          # the prompt's step, before the engine runs it
+            bucket = graphs.bucket_for(out)
+            assert bucket == max(16, 1 << (prompt_len - 1).bit_length())
+            step = build(out)
+            meta = AttentionMetadata.for_step(step, decode_only=False, backend=runner.backend)
+            expected = runner.model(step.input_ids, step.positions, runner.kv_caches, meta)
+            padded = build(out, pad_prompt_to=bucket)
+            for name in ("input_ids", "positions", "slot_mapping", "cu_seqlens_q",
+                         "context_lens"):
+                assert torch.equal(getattr(padded, name), getattr(step, name)), name
+            assert inputs.region("slot_mapping", bucket)[prompt_len:].eq(-1).all()
+            assert inputs.region("cu_seqlens_q", 3).tolist() == [0, prompt_len, bucket]
+            hidden = runner.model(inputs.region("input_ids", bucket),
+                                  inputs.region("positions", bucket), runner.kv_caches,
+                                  graphs._meta(bucket))
+            torch.testing.assert_close(hidden[:prompt_len], expected, atol=1e-5, rtol=1e-5)
+            checked.append(bucket)
+        return build(out, *args, **kwargs)
+    inputs.build = checking
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert checked
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_engine_replays_prefill_graphs_with_the_eager_tokens(tiny_model_factory, arch,
+                                                             monkeypatch):
+    """Prompts of 1..300 tokens and one with a cached prefix give the greedy tokens of an
+    eager engine; the fresh prompts of 15..300 tokens replayed a prefill graph."""
+    model_dir = tiny_model_factory(arch)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (1, 15, 16, 17, 300)]
+    prompts.append(prompts[4][:200] + [7] * 20)             # shares 200 tokens: cached prefix
+    options = dict(device="cuda", block_size=16, num_kv_blocks=128, max_num_seqs=4,
+                   max_model_len=512, enable_prefix_caching=True)
+    eager = make_engine(model_dir, enforce_eager=True, **options)
+    expected = [[o.outputs[0].token_ids for o in LLM.from_engine(eager).generate(
+        [p], GREEDY, use_tqdm=False)][0] for p in prompts]
+    replayed = []
+    replay = PrefillGraphs.replay
+
+    def counting(self, bucket, num_tokens):
+        replayed.append((bucket, num_tokens))
+        return replay(self, bucket, num_tokens)
+    monkeypatch.setattr(PrefillGraphs, "replay", counting)
+    engine = make_engine(model_dir, **options)
+    assert engine.runner.prefill_graphs is not None
+    llm = LLM.from_engine(engine)
+    got = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert got == expected
+    # The 1-token prompt's step is a decode step (a decode graph); the cached one is eager.
+    assert replayed == [(16, 15), (16, 16), (32, 17), (512, 300)]
