@@ -45,12 +45,13 @@ def compile_split_kernel(fused: bool, group: int, head: int, splits: int,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
         BLOCK_SIZE=16, SPLIT_KV=True, WRITE_LSE=True, DOT_PRECISION="tf32", K_SCALED=fp8,
         V_SCALED=fp8, FP16_DOTS=fp8, FP8_V_ASM=fp8 and fp8_v_asm(tiles, padded), WINDOW=False,
-        SOFTCAP=False, HAS_SINKS=False,
+        SOFTCAP=False, HAS_SINKS=False, ORDERED=False,
         FUSED_MERGE=fused, MERGE_ROWS=merge_rows(group),
         MERGE_CHUNK=merge_chunk(group, padded, splits, tiles.num_warps))
     pointers = dict(key_cache_ptr="*" + kv_dtype, value_cache_ptr="*" + kv_dtype,
                     k_scale_ptr="*fp32", v_scale_ptr="*fp32", block_tables_ptr="*i32",
-                    context_lens_ptr="*i32", out_ptr="*fp32", lse_ptr="*fp32",
+                    context_lens_ptr="*i32", seq_order_ptr="*i32", out_ptr="*fp32",
+                    lse_ptr="*fp32",
                     merged_lse_ptr="*fp32", counters_ptr="*i32")
     names = _paged_decode_kernel.arg_names
     signature = {}

@@ -1,8 +1,8 @@
 """ModelRunner: sizes and owns the KV cache (a PagedAttentionManager), one forward per step.
 
 Per step: copy-on-write block copies (all layers at once), the inputs (built once, vectorised,
-see ``input_batch``), the forward (a captured CUDA graph for decode-only batches on CUDA, else
-eager) and logits for the rows that sample (:meth:`ModelRunner.forward`), then the sampler
+see ``input_batch``), the forward (on CUDA a captured graph for decode-only batches and for a
+step of one fresh prompt, see ``cuda_graphs`` and ``prefill_graphs``; else eager) and logits for the rows that sample (:meth:`ModelRunner.forward`), then the sampler
 (:meth:`ModelRunner.sample`). The only host sync is reading the sampled token ids, which the
 engine may put off until the next step is launched (asynchronous scheduling). Requests that ask for prompt logprobs also get the log-softmax of the logits
 of every prompt position the step computes (see ``prompt_logprobs``).
@@ -126,7 +126,8 @@ class ModelRunner:
                     and self.tp.world_size == 1):
                 self.prefill_graphs = PrefillGraphs(
                     model, self.kv_caches, self.inputs,
-                    max_tokens=config.max_num_batched_tokens, backend=self.backend)
+                    max_tokens=min(config.max_num_batched_tokens, max_model_len),
+                    backend=self.backend)
                 self.prefill_graphs.capture(self.graphs.pool)
         if device.type == "cuda":
             # After the capture: the caching allocator then keeps the blocks that eager steps

@@ -35,12 +35,12 @@ memory pool, which the pool sizing reserves a fixed amount for."""
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
-    """Token counts to capture: powers of two from 16 up to ``max_tokens`` (capped at
-    :data:`MAX_GRAPH_TOKENS`); empty below 16."""
-    sizes, b = [], MIN_BUCKET
-    while b <= min(max_tokens, MAX_GRAPH_TOKENS):
-        sizes.append(b)
-        b *= 2
+    """Token counts to capture: powers of two from 16 up to the first that holds
+    ``max_tokens`` (the most tokens a prompt step can have), at most
+    :data:`MAX_GRAPH_TOKENS`."""
+    sizes = [MIN_BUCKET]
+    while sizes[-1] < max_tokens and sizes[-1] < MAX_GRAPH_TOKENS:
+        sizes.append(2 * sizes[-1])
     return sizes
 
 
@@ -51,7 +51,8 @@ class PrefillGraphs:
         model: the CausalLM; ``forward(input_ids, positions, kv_caches, meta) -> hidden``.
         kv_caches: the per-layer (key_cache, value_cache) views, in the model's dtype.
         inputs: the input builder whose device regions are the graphs' inputs.
-        max_tokens: the most tokens a step holds (``max_num_batched_tokens``).
+        max_tokens: the most tokens a prompt step holds (``max_num_batched_tokens``, at most
+            ``max_model_len``).
         backend: the attention backend ("triton" on CUDA).
     """
 
@@ -90,7 +91,8 @@ class PrefillGraphs:
         start = time.perf_counter()
         inputs = self.inputs
         for bucket in reversed(self.buckets):
-            # A prompt of half the bucket and the padding's sequence: the layout of a replay.
+            # A prompt of half the bucket and the padding's sequence: the layout of a replay
+            # (positions below max_tokens: the buckets stop at the first that holds it).
             n = bucket // 2
             inputs.region("input_ids", bucket).zero_()
             inputs.region("positions", bucket).copy_(

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.args import arg_error, is_number
-from .checks import FLOAT_DTYPES, check_last_dim_contiguous, check_tensor
+from .checks import FLOAT_DTYPES, check_index_vector, check_last_dim_contiguous, check_tensor
 from . import reference
 from .dispatch import check_store_kv, resolve_backend
 
@@ -168,8 +168,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=q.device)
-    check_tensor("positions", positions, ndim=1, dtypes=(torch.int32, torch.int64),
-                 device=q.device)
+    check_index_vector("positions", positions, dtypes=(torch.int32, torch.int64),
+                       device=q.device)
     check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=(q.dtype,), device=q.device)
     n, _, head_size = q.shape
     if head_size % 2 != 0:

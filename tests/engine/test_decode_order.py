@@ -59,7 +59,7 @@ def test_the_order_travels_to_other_ranks_and_prefill_steps_have_none(tiny_model
     build = inputs.build
 
     def recording(*args, **kwargs):
-        step = build(*args, **kwargs)
+        step = build(*args, **kwargs)     # views of staging memory the next step rewrites
         built.append((step, inputs.host_arrays(step)))
         return step
     inputs.build = recording
@@ -70,7 +70,7 @@ def test_the_order_travels_to_other_ranks_and_prefill_steps_have_none(tiny_model
     assert prefill and decode
     assert all(s.seq_order is None and "seq_order" not in a for s, a in prefill)
     step, arrays = decode[0]
-    lens = step.context_lens.tolist()
+    lens = arrays["context_lens"].tolist()      # the host copy made at build time
     assert arrays["seq_order"].tolist() == sorted(range(len(lens)), key=lambda i: (-lens[i], i))
     loaded = inputs.load(arrays, table_width=step.block_tables.shape[1], max_seqlen_q=1,
                          num_sample_rows=step.num_sample_rows)

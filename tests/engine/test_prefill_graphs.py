@@ -17,10 +17,11 @@ from mini_paged_attn.engine.prefill_graphs import (MAX_GRAPH_TOKENS, PrefillGrap
 from mini_paged_attn.models.attention import AttentionMetadata
 
 
-def test_buckets_are_powers_of_two_from_16_to_the_cap():
+def test_buckets_are_powers_of_two_from_16_to_the_first_holding_the_longest_step():
     assert prefill_buckets(8192) == [16, 32, 64, 128, 256, 512] and MAX_GRAPH_TOKENS == 512
-    assert prefill_buckets(100) == [16, 32, 64]
-    assert prefill_buckets(15) == []
+    assert prefill_buckets(100) == [16, 32, 64, 128]
+    assert prefill_buckets(128) == [16, 32, 64, 128]
+    assert prefill_buckets(8) == [16]
 
 
 def _out(num_tokens, *, computed=0, num_seqs=1, decode_only=False):
@@ -62,10 +63,13 @@ def test_padded_inputs_give_the_prompts_rows(tiny_model_factory, backend, prompt
             step = build(out)
             meta = AttentionMetadata.for_step(step, decode_only=False, backend=runner.backend)
             expected = runner.model(step.input_ids, step.positions, runner.kv_caches, meta)
+            # The views share the staging memory: keep the unpadded step's values.
+            names = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "context_lens")
+            before = {name: getattr(step, name).clone() for name in names}
+            inputs.region("slot_mapping", bucket).fill_(7)      # the padding must overwrite
             padded = build(out, pad_prompt_to=bucket)
-            for name in ("input_ids", "positions", "slot_mapping", "cu_seqlens_q",
-                         "context_lens"):
-                assert torch.equal(getattr(padded, name), getattr(step, name)), name
+            for name in names:
+                assert torch.equal(getattr(padded, name), before[name]), name
             assert inputs.region("slot_mapping", bucket)[prompt_len:].eq(-1).all()
             assert inputs.region("cu_seqlens_q", 3).tolist() == [0, prompt_len, bucket]
             hidden = runner.model(inputs.region("input_ids", bucket),

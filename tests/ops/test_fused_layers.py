@@ -198,6 +198,8 @@ def test_rotary_rejects_bad_arguments():
         apply_rotary(q, k, torch.arange(4), cache)
     with pytest.raises(ValueError, match="positions"):
         apply_rotary(q, k, pos.float(), cache)
+    with pytest.raises(ValueError, match="^positions: expected a contiguous"):
+        apply_rotary(q, k, torch.arange(6)[::2], cache)     # the kernel reads stride 1
     with pytest.raises(ValueError, match="cos_sin_cache"):
         apply_rotary(q, k, pos, torch.randn(10, 32))
     with pytest.raises(ValueError, match="cos_sin_cache"):
