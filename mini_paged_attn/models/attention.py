@@ -25,6 +25,7 @@ from ..distributed.group import TPGroup
 from ..distributed.sharding import ShardLayout
 from ..core.args import check_bool
 from ..ops.fused import KVWrite, apply_rotary
+from ..ops.checks import check_seq_order
 from ..ops.variants import check_softcap, check_window
 from .config import ModelConfig
 from .layers import RMSNorm
@@ -109,15 +110,11 @@ class AttentionMetadata:
             raise ValueError("decode_only: expected one new token per sequence (num_tokens == "
                              f"num_seqs == {num_seqs}, max_seqlen_q 1), got num_tokens="
                              f"{self.slot_mapping.shape[0]}, max_seqlen_q={self.max_seqlen_q}")
-        if self.seq_order is not None and (
-                not self.decode_only or not isinstance(self.seq_order, torch.Tensor)
-                or self.seq_order.dtype != torch.int32
-                or tuple(self.seq_order.shape) != (num_seqs,)):
-            got = (f"{self.seq_order.dtype} tensor of shape {tuple(self.seq_order.shape)}"
-                   if isinstance(self.seq_order, torch.Tensor) else type(self.seq_order).__name__)
-            raise ValueError(f"seq_order: expected None or, for a decode_only step, an int32 "
-                             f"tensor of shape ({num_seqs},), got {got} "
-                             f"(decode_only={self.decode_only})")
+        if self.seq_order is not None:
+            if not self.decode_only:
+                raise ValueError("seq_order: expected None for a step that is not decode_only, "
+                                 "got a tensor")
+            check_seq_order(self.seq_order, num_seqs, self.context_lens.device)
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
         check_bool("no_prefix", self.no_prefix)
