@@ -40,10 +40,10 @@ def _fake_prepare(self, jit_fn, grid, args, kwargs) -> None:
     from mini_paged_attn.ops import launch
     self.grid = tuple(grid) + (1,) * (3 - len(grid))
     self.ready = True
-    self._bind_arguments(jit_fn, args, kwargs, launch._leading_tensors(args))
+    self._bind_arguments(jit_fn, args, kwargs, launch._leading_tensors(args), ())
     self._head = (None,) * 9
     self._launch = "".format     # any positional arguments, no work, no Python frame
-    self._stream_of = int        # int(0) -> stream 0, a C call like the real one
+    self.stream = int            # int() -> stream 0, a C call like the real one
 
 
 @contextmanager

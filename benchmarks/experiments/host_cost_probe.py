@@ -16,7 +16,6 @@ import torch
 
 from benchmarks.bench_host import paged_inputs
 from mini_paged_attn.ops import dispatch, paged_decode
-from mini_paged_attn.ops.launch import tensor_key
 
 
 def host_us(fn, n=500):
@@ -55,7 +54,7 @@ def main() -> None:
                                                                       workspace=ws),
         "call key": lambda: dispatch._call_key(args + (None, None, None, None),
                                                (None, False, "auto", None)),
-        "tensor_key x1": lambda: tensor_key(q),
+        "one tensor's key fields": lambda: (q.dtype, q.device, q.shape, q.stride()),
         "DecodeRun(out, ws given)": lambda: run(*args[:3], None, None, *args[3:], out, None, ws),
         "DecodeRun(ws alloc)": lambda: run(*args[:3], None, None, *args[3:], out, None, None),
         "empty_like(q)": lambda: torch.empty_like(q),

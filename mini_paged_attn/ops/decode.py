@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,7 @@ from .decode_merge import merge_chunk, merge_rows, prepare_merge
 from .decode_tiles import fp8_v_asm
 from .explain import MAX_SPLITS, DecodePlan, DecodeTiles, num_sms_of, plan_decode
 from .kv_quant import scale_pointers, scale_stride
-from .launch import ALIGNMENT, PreparedLaunch, StreamScratch
+from .launch import PreparedLaunch, StreamScratch
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +118,7 @@ class DecodeRun:
         decode = self.decode
         stream = decode.stream()
         if self.merge is None and self.counters_offset is None:        # unsplit
-            return _launch(decode, head + (o, lse_p, sinks_p, o, lse_p, ctx), stream)
+            return decode.launch_checked(head + (o, lse_p, sinks_p, o, lse_p, ctx), stream)
         held, base = None, 0     # memory allocated here, alive until the launches are queued
         if self.scratch is not None:
             base = self.scratch.pointer(stream)
@@ -130,10 +129,10 @@ class DecodeRun:
         part_lse = part_out + 4 * self.lse_offset
         if self.counters_offset is not None:                             # fused merge
             counters = base + 4 * self.counters_offset
-            return _launch(decode, head + (part_out, part_lse, sinks_p, o, lse_p, counters),
-                           stream)
-        return (_launch(decode, head + (part_out, part_lse, sinks_p, o, lse_p, ctx), stream)
-                and _launch(self.merge, (part_out, part_lse, o, lse_p), stream))
+            return decode.launch_checked(
+                head + (part_out, part_lse, sinks_p, o, lse_p, counters), stream)
+        return (decode.launch_checked(head + (part_out, part_lse, sinks_p, o, lse_p, ctx), stream)
+                and self.merge.launch_checked((part_out, part_lse, o, lse_p), stream))
 
 
 def _call_scratch(numel: int, counters_offset: int | None,
@@ -144,15 +143,6 @@ def _call_scratch(numel: int, counters_offset: int | None,
     if counters_offset is not None:
         scratch[counters_offset:].view(torch.int32).zero_()
     return scratch
-
-
-def _launch(launch: PreparedLaunch, ptrs: tuple[int, ...], stream: int) -> bool:
-    """Launch with raw pointers; False (nothing launched) if their 16-byte alignment differs
-    from the prepared launch's. The common case, all aligned, is one OR over the pointers."""
-    if launch.all_aligned and not functools.reduce(operator.or_, ptrs) % ALIGNMENT:
-        launch.launch_pointers(ptrs, stream)
-        return True
-    return launch(ptrs)
 
 
 def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

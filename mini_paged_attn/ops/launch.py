@@ -13,14 +13,17 @@ encodes the hardware descriptor from it (about a microsecond each).
 Safe reuse is the caller's contract: a prepared launch may run again only for arguments whose
 non-tensor values (shapes, strides, scale, flags) equal those it was prepared with, and tensors
 of the same dtypes on the same CUDA device; :mod:`.dispatch` and :func:`launch` key their
-caches on exactly that, and on each pointer's 16-byte alignment, the one specialisation that
-depends on the tensors themselves (:meth:`PreparedLaunch.__call__` checks it again and
-launches nothing when it differs). Launch hooks (``triton.knobs.runtime.launch_enter_hook``,
-profilers) are not called for prepared launches.
+caches on exactly that. The one specialisation that depends on the tensors themselves, each
+pointer's 16-byte alignment, is checked by :meth:`PreparedLaunch.__call__` at every repeat (it
+launches nothing when one differs, and the caller takes its full path, whose new launch
+replaces the entry). Launch hooks (``triton.knobs.runtime.launch_enter_hook``, profilers) are
+not called for prepared launches.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -106,7 +109,8 @@ class PreparedLaunch:
                           launcher.launch_pdl, None, None, compiled.packed_metadata, None,
                           None, None)
         from triton.runtime import driver
-        self._stream_of = driver.active.get_current_stream
+        # One C call per repeat (a bound partial), not a method and a lookup.
+        self.stream = functools.partial(driver.active.get_current_stream, self._device_index)
 
     def _bind_arguments(self, jit_fn, args: Sequence, kwargs: dict, num_tensors: int,
                         descriptor_sources: Sequence[int]) -> None:
@@ -142,12 +146,19 @@ class PreparedLaunch:
         """
         if not self.ready:
             return False
-        ptrs = [t if type(t) is int else t.data_ptr() for t in tensors]
-        if [p % ALIGNMENT == 0 for p in ptrs] != self._aligned:
+        return self.launch_checked(tuple(t if type(t) is int else t.data_ptr()
+                                         for t in tensors), self.stream())
+
+    def launch_checked(self, ptrs: tuple[int, ...], stream: int) -> bool:
+        """:meth:`__call__` with raw device pointers, launching on ``stream`` (the handle of
+        the current stream of the launch's device, :meth:`stream`); only for a ready launch.
+        The common case, every pointer aligned as prepared, costs one OR over the pointers."""
+        if self.all_aligned:
+            if functools.reduce(operator.or_, ptrs) % ALIGNMENT:
+                return False
+        elif [p % ALIGNMENT == 0 for p in ptrs] != self._aligned:
             return False
-        g0, g1, g2 = self.grid
-        self._launch(g0, g1, g2, self._stream_of(self._device_index), *self._head, *ptrs,
-                     *self._tail_for(ptrs))
+        self._launch(*self.grid, stream, *self._head, *ptrs, *self._tail_for(ptrs))
         return True
 
     def _tail_for(self, ptrs: Sequence[int]) -> tuple:
@@ -159,24 +170,6 @@ class PreparedLaunch:
         for position, index, prepared in self._descriptors:
             tail[position] = _Rebased(prepared, ptrs[index])
         return tuple(tail)
-
-    def stream(self) -> int:
-        """The handle of the current CUDA stream of the launch's device (where it launches)."""
-        return self._stream_of(self._device_index)
-
-    def launch_pointers(self, ptrs: tuple[int, ...], stream: int) -> None:
-        """Launch on ``stream`` with raw device pointers in place of the tensor arguments,
-        without :meth:`__call__`'s checks: only for a ready launch and pointers whose 16-byte
-        alignment the caller has checked against the prepared one (:attr:`all_aligned`)."""
-        g0, g1, g2 = self.grid
-        self._launch(g0, g1, g2, stream, *self._head, *ptrs, *self._tail_for(ptrs))
-
-
-def tensor_key(t: torch.Tensor) -> tuple:
-    """What a prepared launch depends on in one tensor argument: dtype, device, shape, strides
-    and whether its pointer is 16-byte aligned (so aligned and unaligned calls keep separate
-    entries instead of replacing each other's)."""
-    return (t.dtype, t.get_device(), t.shape, t.stride(), t.data_ptr() % ALIGNMENT == 0)
 
 
 class LaunchCache:
@@ -260,17 +253,17 @@ def launch(jit_fn, grid: tuple[int, ...], args: Sequence, kwargs: dict) -> None:
     (the fused layers) need no key of their own."""
     num_tensors = _leading_tensors(args)
     tensors = args[:num_tensors]
-    if not tensors or tensors[0].get_device() < 0:     # the interpreter: nothing to reuse
+    if not tensors or not tensors[0].is_cuda:     # the interpreter: nothing to reuse
         jit_fn[grid](*args, **kwargs)
         return
-    key = (jit_fn, grid,
-           tuple((t.dtype, t.get_device(), t.data_ptr() % ALIGNMENT == 0) for t in tensors),
-           tuple(args[num_tensors:]), tuple(kwargs.items()))
+    key = [jit_fn, grid, args[num_tensors:], tuple(kwargs.items())]
+    for t in tensors:
+        key += (t.dtype, t.get_device())
+    key = tuple(key)
     prepared = _LAUNCHES.get(key)
     if prepared is not None and prepared(tensors):
         return
     _LAUNCHES.put(key, PreparedLaunch(jit_fn, grid, args, kwargs))
 
 
-__all__ = ["ALIGNMENT", "LaunchCache", "PreparedLaunch", "StreamScratch", "launch",
-           "tensor_key"]
+__all__ = ["ALIGNMENT", "LaunchCache", "PreparedLaunch", "StreamScratch", "launch"]
