@@ -96,12 +96,21 @@ def paged_batch(case: Case, seed: int = 0, block_size: int = BLOCK_SIZE):
     return q, kc, vc, tables, cu.to(DEVICE), ctx.to(torch.int32).to(DEVICE)
 
 
-def prefill_fn(batch, config: PrefillConfig | None):
+def prefill_fn(batch, config: PrefillConfig | None, gather: bool | None = None):
+    """The paged prefill of ``batch`` as its repeats run (the launches prepared once, as the
+    public call's later calls run them); ``gather`` as ``triton_paged_prefill``'s."""
     q, kc, vc, tables, cu, ctx = batch
     out = torch.empty_like(q)
     shapes = check_paged_prefill_args(q, kc, vc, tables, cu, ctx, None, out)
-    return lambda: triton_paged_prefill(q, kc, vc, tables, cu, ctx, shapes, causal=True,
-                                        out=out, lse=None, config=config)
+
+    def first():
+        return triton_paged_prefill(q, kc, vc, tables, cu, ctx, shapes, causal=True, out=out,
+                                    lse=None, config=config, gather=gather)
+    run = first()
+    if run is None:     # nothing to repeat (an empty batch, or no compiled kernel)
+        return first
+    args = (q, kc, vc, kc, kc, out, out, tables, cu, ctx, q)
+    return lambda: run(args)
 
 
 def contiguous_kv(batch):

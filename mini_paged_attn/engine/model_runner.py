@@ -155,7 +155,12 @@ class ModelRunner:
             peak = self._profile_step_memory(max_model_len)
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            reserve = 0 if self.config.enforce_eager else GRAPH_MEMORY_RESERVE
+            # The profiled step (whole prompts) copies no pages; a prefill step of long
+            # queries on cached prefixes may (ops.prefill_gather), up to its bound. (On
+            # CUDA, torch brings triton.)
+            from ..ops.prefill_gather import gather_reserve_bytes
+            reserve = gather_reserve_bytes(self.device) + (
+                0 if self.config.enforce_eager else GRAPH_MEMORY_RESERVE)
             budget = int(total * self.config.gpu_memory_utilization) - (total - free) - peak - reserve
             num_blocks = max(0, budget) // per_block
             where = (f"{self.config.gpu_memory_utilization:.0%} of {total / 2**30:.1f} GiB, less "

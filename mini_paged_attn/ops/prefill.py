@@ -4,7 +4,9 @@
 :func:`triton_varlen_contiguous` (contiguous K/V, behind ``flash_attn_varlen_func``) build one
 launch of the kernel in :mod:`.prefill_kernel`: one program per tile of query rows, tiles from
 :mod:`.prefill_plan`, the variants (:mod:`.variants`) and an fp8 cache's scales
-(:mod:`.kv_quant`) passed as constexpr switches and arguments.
+(:mod:`.kv_quant`) passed as constexpr switches and arguments. A paged step of long queries
+on Hopper copies its pages into contiguous rows first and runs the contiguous launch
+(:mod:`.prefill_gather`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .checks import PagedShapes
 from .kv_quant import scale_pointers, scale_stride
 from .launch import PreparedLaunch
+from .prefill_gather import GatheredPrefill, gather_layout, prepare_gather, should_gather
 from .prefill_kernel import _prefill_kernel
 from .prefill_plan import PrefillConfig, default_config, tiling, tma_usable
 from .variants import effective_right
@@ -75,7 +78,9 @@ def triton_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cac
                          k_scale: torch.Tensor | None = None,
                          v_scale: torch.Tensor | None = None,
                          window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                         sinks: torch.Tensor | None = None) -> PreparedLaunch | None:
+                         sinks: torch.Tensor | None = None,
+                         gather: bool | None = None
+                         ) -> PreparedLaunch | GatheredPrefill | None:
     """Paged varlen prefill into ``out`` (and ``lse``); arguments already checked by dispatch.
 
     Args:
@@ -91,19 +96,49 @@ def triton_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cac
             q_len (the grid comes from ``total_q`` and ``num_seqs``), so no host sync either.
         config: tile sizes (default: :func:`~.prefill_plan.default_config`).
         k_scale, v_scale: None or float32 ``[]`` / ``[num_kv_heads]``, an fp8 cache's scales.
+        gather: copy the pages into contiguous rows and attend over those
+            (:mod:`.prefill_gather`; the cache's tokens must have their heads adjacent);
+            None: where :func:`~.prefill_gather.should_gather` says so and ``config`` is None.
 
     Returns:
         The launch, repeatable for other tensors of the same shapes with the tensors in the
         kernel's order ``(query, key_cache, value_cache, k_scale or key_cache, v_scale or
-        key_cache, out, lse or out, block_tables, cu_seqlens_q, context_lens)`` (None under the
-        interpreter or for an empty batch).
+        key_cache, out, lse or out, block_tables, cu_seqlens_q, context_lens, sinks or
+        query)`` (None under the interpreter or for an empty batch).
     """
     del max_seqlen_q  # the flattened tile schedule makes it unnecessary
+    if gather is None:
+        gather = config is None and should_gather(query, key_cache, value_cache,
+                                                  shapes.num_seqs, shapes.max_blocks_per_seq,
+                                                  window_size[0])
+    variant = dict(k_scale=k_scale, v_scale=v_scale, window_size=window_size, softcap=softcap,
+                   sinks=sinks)
+    if gather and shapes.num_seqs and query.shape[0]:
+        return _gathered(query, key_cache, value_cache, block_tables, context_lens,
+                         cu_seqlens_q, shapes, causal=causal, out=out, lse=lse, config=config,
+                         **variant)
     return _launch(query, key_cache, value_cache, out, lse, block_tables, cu_seqlens_q, context_lens,
             num_seqs=shapes.num_seqs, num_kv_heads=shapes.num_kv_heads, scale=shapes.scale,
-            causal=causal, paged=True, block_size=shapes.block_size, config=config,
-            k_scale=k_scale, v_scale=v_scale, window_size=window_size, softcap=softcap,
-            sinks=sinks)
+            causal=causal, paged=True, block_size=shapes.block_size, config=config, **variant)
+
+
+def _gathered(query, key_cache, value_cache, block_tables, context_lens, cu_seqlens_q,
+              shapes: PagedShapes, *, causal: bool, out, lse, config, **variant
+              ) -> GatheredPrefill | None:
+    """:func:`triton_paged_prefill` by copy (see :mod:`.prefill_gather`)."""
+    layout = gather_layout(shapes.num_seqs, shapes.max_blocks_per_seq, shapes.block_size,
+                           shapes.num_kv_heads, shapes.head_size, query.dtype)
+    workspace = torch.empty(layout.nbytes, dtype=torch.uint8, device=query.device)
+    k, v, cu_k = layout.views(workspace, shapes.num_kv_heads, shapes.head_size, query.dtype)
+    gather = prepare_gather(key_cache, value_cache, block_tables, context_lens, k, v, cu_k)
+    attend = _launch(query, k, v, out, lse, cu_k, cu_seqlens_q, cu_k, num_seqs=shapes.num_seqs,
+                     num_kv_heads=shapes.num_kv_heads, scale=shapes.scale, causal=causal,
+                     paged=False, block_size=1, config=config, **variant)
+    if attend is None or not gather.ready:
+        return None
+    run = GatheredPrefill(gather, attend, layout, (variant["k_scale"] is not None,
+                                                   variant["v_scale"] is not None))
+    return run if run.ready else None
 
 
 def triton_varlen_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -80,6 +80,68 @@ def test_cuda_graph_capture_and_replay_with_new_lengths():
     torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
 
 
+LONG_Q = [512, 300, 1024, 1]      # 459 queries a sequence on average: the copy pays
+LONG_PREFIX = [0, 2000, 700, 50]
+
+
+def _hopper() -> bool:
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper(), reason="needs Hopper")
+def test_long_queries_copy_the_pages_and_repeat():
+    """Sequences of long queries on Hopper copy their pages and attend over the copy (the
+    tensor-descriptor path); the first call and its repeat match the reference, and a left
+    window or short queries keep the block-table loads."""
+    from mini_paged_attn.ops.checks import check_paged_prefill_args
+    from mini_paged_attn.ops.prefill import triton_paged_prefill
+    from mini_paged_attn.ops.prefill_gather import GatheredPrefill
+    batch = _batch(LONG_Q, LONG_PREFIX, seed=12)
+    out = torch.empty_like(batch.query)
+    shapes = check_paged_prefill_args(*batch.prefill_args, None, out)
+    run = triton_paged_prefill(*batch.prefill_args, shapes, causal=True, out=out, lse=None)
+    assert isinstance(run, GatheredPrefill)
+    windowed = triton_paged_prefill(*batch.prefill_args, shapes, causal=True, out=out,
+                                    lse=None, window_size=(128, 0))
+    assert not isinstance(windowed, GatheredPrefill)
+    short = _batch([100, 100], [4000, 10], seed=13)
+    shapes = check_paged_prefill_args(*short.prefill_args, None, None)
+    assert not isinstance(triton_paged_prefill(*short.prefill_args, shapes, causal=True,
+                                               out=torch.empty_like(short.query), lse=None),
+                          GatheredPrefill)
+    for _ in range(2):      # the second call repeats the prepared copy and attention
+        run_and_compare(batch, causal=True, config=None)
+        run_and_compare(batch, causal=False, config=None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper(), reason="needs Hopper")
+def test_long_queries_over_an_fp8_cache_copy_widened_pages():
+    from helpers.fp8_batch import dequantized_batch, fp8_batch, per_head_scales
+    base = _batch(LONG_Q, LONG_PREFIX, seed=14, dtype=torch.float32)
+    ks, vs = per_head_scales(8, "cuda"), per_head_scales(8, "cuda", base=0.015).flip(0)
+    batch = fp8_batch(base, ks, vs, torch.bfloat16)
+    plain = dequantized_batch(batch, ks, vs)
+    ref_out, _ = reference.paged_prefill_gather(*plain.prefill_args, causal=True,
+                                                scale=128 ** -0.5)
+    for _ in range(2):
+        out = paged_prefill(*batch.prefill_args, k_scale=ks, v_scale=vs)
+        torch.testing.assert_close(out.float(), ref_out, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper(), reason="needs Hopper")
+def test_copied_pages_capture_in_a_cuda_graph():
+    batch = _batch(LONG_Q, LONG_PREFIX, seed=15)
+    out = torch.empty_like(batch.query)
+    graph, _ = capture(lambda: paged_prefill(*batch.prefill_args, out=out, backend="triton"))
+    batch.query.normal_()
+    batch.context_lens.add_(torch.tensor([0, -700, -3, -40], device="cuda", dtype=torch.int32))
+    out.fill_(float("nan"))
+    graph.replay()
+    ref_out, _ = reference.paged_prefill_gather(*batch.prefill_args, causal=True,
+                                                scale=128 ** -0.5)
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+
+
 def test_cache_larger_than_2_to_31_elements():
     """Blocks past element 2**31 of the pool: cache offsets must be 64-bit."""
     block_size, hkv, d = 16, 8, 128

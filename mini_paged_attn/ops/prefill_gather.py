@@ -1,0 +1,218 @@
+"""Paged prefill through a contiguous copy of the pages (Hopper).
+
+The prefill kernel reads contiguous K/V through tensor descriptors (the copy engine fills
+shared memory ahead of the warps) at 0.9-1.0x cuDNN SDPA on an H100, but paged K/V only
+through pointer loads, at 0.65-0.75x: a 128-token K/V tile spans eight 16-token blocks in
+random places, which Triton 3.6 cannot fetch as one box. When a step's queries are long
+enough, copying each sequence's pages into contiguous rows first and running the contiguous
+kernel over them is faster: the copy reads and writes the sequences' K/V once (about 1/5 of
+the attention's time at 512 queries a sequence, less for longer ones), and the attention
+then runs at the contiguous rate. On an H100, causal 1x4k: 363 -> 482 TFLOP/s, 4x4k 370 ->
+507, 1x16k 434 -> 590, a 512-token chunk on 8k cached tokens x8: 426 -> 501
+(``benchmarks/experiments/prefill_gather.py``).
+
+The copy (``_gather_kv_kernel``) writes sequence ``i``'s ``context_lens[i]`` tokens to rows
+``cu_k[i] ...`` of K and V buffers ``[rows, num_kv_heads, head_size]`` in the query's dtype
+(an fp8 cache is widened exactly; its scales still apply in the attention), and the int32
+``cu_k`` itself (the exclusive prefix sum of ``context_lens``), so nothing is read on the
+host. ``rows`` is the bound the block table gives (``num_seqs * width * block_size``); the
+attention masks rows past each sequence's keys. The three live in one workspace allocated
+per call and freed once the launches are queued: :data:`GATHER_MAX_BYTES` bounds it, and the
+engine reserves that much beside its KV pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..core.args import next_pow2
+from .launch import PreparedLaunch
+from .prefill_plan import default_config
+
+GATHER_MIN_Q_LEN = 256
+"""Average query tokens a sequence from which the copy pays: it costs as much as the
+attention saves at about 210 (H100: copy at 2.85 TB/s against 370 -> 535 TFLOP/s)."""
+
+GATHER_MAX_BYTES = 512 << 20
+"""The largest workspace a call allocates for the copy; larger steps read the pages in
+place."""
+
+_TILE_ELEMENTS = 8192   # elements a program copies per iteration (K and V each)
+
+
+@dataclass(frozen=True)
+class GatherLayout:
+    """Where the copy's K rows, V rows and ``cu_k`` sit in one byte workspace.
+
+    rows: K/V rows each buffer holds (``num_seqs * width * block_size``).
+    row_bytes: bytes of one row (``num_kv_heads * head_size`` elements of the query's dtype).
+    """
+
+    num_seqs: int
+    rows: int
+    row_bytes: int
+
+    @property
+    def v_offset(self) -> int:
+        return self.rows * self.row_bytes
+
+    @property
+    def cu_offset(self) -> int:
+        return 2 * self.rows * self.row_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.cu_offset + 4 * (self.num_seqs + 1)
+
+    def views(self, workspace: torch.Tensor, num_kv_heads: int, head_size: int,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k ``[rows, num_kv_heads, head_size]``, v (same), cu_k int32 ``[num_seqs + 1]``)
+        over a uint8 ``workspace`` of :attr:`nbytes`."""
+        kv = workspace[:self.cu_offset].view(dtype).view(2, self.rows, num_kv_heads, head_size)
+        return kv[0], kv[1], workspace[self.cu_offset:self.nbytes].view(torch.int32)
+
+
+def gather_layout(num_seqs: int, width: int, block_size: int, num_kv_heads: int,
+                  head_size: int, dtype: torch.dtype) -> GatherLayout:
+    """The workspace of a step of ``num_seqs`` sequences over a ``width``-block table."""
+    return GatherLayout(num_seqs, num_seqs * width * block_size,
+                        num_kv_heads * head_size * dtype.itemsize)
+
+
+def should_gather(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  num_seqs: int, width: int, window_left: int) -> bool:
+    """Whether a triton paged prefill copies the pages first: on a GPU whose contiguous
+    prefill loads through tensor descriptors (Hopper or newer, fp16/bf16, the tiles of
+    :func:`~.prefill_plan.default_config`), for sequences of at least
+    :data:`GATHER_MIN_Q_LEN` queries on average, no left window (the copy would move the
+    whole context to read a window of it), each cached token's heads adjacent (one row to
+    copy), and a workspace of at most :data:`GATHER_MAX_BYTES`."""
+    total_q, _, head_size = query.shape
+    if (query.device.type != "cuda" or num_seqs == 0 or total_q < GATHER_MIN_Q_LEN * num_seqs
+            or window_left >= 0 or query.dtype not in (torch.float16, torch.bfloat16)):
+        return False
+    if torch.cuda.get_device_capability(query.device)[0] < 9:
+        return False
+    num_kv_heads = key_cache.shape[2]
+    if any(c.stride(3) != 1 or c.stride(2) != head_size for c in (key_cache, value_cache)):
+        return False
+    config = default_config(head_size, query.dtype, query.device, total_q / num_seqs,
+                            contiguous=True)
+    layout = gather_layout(num_seqs, width, key_cache.shape[1], num_kv_heads, head_size,
+                           query.dtype)
+    return config.tma and layout.nbytes <= GATHER_MAX_BYTES
+
+
+def gather_reserve_bytes(device: torch.device) -> int:
+    """Memory a caller that sizes its KV pool from a profiled step (the engine) leaves free
+    for the copy's workspace on ``device``: :data:`GATHER_MAX_BYTES` where the copy can run
+    (a Hopper or newer GPU), else 0."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return 0
+    return GATHER_MAX_BYTES
+
+
+@triton.jit
+def _gather_kv_kernel(
+    key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr, k_out_ptr, v_out_ptr,
+    cu_k_ptr, num_seqs, stride_kb, stride_kt, stride_vb, stride_vt, stride_bt,
+    ROW: tl.constexpr, ROW_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TOKENS: tl.constexpr, SEQ_CHUNK: tl.constexpr,
+):
+    # Program (j, i) copies block j of sequence i: ROW = num_kv_heads * head_size elements a
+    # token (adjacent in the cache), TOKENS tokens an iteration. Its rows start at
+    # cu_k[i] = context_lens[0] + ... + context_lens[i - 1], summed here; program (0, i)
+    # also writes cu_k[i + 1] (and program (0, 0) cu_k[0]) for the attention launch after it.
+    j = tl.program_id(0)
+    seq = tl.program_id(1)
+    n = tl.load(context_lens_ptr + seq)
+    start = 0
+    for s0 in range(0, seq, SEQ_CHUNK):
+        offs = s0 + tl.arange(0, SEQ_CHUNK)                                  # [SEQ_CHUNK]
+        start += tl.sum(tl.load(context_lens_ptr + offs, mask=offs < seq, other=0), axis=0)
+    if j == 0:
+        tl.store(cu_k_ptr + seq + 1, start + n)
+        if seq == 0:
+            tl.store(cu_k_ptr, 0)
+    if j * BLOCK_SIZE >= n:
+        return
+    block = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + j).to(tl.int64)
+    col = tl.arange(0, ROW_PADDED)                                           # [ROW_PADDED]
+    col_valid = col < ROW
+    for t0 in range(0, BLOCK_SIZE, TOKENS):
+        tok = t0 + tl.arange(0, TOKENS)                                      # [TOKENS]
+        valid = ((tok < BLOCK_SIZE) & (j * BLOCK_SIZE + tok < n))[:, None] & col_valid[None, :]
+        dst = ((start + j * BLOCK_SIZE + tok).to(tl.int64) * ROW)[:, None] + col[None, :]
+        k = tl.load(key_cache_ptr + block * stride_kb + tok[:, None] * stride_kt + col[None, :],
+                    mask=valid)                                              # [TOKENS, ROW_PADDED]
+        tl.store(k_out_ptr + dst, k.to(k_out_ptr.dtype.element_ty), mask=valid)
+        v = tl.load(value_cache_ptr + block * stride_vb + tok[:, None] * stride_vt
+                    + col[None, :], mask=valid)                              # [TOKENS, ROW_PADDED]
+        tl.store(v_out_ptr + dst, v.to(v_out_ptr.dtype.element_ty), mask=valid)
+
+
+def prepare_gather(key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   block_tables: torch.Tensor, context_lens: torch.Tensor, k_out: torch.Tensor,
+                   v_out: torch.Tensor, cu_k: torch.Tensor) -> PreparedLaunch:
+    """Copy the sequences' pages into ``k_out`` / ``v_out`` and their row starts into
+    ``cu_k`` (launched now; repeatable with tensors in this order, see :mod:`.launch`).
+
+    Args:
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, each
+            token's heads adjacent (``stride(2) == head_size``, ``stride(3) == 1``).
+        block_tables: int32 ``[num_seqs, width]``, last dim contiguous.
+        context_lens: int32 ``[num_seqs]``, at most ``width * block_size`` each.
+        k_out, v_out: contiguous ``[rows, num_kv_heads, head_size]`` in the query's dtype,
+            ``rows >= sum(context_lens)``.
+        cu_k: int32 ``[num_seqs + 1]``, written.
+    """
+    num_seqs, width = block_tables.shape
+    _, block_size, num_kv_heads, head_size = key_cache.shape
+    row = num_kv_heads * head_size
+    row_padded = next_pow2(row)
+    tokens = max(1, min(next_pow2(block_size), _TILE_ELEMENTS // row_padded))
+    return PreparedLaunch(_gather_kv_kernel, (width, num_seqs), (
+        key_cache, value_cache, block_tables, context_lens, k_out, v_out, cu_k, num_seqs,
+        key_cache.stride(0), key_cache.stride(1), value_cache.stride(0), value_cache.stride(1),
+        block_tables.stride(0)), dict(
+        ROW=row, ROW_PADDED=row_padded, BLOCK_SIZE=block_size, TOKENS=tokens,
+        SEQ_CHUNK=min(1024, max(16, next_pow2(num_seqs))),
+        num_warps=8 if tokens * row_padded >= 4096 else 4))
+
+
+class GatheredPrefill:
+    """A repeatable paged prefill by copy: the copy's launch and the contiguous attention's,
+    over a workspace allocated per call (see the module doc).
+
+    Called like the paged prefill's own launch (:func:`~.prefill.triton_paged_prefill`), with
+    the tensors ``(query, key_cache, value_cache, k_scale or key_cache, v_scale or key_cache,
+    out, lse or out, block_tables, cu_seqlens_q, context_lens, sinks or query)``.
+    """
+
+    def __init__(self, gather: PreparedLaunch, attend: PreparedLaunch, layout: GatherLayout,
+                 scaled: tuple[bool, bool]) -> None:
+        self.gather, self.attend, self.layout, self.scaled = gather, attend, layout, scaled
+        self.ready = gather.ready and attend.ready
+
+    def __call__(self, tensors) -> bool:
+        """Launch both for ``tensors``; False (nothing left in flight that matters: the
+        caller's full path recomputes) if a pointer's alignment differs from the prepared
+        one."""
+        q, kc, vc, ks, vs, out, lse, tables, cu_q, ctx, sinks = (t.data_ptr() for t in tensors)
+        layout = self.layout
+        workspace = torch.empty(layout.nbytes, dtype=torch.uint8, device=tensors[0].device)
+        k, v = workspace.data_ptr(), workspace.data_ptr() + layout.v_offset
+        cu_k = k + layout.cu_offset
+        stream = self.gather.stream()
+        return (self.gather.launch_checked((kc, vc, tables, ctx, k, v, cu_k), stream)
+                and self.attend.launch_checked(
+                    (q, k, v, ks if self.scaled[0] else k, vs if self.scaled[1] else k, out, lse,
+                     cu_k, cu_q, cu_k, sinks), stream))
+
+
+__all__ = ["GATHER_MAX_BYTES", "GATHER_MIN_Q_LEN", "GatherLayout", "GatheredPrefill",
+           "gather_layout", "gather_reserve_bytes", "prepare_gather", "should_gather"]
