@@ -5,7 +5,9 @@ several fresh 512-token prompts in a row (no prefix-cache hits), so a first-use 
 kernel loading, a Triton specialisation) shows as the difference between the first and the
 later ones; then a profile of one prefill step (host and GPU time, the top host ops).
 ``--compare-paths``: the prompts alternate between the engine's attention over the new K/V
-(whole prompts) and the block-table path, which a prefix-cache hit takes.
+(whole prompts) and the block-table path, which a prefix-cache hit takes. ``--prefix-hits N``:
+then N prompts of 512 tokens whose first 256 (and N whose first 496) are cached from an
+earlier prompt, alternately with the prefill graphs on and off (the paged graphs serve them).
 
     python -m benchmarks.experiments.ttft_probe
 """
@@ -28,6 +30,8 @@ def main() -> None:
     p.add_argument("--compare-paths", action="store_true",
                    help="alternate the prompts between attention over the new K/V and the "
                         "block-table path")
+    p.add_argument("--prefix-hits", type=int, default=0,
+                   help="prompts with a cached prefix to time, graphs on and off in turn")
     args = p.parse_args()
     paged = {"on": False}
     if args.compare_paths:
@@ -57,6 +61,21 @@ def main() -> None:
             path = "block tables" if paged["on"] else "new K/V"
             print(f"prompt {i} ({path}): TTFT {1e3 * out.metrics.time_to_first_token:.1f} ms, "
                   f"generate wall {1e3 * wall:.1f} ms", flush=True)
+        runner = llm.engine.runner
+        graphs = runner.prefill_graphs
+        for cached in (256, 496) if args.prefix_hits else ():
+            for i in range(2 * args.prefix_hits):
+                base = torch.randint(0, 10000, (512,), generator=gen).tolist()
+                llm.generate([base], one, use_tqdm=False)       # caches its blocks
+                prompt = base[:cached] + torch.randint(0, 10000, (512 - cached,),
+                                                       generator=gen).tolist()
+                runner.prefill_graphs = graphs if i % 2 == 0 else None
+                torch.cuda.synchronize()
+                (out,) = llm.generate([prompt], one, use_tqdm=False)
+                runner.prefill_graphs = graphs
+                print(f"prefix hit {cached} + {512 - cached} new, graphs "
+                      f"{'on ' if i % 2 == 0 else 'off'}: TTFT "
+                      f"{1e3 * out.metrics.time_to_first_token:.1f} ms", flush=True)
         from torch.profiler import ProfilerActivity, profile
         prompt = torch.randint(0, 10000, (512,), generator=gen).tolist()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -148,10 +148,13 @@ class InputBuilder:
         self.max_blocks_per_seq = w = tables.width
         assert w % TABLE_WIDTH_MULTIPLE == 0 and tables.num_rows >= max_num_seqs, tables
         s, t = max_num_seqs, max_num_tokens
+        # A prefill graph's step is two sequences (the prompt and its padding), even when
+        # max_num_seqs is 1.
+        s2 = max(s, 2)
         self._i64_regions = _layout({"input_ids": t, "positions": t, "slot_mapping": t,
                                      "sample_rows": s, "fill": 2 * s})
-        self._i32_regions = _layout({"cu_seqlens_q": s + 1, "context_lens": s,
-                                     "seq_order": s, "block_tables": s * w})
+        self._i32_regions = _layout({"cu_seqlens_q": s2 + 1, "context_lens": s2,
+                                     "seq_order": s, "block_tables": s2 * w})
         self.i64 = StagingBuffer(self._i64_regions["end"], torch.int64, device)
         self.i32 = StagingBuffer(self._i32_regions["end"], torch.int32, device)
         # Recorded after each step's uploads. The copies read the pinned host buffers when the
@@ -217,7 +220,7 @@ class InputBuilder:
 
     def build(self, out: SchedulerOutput, pad_to: int | None = None,
               pending: dict[int, int] | None = None,
-              pad_prompt_to: int | None = None) -> StepInputs:
+              pad_prompt_to: int | None = None, paged_prompt: bool = False) -> StepInputs:
         """Fill and upload the inputs of ``out``. ``pad_to`` (decode-only steps): pad the batch
         to this many sequences (slot -1, context length 0) for a captured CUDA graph.
         ``pending``: ``seq_id -> row`` of the previous step's sampled ids, for sequences whose
@@ -225,7 +228,12 @@ class InputBuilder:
         :class:`TokenFill`. ``pad_prompt_to`` (a step of one sequence, for a prefill graph,
         see :mod:`.prefill_graphs`): the regions also hold rows ``num_tokens ..
         pad_prompt_to - 1`` as a second sequence (token 0, position 0, slot -1) of
-        ``pad_prompt_to - num_tokens`` new tokens; the views returned are the step's own."""
+        ``pad_prompt_to - num_tokens`` new tokens; the views returned are the step's own.
+        ``paged_prompt`` (with ``pad_prompt_to``, for a graph that reads the cache through the
+        block tables): both block-table rows are ``max_blocks_per_seq`` wide and the
+        padding's row is the prompt's, so the padding attends over the prompt's first
+        ``pad_prompt_to - num_tokens`` tokens (fewer than its own ``num_tokens``, which the
+        step writes before it attends)."""
         seqs = out.seqs
         n = len(seqs)
         num_tokens = out.num_batched_tokens
@@ -256,6 +264,9 @@ class InputBuilder:
                  + positions % bs)
         needed = max(cdiv(int(context_lens.max()), bs), 1) if n else 1
         width = min(table_width(needed), self.max_blocks_per_seq)
+        if paged_prompt:
+            assert pad_prompt_to is not None, "paged_prompt pads a prompt"
+            width = self.max_blocks_per_seq
 
         padded = n if pad_to is None else pad_to
         m = num_tokens if pad_to is None else pad_to
@@ -279,6 +290,9 @@ class InputBuilder:
             i32[ctx_at + 1] = m - num_tokens
         # Entries past a sequence's blocks are stale; the kernels never read them.
         i32[bt_at:bt_at + n * width].reshape(n, width)[:] = table[rows, :width]
+        table_rows = n + int(paged_prompt)
+        if paged_prompt:
+            i32[bt_at + width:bt_at + 2 * width] = i32[bt_at:bt_at + width]
         seq_order = None
         if self.order_decode and out.decode_only:
             order_at = r32["seq_order"]
@@ -305,7 +319,8 @@ class InputBuilder:
             slot_mapping=self.i64.upload(slots_at, slots_at + m),
             cu_seqlens_q=self.i32.upload(cu_at, cu_at + padded + 1 + padded_prompt),
             context_lens=self.i32.upload(ctx_at, ctx_at + padded + padded_prompt),
-            block_tables=self.i32.upload(bt_at, bt_at + n * width).view(n, width),
+            block_tables=self.i32.upload(bt_at, bt_at + table_rows * width).view(
+                table_rows, width)[:n],
             max_seqlen_q=int(q_lens.max()) if n else 0,
             num_sample_rows=num_sample_rows, sample_rows=sample_rows,
             no_prefix=n > 0 and not computed.any(), seq_order=seq_order)

@@ -2,7 +2,7 @@
 
 Per step: copy-on-write block copies (all layers at once), the inputs (built once, vectorised,
 see ``input_batch``), the forward (on CUDA a captured graph for decode-only batches and for a
-step of one fresh prompt, see ``cuda_graphs`` and ``prefill_graphs``; else eager) and logits for the rows that sample (:meth:`ModelRunner.forward`), then the sampler
+step of one prompt, see ``cuda_graphs`` and ``prefill_graphs``; else eager) and logits for the rows that sample (:meth:`ModelRunner.forward`), then the sampler
 (:meth:`ModelRunner.sample`). The only host sync is reading the sampled token ids, which the
 engine may put off until the next step is launched (asynchronous scheduling). Requests that ask for prompt logprobs also get the log-softmax of the logits
 of every prompt position the step computes (see ``prompt_logprobs``).
@@ -32,7 +32,7 @@ from ..ops.kv_quant import kv_cache_torch_dtype
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .input_batch import InputBuilder, dummy_inputs, table_width
-from .prefill_graphs import PrefillGraphs
+from .prefill_graphs import PrefillGraphs, PromptGraph
 from .prompt_logprobs import (PendingPromptLogprobs, PromptLogprobs, PromptRows,
                               compute_prompt_logprobs, prompt_logprob_rows)
 from .sampler import PendingSample, SampleRow, Sampler
@@ -120,14 +120,14 @@ class ModelRunner:
                                        max_batch=config.max_num_seqs, backend=self.backend,
                                        decode_workspace=self.workspace)
             self.graphs.capture()
-            # Whole prompts attend over their new K/V only with a cache in the model's dtype;
-            # other ranks would have to replay in step with rank 0.
-            if (self.backend == "triton" and self.kv_dtype == model.dtype
-                    and self.tp.world_size == 1):
+            # Whole prompts attend over their new K/V only with a cache in the model's dtype
+            # (else they take the paged graphs); other ranks would have to replay in step
+            # with rank 0.
+            if self.backend == "triton" and self.tp.world_size == 1:
                 self.prefill_graphs = PrefillGraphs(
                     model, self.kv_caches, self.inputs,
                     max_tokens=min(config.max_num_batched_tokens, max_model_len),
-                    backend=self.backend)
+                    backend=self.backend, contiguous=self.kv_dtype == model.dtype)
                 self.prefill_graphs.capture(self.graphs.pool)
         if device.type == "cuda":
             # After the capture, so that the caching allocator holds the blocks eager steps
@@ -280,8 +280,10 @@ class ModelRunner:
             bucket = self.graphs.bucket_for(n)
         elif self.prefill_graphs is not None:
             prompt_bucket = self.prefill_graphs.bucket_for(out)
-        step = self.inputs.build(out, pad_to=bucket, pending=pending,
-                                 pad_prompt_to=prompt_bucket)
+        step = self.inputs.build(
+            out, pad_to=bucket, pending=pending,
+            pad_prompt_to=prompt_bucket.tokens if prompt_bucket is not None else None,
+            paged_prompt=prompt_bucket is not None and prompt_bucket.paged)
         sampled = previous() if previous is not None else None
         if step.fill is not None:
             assert sampled is not None and self.peers is None, "a fill needs the sampled ids"
@@ -353,7 +355,7 @@ class ModelRunner:
     def _forward(self, step, num_seqs: int, decode_only: bool, bucket: int | None,
                  block_copies, prompt_rows: PromptRows | None = None,
                  logits_dtype: torch.dtype = torch.float32,
-                 prompt_bucket: int | None = None) -> torch.Tensor | None:
+                 prompt_bucket: PromptGraph | None = None) -> torch.Tensor | None:
         """Copy-on-write, the forward (a decode graph's replay when ``bucket`` is set, a
         prefill graph's when ``prompt_bucket`` is, see :meth:`forward`) and the LM head
         on the sample rows: logits ``[num_sample_rows, vocab_size]`` in ``logits_dtype``, or

@@ -264,6 +264,9 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         key = _call_key((query, key_cache, value_cache, block_tables, cu_seqlens_q,
                          context_lens, out, k_scale, v_scale, sinks),
                         (causal, scale, return_lse, backend, *variant))
+        if key is not None:
+            # A capture plans apart: it never copies the pages (see prefill_gather).
+            key = (key, torch.cuda.is_current_stream_capturing())
         launch = _PREFILL_RUNS.get(key) if key is not None else None
         if launch is not None:
             out_, lse = _outputs(query, out, return_lse, query.shape[0], query.shape[1])

@@ -90,10 +90,13 @@ def should_gather(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     :func:`~.prefill_plan.default_config`), for sequences of at least
     :data:`GATHER_MIN_Q_LEN` queries on average, no left window (the copy would move the
     whole context to read a window of it), each cached token's heads adjacent (one row to
-    copy), and a workspace of at most :data:`GATHER_MAX_BYTES`."""
+    copy), a workspace of at most :data:`GATHER_MAX_BYTES`, and no CUDA-graph capture (a
+    graph would keep its workspace for as long as it lives)."""
     total_q, _, head_size = query.shape
     if (query.device.type != "cuda" or num_seqs == 0 or total_q < GATHER_MIN_Q_LEN * num_seqs
             or window_left >= 0 or query.dtype not in (torch.float16, torch.bfloat16)):
+        return False
+    if torch.cuda.is_current_stream_capturing():
         return False
     if torch.cuda.get_device_capability(query.device)[0] < 9:
         return False

@@ -1,7 +1,8 @@
-"""Prefill graphs: a step of one whole prompt padded to a bucket of tokens, the padding a
-second sequence that attends over itself and writes nothing. On CPU the padded inputs run
-eagerly (what a graph replays) and must give the prompt's rows of the unpadded step; on a
-GPU the engine replays the graphs and its greedy tokens equal an eager engine's."""
+"""Prefill graphs: a step of one prompt padded to a bucket of tokens, the padding a second
+sequence that writes nothing (attending over itself, or, in the paged family, over the
+prompt's first tokens). On CPU the padded inputs run eagerly (what a graph replays) and must
+give the prompt's rows of the unpadded step; on a GPU the engine replays the graphs and its
+greedy tokens equal an eager engine's."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from helpers.engines import GREEDY, make_engine
 
 from mini_paged_attn.engine import LLM
 from mini_paged_attn.engine.prefill_graphs import (MAX_GRAPH_TOKENS, PrefillGraphs,
-                                                   prefill_buckets)
+                                                   PromptGraph, prefill_buckets)
 from mini_paged_attn.models.attention import AttentionMetadata
 
 
@@ -30,14 +31,19 @@ def _out(num_tokens, *, computed=0, num_seqs=1, decode_only=False):
                            num_batched_tokens=num_tokens)
 
 
-def test_only_one_whole_prompt_within_the_buckets_takes_a_graph():
-    graphs = SimpleNamespace(buckets=prefill_buckets(1024))
+def test_one_prompt_within_the_buckets_takes_a_graph_of_its_family():
+    graphs = SimpleNamespace(buckets=prefill_buckets(1024), contiguous=True)
     bucket_for = PrefillGraphs.bucket_for.__get__(graphs)
-    assert [bucket_for(_out(n)) for n in (1, 16, 17, 300, 512)] == [16, 16, 32, 512, 512]
+    assert [bucket_for(_out(n)) for n in (1, 16, 17, 300, 512)] == [
+        PromptGraph(b, False) for b in (16, 16, 32, 512, 512)]
     assert bucket_for(_out(513)) is None                     # past the largest bucket
-    assert bucket_for(_out(40, computed=16)) is None         # a cached prefix or a later chunk
+    assert bucket_for(_out(40, computed=16)) == PromptGraph(64, True)   # a cached prefix
     assert bucket_for(_out(40, num_seqs=2)) is None
     assert bucket_for(_out(1, decode_only=True)) is None
+    graphs.contiguous = False                                # an fp8 cache: all paged
+    assert bucket_for(_out(17)) == PromptGraph(32, True)
+    assert [(k.tokens, k.paged) for k in PrefillGraphs.keys(graphs)][:3] == [
+        (512, True), (256, True), (128, True)]
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -58,8 +64,9 @@ def test_padded_inputs_give_the_prompts_rows(tiny_model_factory, backend, prompt
 
     def checking(out, *args, **kwargs):
         if not checked:          # the prompt's step, before the engine runs it
-            bucket = graphs.bucket_for(out)
-            assert bucket == max(16, 1 << (prompt_len - 1).bit_length())
+            key = graphs.bucket_for(out)
+            bucket = key.tokens
+            assert key == PromptGraph(max(16, 1 << (prompt_len - 1).bit_length()), False)
             step = build(out)
             meta = AttentionMetadata.for_step(step, decode_only=False, backend=runner.backend)
             expected = runner.model(step.input_ids, step.positions, runner.kv_caches, meta)
@@ -74,9 +81,62 @@ def test_padded_inputs_give_the_prompts_rows(tiny_model_factory, backend, prompt
             assert inputs.region("cu_seqlens_q", 3).tolist() == [0, prompt_len, bucket]
             hidden = runner.model(inputs.region("input_ids", bucket),
                                   inputs.region("positions", bucket), runner.kv_caches,
-                                  graphs._meta(bucket))
+                                  graphs._meta(key))
             torch.testing.assert_close(hidden[:prompt_len], expected, atol=1e-5, rtol=1e-5)
             checked.append(bucket)
+        return build(out, *args, **kwargs)
+    inputs.build = checking
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert checked
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("new_tokens", [5, 16, 23])
+def test_padded_paged_inputs_give_the_rows_after_a_prefix_hit(tiny_model_factory, backend,
+                                                              new_tokens):
+    """A prompt after a prefix-cache hit: the paged family's regions (both table rows the
+    prompt's, max_blocks_per_seq wide; the padding attending over the prompt's first tokens)
+    give the prompt's hidden rows of the unpadded step."""
+    engine = make_engine(tiny_model_factory("qwen2"), backend=backend, block_size=4,
+                         num_kv_blocks=64, max_num_seqs=4, max_model_len=64,
+                         enable_prefix_caching=True)
+    runner = engine.runner
+    graphs = PrefillGraphs(runner.model, runner.kv_caches, runner.inputs, max_tokens=64,
+                           backend=runner.backend)
+    gen = torch.Generator().manual_seed(new_tokens)
+    first = torch.randint(3, 300, (20,), generator=gen).tolist()
+    engine.add_request(first, GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request(first[:12] + torch.randint(3, 300, (new_tokens,), generator=gen).tolist(),
+                       GREEDY)
+    inputs, build = runner.inputs, runner.inputs.build
+    width = inputs.max_blocks_per_seq
+    checked = []
+
+    def checking(out, *args, **kwargs):
+        if not checked and not out.decode_only:     # the second prompt's step
+            assert out.seqs[0].num_computed_tokens == 12     # three cached blocks
+            key = graphs.bucket_for(out)
+            assert key == PromptGraph(max(16, 1 << (new_tokens - 1).bit_length()), True)
+            step = build(out)
+            meta = AttentionMetadata.for_step(step, decode_only=False, backend=runner.backend)
+            expected = runner.model(step.input_ids, step.positions, runner.kv_caches, meta)
+            own_table = step.block_tables.clone()
+            inputs.region("block_tables", 2 * width).fill_(-7)    # the build must overwrite
+            padded = build(out, pad_prompt_to=key.tokens, paged_prompt=True)
+            tables = inputs.region("block_tables", 2 * width).view(2, width)
+            assert torch.equal(tables[0], tables[1])
+            assert torch.equal(tables[0, :own_table.shape[1]], own_table[0])
+            assert padded.block_tables.shape == (1, width)
+            assert inputs.region("context_lens", 2).tolist() == [
+                12 + new_tokens, key.tokens - new_tokens]
+            hidden = runner.model(inputs.region("input_ids", key.tokens),
+                                  inputs.region("positions", key.tokens), runner.kv_caches,
+                                  graphs._meta(key))
+            torch.testing.assert_close(hidden[:new_tokens], expected, atol=1e-5, rtol=1e-5)
+            checked.append(key)
         return build(out, *args, **kwargs)
     inputs.build = checking
     while engine.has_unfinished_requests():
@@ -89,7 +149,8 @@ def test_padded_inputs_give_the_prompts_rows(tiny_model_factory, backend, prompt
 def test_engine_replays_prefill_graphs_with_the_eager_tokens(tiny_model_factory, arch,
                                                              monkeypatch):
     """Prompts of 1..300 tokens and one with a cached prefix give the greedy tokens of an
-    eager engine; the fresh prompts of 15..300 tokens replayed a prefill graph."""
+    eager engine; the prompts of 15..300 tokens replayed a prefill graph, the one after the
+    prefix hit a paged one."""
     model_dir = tiny_model_factory(arch)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (1, 15, 16, 17, 300)]
@@ -102,14 +163,16 @@ def test_engine_replays_prefill_graphs_with_the_eager_tokens(tiny_model_factory,
     replayed = []
     replay = PrefillGraphs.replay
 
-    def counting(self, bucket, num_tokens):
-        replayed.append((bucket, num_tokens))
-        return replay(self, bucket, num_tokens)
+    def counting(self, key, num_tokens):
+        replayed.append((key.tokens, key.paged, num_tokens))
+        return replay(self, key, num_tokens)
     monkeypatch.setattr(PrefillGraphs, "replay", counting)
     engine = make_engine(model_dir, **options)
     assert engine.runner.prefill_graphs is not None
     llm = LLM.from_engine(engine)
     got = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert got == expected
-    # The 1-token prompt's step is a decode step (a decode graph); the cached one is eager.
-    assert replayed == [(16, 15), (16, 16), (32, 17), (512, 300)]
+    # The 1-token prompt's step is a decode step (a decode graph); the last prompt's 20 new
+    # tokens after its 192 cached ones (12 blocks) replay a paged graph.
+    assert replayed == [(16, False, 15), (16, False, 16), (32, False, 17), (512, False, 300),
+                        (32, True, 28)]

@@ -129,10 +129,21 @@ def test_long_queries_over_an_fp8_cache_copy_widened_pages():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _hopper(), reason="needs Hopper")
-def test_copied_pages_capture_in_a_cuda_graph():
+def test_long_queries_under_capture_read_the_pages_in_place(monkeypatch):
+    """Captured, the call reads the pages in place (a graph would keep the copy's
+    workspace) even after eager calls of the same shapes copied them, and the replay on new
+    data matches the reference."""
+    from mini_paged_attn.ops import prefill, prefill_gather
+    decisions = []
+
+    def recording(*args):
+        decisions.append(prefill_gather.should_gather(*args))
+        return decisions[-1]
+    monkeypatch.setattr(prefill, "should_gather", recording)
     batch = _batch(LONG_Q, LONG_PREFIX, seed=15)
     out = torch.empty_like(batch.query)
     graph, _ = capture(lambda: paged_prefill(*batch.prefill_args, out=out, backend="triton"))
+    assert decisions == [True, False]        # the eager warm-up copied, the capture did not
     batch.query.normal_()
     batch.context_lens.add_(torch.tensor([0, -700, -3, -40], device="cuda", dtype=torch.int32))
     out.fill_(float("nan"))
