@@ -26,7 +26,7 @@ from . import reference
 from .backend import BACKENDS, resolve_backend, triton_available
 from .kv_quant import check_kv_scales, scale_pointers
 from . import explain as _explain
-from .launch import LaunchCache
+from .launch import ALIGNMENT, LaunchCache
 from .variants import NO_WINDOW, check_variant
 from .checks import (FLOAT_DTYPES, PagedShapes, check_cache_pair, check_index_vector,
                      check_paged_decode_args, check_paged_prefill_args, check_paged_values,
@@ -43,10 +43,10 @@ _STORE_RUNS = LaunchCache()
 def _call_key(tensors: tuple, options: tuple) -> tuple | None:
     """The cache key of a call on one CUDA device; None where there is no fast path (a
     non-tensor argument, a CPU first tensor, an unhashable option). Each tensor is keyed by
-    dtype, device, shape and strides; options are keyed with their types, so ``1`` never
-    matches an entry made for ``True``. Pointer alignment is not keyed: the prepared launches
-    check it at every repeat (:mod:`.launch`). Written out inline: it runs on every repeated
-    call."""
+    dtype, device, shape, strides and whether its pointer is 16-byte aligned (so calls of one
+    shape aligned differently keep entries of their own instead of replacing each other's,
+    each replacement a slow call); options are keyed with their types, so ``1`` never matches
+    an entry made for ``True``. Written out inline: it runs on every repeated call."""
     try:
         if tensors[0].get_device() < 0:
             return None
@@ -56,7 +56,8 @@ def _call_key(tensors: tuple, options: tuple) -> tuple | None:
             if t is None:
                 key.append(None)
             else:       # flat: fewer tuples to build, hash and compare
-                key += (t.dtype, t.get_device(), t.shape, t.stride())
+                key += (t.dtype, t.get_device(), t.shape, t.stride(),
+                        t.data_ptr() % ALIGNMENT == 0)
     except (AttributeError, TypeError):
         return None
     return tuple(key)

@@ -13,11 +13,11 @@ encodes the hardware descriptor from it (about a microsecond each).
 Safe reuse is the caller's contract: a prepared launch may run again only for arguments whose
 non-tensor values (shapes, strides, scale, flags) equal those it was prepared with, and tensors
 of the same dtypes on the same CUDA device; :mod:`.dispatch` and :func:`launch` key their
-caches on exactly that. The one specialisation that depends on the tensors themselves, each
-pointer's 16-byte alignment, is checked by :meth:`PreparedLaunch.__call__` at every repeat (it
-launches nothing when one differs, and the caller takes its full path, whose new launch
-replaces the entry). Launch hooks (``triton.knobs.runtime.launch_enter_hook``, profilers) are
-not called for prepared launches.
+caches on exactly that, and on each pointer's 16-byte alignment, the one specialisation that
+depends on the tensors themselves (so calls aligned differently keep entries of their own;
+:meth:`PreparedLaunch.__call__` checks it again and launches nothing when it differs). Launch
+hooks (``triton.knobs.runtime.launch_enter_hook``, profilers) are not called for prepared
+launches.
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ def launch(jit_fn, grid: tuple[int, ...], args: Sequence, kwargs: dict) -> None:
         return
     key = [jit_fn, grid, args[num_tensors:], tuple(kwargs.items())]
     for t in tensors:
-        key += (t.dtype, t.get_device())
+        key += (t.dtype, t.get_device(), t.data_ptr() % ALIGNMENT == 0)
     key = tuple(key)
     prepared = _LAUNCHES.get(key)
     if prepared is not None and prepared(tensors):

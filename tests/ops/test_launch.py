@@ -45,6 +45,26 @@ def test_options_are_keyed_with_their_types(monkeypatch):
     assert dispatch._call_key((t,), (None,)) == dispatch._call_key((t,), (None,))
 
 
+def test_calls_aligned_differently_get_keys_of_their_own(monkeypatch):
+    """Same shapes and strides, one pointer 16-byte aligned and one not: separate entries,
+    so calls that alternate never replace each other's prepared launch (each replacement
+    costs a full, slow call)."""
+    from mini_paged_attn.ops import dispatch, launch
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    t = torch.zeros(64, dtype=torch.float16)
+    aligned, shifted = t[0:8], t[1:9]           # 2 bytes apart
+    assert aligned.data_ptr() % 16 == 0 and shifted.data_ptr() % 16 != 0
+    assert dispatch._call_key((aligned,), ("auto",)) != dispatch._call_key((shifted,), ("auto",))
+    keys = []
+    monkeypatch.setattr(launch._LAUNCHES, "get", lambda key: keys.append(key))
+    monkeypatch.setattr(launch._LAUNCHES, "put", lambda key, value: None)
+    monkeypatch.setattr(launch, "PreparedLaunch", lambda *args: None)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    for x in (aligned, shifted):
+        launch.launch(object(), (1,), (x, 8), {})
+    assert len(keys) == 2 and keys[0][2:] != keys[1][2:]
+
+
 def test_tensor_descriptors_follow_the_tensor_argument_named_for_them():
     """A descriptor follows the argument position it was named for, not whichever argument
     holds the same tensor (k also passed as a scale pointer, or k is v), and each repeat makes
