@@ -156,10 +156,8 @@ class ModelRunner:
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             # The profiled step (whole prompts) copies no pages; a prefill step of long
-            # queries on cached prefixes may (ops.prefill_gather), up to its bound. (On
-            # CUDA, torch brings triton.)
-            from ..ops.prefill_gather import gather_reserve_bytes
-            reserve = gather_reserve_bytes(self.device) + (
+            # queries on cached prefixes may (ops.prefill_gather), up to its bound.
+            reserve = self._gather_reserve() + (
                 0 if self.config.enforce_eager else GRAPH_MEMORY_RESERVE)
             budget = int(total * self.config.gpu_memory_utilization) - (total - free) - peak - reserve
             num_blocks = max(0, budget) // per_block
@@ -175,6 +173,17 @@ class ModelRunner:
             where += f", the least of {self.tp.world_size} ranks"
         logger.info("KV pool sized to %d blocks from %s", num_blocks, where)
         return num_blocks
+
+    def _gather_reserve(self) -> int:
+        """Bytes a prefill step's page copy may take beyond the profiled peak (see
+        ``ops.prefill_gather``; the Triton backend only)."""
+        if self.backend != "triton":
+            return 0
+        from ..ops.prefill_gather import gather_reserve_bytes
+        return gather_reserve_bytes(
+            self.device, max_num_seqs=self.config.max_num_seqs, width=self.table_width,
+            block_size=self.block_size, num_kv_heads=self.layout.num_kv_heads,
+            head_size=self.model_config.head_size, dtype=self.dtype)
 
     @torch.inference_mode()
     def _profile_step_memory(self, max_model_len: int) -> int:

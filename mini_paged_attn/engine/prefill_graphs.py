@@ -17,7 +17,14 @@ without padding, and the padding's rows are dropped. Two families of graphs:
 - paged (a prompt after a prefix-cache hit, a later chunk, or any prompt over an fp8 cache):
   attention through the block tables (``paged_prefill``), both rows ``max_blocks_per_seq``
   wide; the padding's row is the prompt's, and it attends over the prompt's first
-  ``bucket - n`` tokens (fewer than ``n``, so all of them written by the time it reads).
+  ``bucket - n`` positions. Every entry of the row is an in-range block id (stale entries
+  and a window's given-back blocks included) in a pool that starts zeroed, so the padding
+  reads finite K/V; they are the prompt's own, written by the time a layer reads them,
+  whenever ``bucket - n`` is at most the prompt's context (always but at the smallest
+  bucket, whose padding may also read slots not written yet). Its rows are dropped either
+  way. Two sequences of at most :data:`MAX_GRAPH_TOKENS` tokens never average more than
+  ``ops.prefill_gather.GATHER_MIN_Q_LEN`` tokens, so neither the eager warm-up nor the
+  capture copies pages: the warm-up compiles what the capture launches.
 """
 
 from __future__ import annotations
@@ -41,13 +48,15 @@ memory pool, which the pool sizing reserves a fixed amount for."""
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
-    """Token counts to capture: powers of two from 16 up to the first that holds
-    ``max_tokens`` (the most tokens a prompt step can have), at most
-    :data:`MAX_GRAPH_TOKENS`."""
-    sizes = [MIN_BUCKET]
-    while sizes[-1] < max_tokens and sizes[-1] < MAX_GRAPH_TOKENS:
-        sizes.append(2 * sizes[-1])
-    return sizes
+    """Token counts to capture: powers of two from 16, up to :data:`MAX_GRAPH_TOKENS`, the
+    last one cut to ``max_tokens`` (the most tokens a prompt step can have: the input
+    regions hold no more)."""
+    sizes, size = [], MIN_BUCKET
+    while True:
+        sizes.append(min(size, max_tokens, MAX_GRAPH_TOKENS))
+        if size >= max_tokens or size >= MAX_GRAPH_TOKENS:
+            return sizes
+        size *= 2
 
 
 @dataclass(frozen=True)

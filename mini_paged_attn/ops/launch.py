@@ -151,7 +151,8 @@ class PreparedLaunch:
 
     def launch_checked(self, ptrs: tuple[int, ...], stream: int) -> bool:
         """:meth:`__call__` with raw device pointers, launching on ``stream`` (the handle of
-        the current stream of the launch's device, :meth:`stream`); only for a ready launch.
+        the current stream of the launch's device: ``self.stream()``, set on a ready launch);
+        only for a ready launch.
         The common case, every pointer aligned as prepared, costs one OR over the pointers."""
         if self.all_aligned:
             if functools.reduce(operator.or_, ptrs) % ALIGNMENT:
@@ -256,7 +257,7 @@ def launch(jit_fn, grid: tuple[int, ...], args: Sequence, kwargs: dict) -> None:
     if not tensors or not tensors[0].is_cuda:     # the interpreter: nothing to reuse
         jit_fn[grid](*args, **kwargs)
         return
-    key = [jit_fn, grid, args[num_tensors:], tuple(kwargs.items())]
+    key = [jit_fn, grid, tuple(args[num_tensors:]), tuple(kwargs.items())]
     for t in tensors:
         key += (t.dtype, t.get_device(), t.data_ptr() % ALIGNMENT == 0)
     key = tuple(key)

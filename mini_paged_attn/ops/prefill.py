@@ -17,7 +17,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .checks import PagedShapes
 from .kv_quant import scale_pointers, scale_stride
 from .launch import PreparedLaunch
-from .prefill_gather import GatheredPrefill, gather_layout, prepare_gather, should_gather
+from .prefill_gather import (GatheredPrefill, gather_layout, heads_adjacent, prepare_gather,
+                             should_gather)
 from .prefill_kernel import _prefill_kernel
 from .prefill_plan import PrefillConfig, default_config, tiling, tma_usable
 from .variants import effective_right
@@ -126,6 +127,11 @@ def _gathered(query, key_cache, value_cache, block_tables, context_lens, cu_seql
               shapes: PagedShapes, *, causal: bool, out, lse, config, **variant
               ) -> GatheredPrefill | None:
     """:func:`triton_paged_prefill` by copy (see :mod:`.prefill_gather`)."""
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not heads_adjacent(cache):
+            raise ValueError(f"{name}: the page copy needs each token's heads adjacent "
+                             f"(strides [..., {shapes.head_size}, 1]), got strides "
+                             f"{tuple(cache.stride())}")
     layout = gather_layout(shapes.num_seqs, shapes.max_blocks_per_seq, shapes.block_size,
                            shapes.num_kv_heads, shapes.head_size, query.dtype)
     workspace = torch.empty(layout.nbytes, dtype=torch.uint8, device=query.device)

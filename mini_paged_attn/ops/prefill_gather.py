@@ -34,8 +34,10 @@ from .launch import PreparedLaunch
 from .prefill_plan import default_config
 
 GATHER_MIN_Q_LEN = 256
-"""Average query tokens a sequence from which the copy pays: it costs as much as the
-attention saves at about 210 (H100: copy at 2.85 TB/s against 370 -> 535 TFLOP/s)."""
+"""Average query tokens a sequence above which the copy pays: it costs as much as the
+attention saves at about 210 (H100: copy at 2.85 TB/s against 370 -> 535 TFLOP/s). A prefill
+graph's step (two sequences, at most 512 tokens) never averages more, so its eager warm-up
+compiles the launches its capture makes."""
 
 GATHER_MAX_BYTES = 512 << 20
 """The largest workspace a call allocates for the copy; larger steps read the pages in
@@ -83,46 +85,64 @@ def gather_layout(num_seqs: int, width: int, block_size: int, num_kv_heads: int,
                         num_kv_heads * head_size * dtype.itemsize)
 
 
+def copy_pays(total_q: int, num_seqs: int, window_left: int, dtype: torch.dtype,
+              heads_adjacent: bool, workspace_bytes: int) -> bool:
+    """The shape side of :func:`should_gather`: more than :data:`GATHER_MIN_Q_LEN` queries a
+    sequence on average, no left window (the copy would move the whole context to read a
+    window of it), fp16/bf16, each cached token's heads adjacent (one row to copy) and a
+    workspace of at most :data:`GATHER_MAX_BYTES`."""
+    return (num_seqs > 0 and total_q > GATHER_MIN_Q_LEN * num_seqs and window_left < 0
+            and dtype in (torch.float16, torch.bfloat16) and heads_adjacent
+            and workspace_bytes <= GATHER_MAX_BYTES)
+
+
+def _copy_runs_on(device: torch.device, head_size: int, dtype: torch.dtype) -> bool:
+    """Whether the contiguous prefill on ``device`` loads through tensor descriptors for this
+    head size and dtype (Hopper or newer; :func:`~.prefill_plan.default_config`'s tiles for
+    whole prompts)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    return default_config(head_size, dtype, device, None, contiguous=True).tma
+
+
+def heads_adjacent(cache: torch.Tensor) -> bool:
+    """Whether each token's heads of ``cache`` ``[blocks, block_size, heads, head_size]`` are
+    one contiguous row (what the copy reads)."""
+    return cache.stride(3) == 1 and cache.stride(2) == cache.shape[3]
+
+
 def should_gather(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   num_seqs: int, width: int, window_left: int) -> bool:
-    """Whether a triton paged prefill copies the pages first: on a GPU whose contiguous
-    prefill loads through tensor descriptors (Hopper or newer, fp16/bf16, the tiles of
-    :func:`~.prefill_plan.default_config`), for sequences of at least
-    :data:`GATHER_MIN_Q_LEN` queries on average, no left window (the copy would move the
-    whole context to read a window of it), each cached token's heads adjacent (one row to
-    copy), a workspace of at most :data:`GATHER_MAX_BYTES`, and no CUDA-graph capture (a
-    graph would keep its workspace for as long as it lives)."""
+    """Whether a triton paged prefill copies the pages first: where :func:`copy_pays` for
+    its shapes, on a GPU whose contiguous prefill loads through tensor descriptors, and not
+    under CUDA-graph capture (a graph would keep its workspace for as long as it lives)."""
     total_q, _, head_size = query.shape
-    if (query.device.type != "cuda" or num_seqs == 0 or total_q < GATHER_MIN_Q_LEN * num_seqs
-            or window_left >= 0 or query.dtype not in (torch.float16, torch.bfloat16)):
-        return False
-    if torch.cuda.is_current_stream_capturing():
-        return False
-    if torch.cuda.get_device_capability(query.device)[0] < 9:
-        return False
-    num_kv_heads = key_cache.shape[2]
-    if any(c.stride(3) != 1 or c.stride(2) != head_size for c in (key_cache, value_cache)):
-        return False
-    config = default_config(head_size, query.dtype, query.device, total_q / num_seqs,
-                            contiguous=True)
-    layout = gather_layout(num_seqs, width, key_cache.shape[1], num_kv_heads, head_size,
+    layout = gather_layout(num_seqs, width, key_cache.shape[1], key_cache.shape[2], head_size,
                            query.dtype)
-    return config.tma and layout.nbytes <= GATHER_MAX_BYTES
+    return (copy_pays(total_q, num_seqs, window_left, query.dtype,
+                      heads_adjacent(key_cache) and heads_adjacent(value_cache), layout.nbytes)
+            and _copy_runs_on(query.device, head_size, query.dtype)
+            and not torch.cuda.is_current_stream_capturing())
 
 
-def gather_reserve_bytes(device: torch.device) -> int:
+def gather_reserve_bytes(device: torch.device, *, max_num_seqs: int, width: int,
+                         block_size: int, num_kv_heads: int, head_size: int,
+                         dtype: torch.dtype) -> int:
     """Memory a caller that sizes its KV pool from a profiled step (the engine) leaves free
-    for the copy's workspace on ``device``: :data:`GATHER_MAX_BYTES` where the copy can run
-    (a Hopper or newer GPU), else 0."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+    for the copy's workspace: the largest one a step of at most ``max_num_seqs`` sequences
+    over ``width``-block tables can take (at most :data:`GATHER_MAX_BYTES`), or 0 where the
+    copy never runs (the device, head size or dtype)."""
+    if dtype not in (torch.float16, torch.bfloat16) or not _copy_runs_on(device, head_size,
+                                                                        dtype):
         return 0
-    return GATHER_MAX_BYTES
+    largest = gather_layout(max_num_seqs, width, block_size, num_kv_heads, head_size, dtype)
+    return min(largest.nbytes, GATHER_MAX_BYTES)
 
 
 @triton.jit
 def _gather_kv_kernel(
     key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr, k_out_ptr, v_out_ptr,
-    cu_k_ptr, num_seqs, stride_kb, stride_kt, stride_vb, stride_vt, stride_bt,
+    cu_k_ptr, num_seqs, max_len, stride_kb, stride_kt, stride_vb, stride_vt, stride_bt,
     ROW: tl.constexpr, ROW_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TOKENS: tl.constexpr, SEQ_CHUNK: tl.constexpr,
 ):
@@ -130,13 +150,16 @@ def _gather_kv_kernel(
     # token (adjacent in the cache), TOKENS tokens an iteration. Its rows start at
     # cu_k[i] = context_lens[0] + ... + context_lens[i - 1], summed here; program (0, i)
     # also writes cu_k[i + 1] (and program (0, 0) cu_k[0]) for the attention launch after it.
+    # Lengths are clamped to the table's max_len = width * BLOCK_SIZE tokens: a length past
+    # it (unchecked on this path) must not move any row past the workspace.
     j = tl.program_id(0)
     seq = tl.program_id(1)
-    n = tl.load(context_lens_ptr + seq)
+    n = tl.minimum(tl.load(context_lens_ptr + seq), max_len)
     start = 0
     for s0 in range(0, seq, SEQ_CHUNK):
         offs = s0 + tl.arange(0, SEQ_CHUNK)                                  # [SEQ_CHUNK]
-        start += tl.sum(tl.load(context_lens_ptr + offs, mask=offs < seq, other=0), axis=0)
+        lens = tl.load(context_lens_ptr + offs, mask=offs < seq, other=0)    # [SEQ_CHUNK]
+        start += tl.sum(tl.minimum(lens, max_len), axis=0)
     if j == 0:
         tl.store(cu_k_ptr + seq + 1, start + n)
         if seq == 0:
@@ -168,7 +191,8 @@ def prepare_gather(key_cache: torch.Tensor, value_cache: torch.Tensor,
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, each
             token's heads adjacent (``stride(2) == head_size``, ``stride(3) == 1``).
         block_tables: int32 ``[num_seqs, width]``, last dim contiguous.
-        context_lens: int32 ``[num_seqs]``, at most ``width * block_size`` each.
+        context_lens: int32 ``[num_seqs]``, at most ``width * block_size`` each (longer
+            ones are copied as that many, and ``cu_k`` counts them so).
         k_out, v_out: contiguous ``[rows, num_kv_heads, head_size]`` in the query's dtype,
             ``rows >= sum(context_lens)``.
         cu_k: int32 ``[num_seqs + 1]``, written.
@@ -180,7 +204,8 @@ def prepare_gather(key_cache: torch.Tensor, value_cache: torch.Tensor,
     tokens = max(1, min(next_pow2(block_size), _TILE_ELEMENTS // row_padded))
     return PreparedLaunch(_gather_kv_kernel, (width, num_seqs), (
         key_cache, value_cache, block_tables, context_lens, k_out, v_out, cu_k, num_seqs,
-        key_cache.stride(0), key_cache.stride(1), value_cache.stride(0), value_cache.stride(1),
+        width * block_size, key_cache.stride(0), key_cache.stride(1), value_cache.stride(0),
+        value_cache.stride(1),
         block_tables.stride(0)), dict(
         ROW=row, ROW_PADDED=row_padded, BLOCK_SIZE=block_size, TOKENS=tokens,
         SEQ_CHUNK=min(1024, max(16, next_pow2(num_seqs))),
@@ -218,4 +243,5 @@ class GatheredPrefill:
 
 
 __all__ = ["GATHER_MAX_BYTES", "GATHER_MIN_Q_LEN", "GatherLayout", "GatheredPrefill",
-           "gather_layout", "gather_reserve_bytes", "prepare_gather", "should_gather"]
+           "copy_pays", "gather_layout", "gather_reserve_bytes", "heads_adjacent",
+           "prepare_gather", "should_gather"]

@@ -17,8 +17,9 @@ from helpers.reference_checks import TOL
 from mini_paged_attn.ops import reference
 from mini_paged_attn.ops.checks import check_paged_prefill_args
 from mini_paged_attn.ops.prefill import triton_paged_prefill
-from mini_paged_attn.ops.prefill_gather import (GATHER_MAX_BYTES, gather_layout,
-                                                prepare_gather, should_gather)
+from mini_paged_attn.ops.prefill_gather import (GATHER_MAX_BYTES, copy_pays,
+                                                gather_layout, gather_reserve_bytes,
+                                                heads_adjacent, prepare_gather, should_gather)
 from mini_paged_attn.ops.prefill_plan import PrefillConfig
 
 SMALL = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
@@ -114,6 +115,24 @@ def test_variants_pass_through_to_the_attention():
     torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
 
 
+def test_lengths_past_the_table_never_write_past_the_workspace():
+    """context_lens past width * block_size (unchecked on the triton path) are copied as
+    the table's length: cu_k stays within the rows and the bytes after the workspace stay."""
+    batch = make_prefill_batch([1, 1], [15, 7], num_q_heads=2, num_kv_heads=1, head_size=16,
+                               block_size=4, dtype=torch.float32, seed=4)
+    _, kc, vc, tables, _, _ = batch.prefill_args
+    tables = tables[:, :4].contiguous()                       # 16 tokens a sequence
+    ctx = torch.tensor([40, 8], dtype=torch.int32)            # the first is past the table
+    layout = gather_layout(2, 4, 4, 1, 16, torch.float32)
+    guard = 256
+    buffer = torch.full((layout.nbytes + guard,), 77, dtype=torch.uint8)
+    k, v, cu_k = layout.views(buffer[:layout.nbytes], 1, 16, torch.float32)
+    prepare_gather(kc, vc, tables, ctx, k, v, cu_k)
+    assert cu_k.tolist() == [0, 16, 24]
+    assert buffer[layout.nbytes:].eq(77).all()
+    torch.testing.assert_close(k[16:24], batch.keys[1], atol=0, rtol=0)
+
+
 def test_layout_and_the_automatic_choice():
     layout = gather_layout(8, 544, 16, 8, 128, torch.bfloat16)
     assert layout.rows == 8 * 544 * 16 and layout.v_offset == layout.rows * 2048
@@ -122,3 +141,30 @@ def test_layout_and_the_automatic_choice():
                                block_size=16, dtype=torch.float16)
     q, kc, vc, tables, _, _ = batch.prefill_args
     assert not should_gather(q, kc, vc, 1, tables.shape[1], -1)    # CPU: the interpreter
+    assert gather_reserve_bytes(torch.device("cpu"), max_num_seqs=8, width=64, block_size=16,
+                                num_kv_heads=8, head_size=128, dtype=torch.bfloat16) == 0
+    # The shape side: more than 256 queries a sequence, no window, 16-bit, adjacent heads,
+    # a workspace within the bound.
+    fits = dict(dtype=torch.bfloat16, heads_adjacent=True, workspace_bytes=1 << 20)
+    assert copy_pays(513, 2, -1, **fits)
+    assert not copy_pays(512, 2, -1, **fits)                   # 256 a sequence: no gain
+    assert not copy_pays(4096, 1, 128, **fits)                 # a left window
+    assert not copy_pays(4096, 0, -1, **fits)
+    assert not copy_pays(4096, 1, -1, **(fits | dict(dtype=torch.float32)))
+    assert not copy_pays(4096, 1, -1, **(fits | dict(heads_adjacent=False)))
+    assert not copy_pays(4096, 1, -1, **(fits | dict(workspace_bytes=GATHER_MAX_BYTES + 1)))
+    pool = torch.zeros(4, 16, 2, 8, 128)
+    assert heads_adjacent(pool[:, :, 0]) and not heads_adjacent(pool[..., :64])
+
+
+def test_forced_copy_refuses_caches_whose_heads_are_not_adjacent():
+    batch = make_prefill_batch([3], [5], num_q_heads=2, num_kv_heads=2, head_size=16,
+                               block_size=4, dtype=torch.float32)
+    q, kc, vc, tables, cu, ctx = batch.prefill_args
+    padded = torch.zeros(*kc.shape[:3], 32)
+    padded[..., :16] = kc
+    split = padded[..., :16]            # a token's heads 32 elements apart, not 16
+    shapes = check_paged_prefill_args(q, split, vc, tables, cu, ctx, None, None)
+    with pytest.raises(ValueError, match="key_cache: the page copy needs"):
+        triton_paged_prefill(q, split, vc, tables, cu, ctx, shapes, causal=True,
+                             out=torch.empty_like(q), lse=None, gather=True)

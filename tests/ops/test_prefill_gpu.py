@@ -112,6 +112,8 @@ def test_long_queries_copy_the_pages_and_repeat():
     for _ in range(2):      # the second call repeats the prepared copy and attention
         run_and_compare(batch, causal=True, config=None)
         run_and_compare(batch, causal=False, config=None)
+    from mini_paged_attn.ops import dispatch
+    assert any(isinstance(r, GatheredPrefill) for r in dispatch._PREFILL_RUNS._entries.values())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _hopper(), reason="needs Hopper")
