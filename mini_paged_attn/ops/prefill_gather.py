@@ -18,7 +18,8 @@ The copy (``_gather_kv_kernel``) writes sequence ``i``'s ``context_lens[i]`` tok
 host. ``rows`` is the bound the block table gives (``num_seqs * width * block_size``); the
 attention masks rows past each sequence's keys. The three live in one workspace allocated
 per call and freed once the launches are queued: :data:`GATHER_MAX_BYTES` bounds it, and the
-engine reserves that much beside its KV pool.
+engine reserves the largest its steps can take beside its KV pool
+(:func:`gather_reserve_bytes`).
 """
 
 from __future__ import annotations
