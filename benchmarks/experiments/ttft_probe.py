@@ -8,6 +8,8 @@ later ones; then a profile of one prefill step (host and GPU time, the top host 
 (whole prompts) and the block-table path, which a prefix-cache hit takes. ``--prefix-hits N``:
 then N prompts of 512 tokens whose first 256 (and N whose first 496) are cached from an
 earlier prompt, alternately with the prefill graphs on and off (the paged graphs serve them).
+``--toggle-graphs``: the fresh prompts alternate too; ``--kv-cache-dtype fp8``: every prompt
+takes the paged graphs.
 
     python -m benchmarks.experiments.ttft_probe
 """
@@ -32,6 +34,10 @@ def main() -> None:
                         "block-table path")
     p.add_argument("--prefix-hits", type=int, default=0,
                    help="prompts with a cached prefix to time, graphs on and off in turn")
+    p.add_argument("--toggle-graphs", action="store_true",
+                   help="the fresh prompts too alternate between prefill graphs on and off")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                   help="the engine's KV cache (fp8: every prompt takes the paged graphs)")
     args = p.parse_args()
     paged = {"on": False}
     if args.compare_paths:
@@ -47,22 +53,25 @@ def main() -> None:
     from mini_paged_attn.engine import SamplingParams
     with tempfile.TemporaryDirectory() as tmp:
         llm = engine_llm(random_model_dir("qwen2.5-0.5b", Path(tmp)),
-                         engine_options(max_num_seqs=8))
+                         engine_options(max_num_seqs=8, kv_cache_dtype=args.kv_cache_dtype))
         llm.generate([[5] * 50], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
         gen = torch.Generator().manual_seed(1)
         one = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
+        runner = llm.engine.runner
+        graphs = runner.prefill_graphs
         for i in range(args.prompts):
             paged["on"] = args.compare_paths and i % 2 == 1
             prompt = torch.randint(0, 10000, (512,), generator=gen).tolist()
+            off = args.toggle_graphs and i % 2 == 1
+            runner.prefill_graphs = None if off else graphs
             torch.cuda.synchronize()
             t = time.perf_counter()
             (out,) = llm.generate([prompt], one, use_tqdm=False)
             wall = time.perf_counter() - t
-            path = "block tables" if paged["on"] else "new K/V"
+            runner.prefill_graphs = graphs
+            path = ("block tables" if paged["on"] else "new K/V") + (", graphs off" if off else "")
             print(f"prompt {i} ({path}): TTFT {1e3 * out.metrics.time_to_first_token:.1f} ms, "
                   f"generate wall {1e3 * wall:.1f} ms", flush=True)
-        runner = llm.engine.runner
-        graphs = runner.prefill_graphs
         for cached in (256, 496) if args.prefix_hits else ():
             for i in range(2 * args.prefix_hits):
                 base = torch.randint(0, 10000, (512,), generator=gen).tolist()
