@@ -35,10 +35,16 @@ from .launch import PreparedLaunch
 from .prefill_plan import default_config
 
 GATHER_MIN_Q_LEN = 256
-"""Average query tokens a sequence above which the copy pays: it costs as much as the
-attention saves at about 210 (H100: copy at 2.85 TB/s against 370 -> 535 TFLOP/s). A prefill
-graph's step (two sequences, at most 512 tokens) never averages more, so its eager warm-up
-compiles the launches its capture makes."""
+"""Average query tokens a sequence above which the copy may pay. A prefill graph's step (two
+sequences, at most 512 tokens) never averages more, so its eager warm-up compiles the
+launches its capture makes."""
+
+GATHER_MIN_ROWS = 1024
+"""Average query rows a sequence (query tokens x query heads per KV head) above which the copy
+pays: the copy moves each KV head's rows once, the attention's work on them grows with the
+queries and with the query heads that share them. Measured at 32 query / 8 KV heads on an
+H100 (copy at 2.85 TB/s, attention 370 -> 535 TFLOP/s), the two break even at about 210
+tokens, 840 rows; with 2 query heads a KV head the copy starts above 512 tokens."""
 
 GATHER_MAX_BYTES = 512 << 20
 """The largest workspace a call allocates for the copy; larger steps read the pages in
@@ -86,13 +92,15 @@ def gather_layout(num_seqs: int, width: int, block_size: int, num_kv_heads: int,
                         num_kv_heads * head_size * dtype.itemsize)
 
 
-def copy_pays(total_q: int, num_seqs: int, window_left: int, dtype: torch.dtype,
-              heads_adjacent: bool, workspace_bytes: int) -> bool:
-    """The shape side of :func:`should_gather`: more than :data:`GATHER_MIN_Q_LEN` queries a
-    sequence on average, no left window (the copy would move the whole context to read a
-    window of it), fp16/bf16, each cached token's heads adjacent (one row to copy) and a
-    workspace of at most :data:`GATHER_MAX_BYTES`."""
-    return (num_seqs > 0 and total_q > GATHER_MIN_Q_LEN * num_seqs and window_left < 0
+def copy_pays(total_q: int, num_seqs: int, group_size: int, window_left: int,
+              dtype: torch.dtype, heads_adjacent: bool, workspace_bytes: int) -> bool:
+    """The shape side of :func:`should_gather`: on average more than :data:`GATHER_MIN_Q_LEN`
+    queries and :data:`GATHER_MIN_ROWS` rows a sequence (``group_size``: query heads a KV
+    head), no left window (the copy would move the whole context to read a window of it),
+    fp16/bf16, each cached token's heads adjacent (one row to copy) and a workspace of at most
+    :data:`GATHER_MAX_BYTES`."""
+    return (num_seqs > 0 and total_q > GATHER_MIN_Q_LEN * num_seqs
+            and total_q * group_size > GATHER_MIN_ROWS * num_seqs and window_left < 0
             and dtype in (torch.float16, torch.bfloat16) and heads_adjacent
             and workspace_bytes <= GATHER_MAX_BYTES)
 
@@ -117,10 +125,11 @@ def should_gather(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     """Whether a triton paged prefill copies the pages first: where :func:`copy_pays` for
     its shapes, on a GPU whose contiguous prefill loads through tensor descriptors, and not
     under CUDA-graph capture (a graph would keep its workspace for as long as it lives)."""
-    total_q, _, head_size = query.shape
-    layout = gather_layout(num_seqs, width, key_cache.shape[1], key_cache.shape[2], head_size,
+    total_q, num_q_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[2]
+    layout = gather_layout(num_seqs, width, key_cache.shape[1], num_kv_heads, head_size,
                            query.dtype)
-    return (copy_pays(total_q, num_seqs, window_left, query.dtype,
+    return (copy_pays(total_q, num_seqs, num_q_heads // num_kv_heads, window_left, query.dtype,
                       heads_adjacent(key_cache) and heads_adjacent(value_cache), layout.nbytes)
             and _copy_runs_on(query.device, head_size, query.dtype)
             and not torch.cuda.is_current_stream_capturing())
@@ -243,6 +252,7 @@ class GatheredPrefill:
                      cu_k, cu_q, cu_k, sinks), stream))
 
 
-__all__ = ["GATHER_MAX_BYTES", "GATHER_MIN_Q_LEN", "GatherLayout", "GatheredPrefill",
+__all__ = ["GATHER_MAX_BYTES", "GATHER_MIN_Q_LEN", "GATHER_MIN_ROWS", "GatherLayout",
+           "GatheredPrefill",
            "copy_pays", "gather_layout", "gather_reserve_bytes", "heads_adjacent",
            "prepare_gather", "should_gather"]

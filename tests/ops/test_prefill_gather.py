@@ -143,16 +143,19 @@ def test_layout_and_the_automatic_choice():
     assert not should_gather(q, kc, vc, 1, tables.shape[1], -1)    # CPU: the interpreter
     assert gather_reserve_bytes(torch.device("cpu"), max_num_seqs=8, width=64, block_size=16,
                                 num_kv_heads=8, head_size=128, dtype=torch.bfloat16) == 0
-    # The shape side: more than 256 queries a sequence, no window, 16-bit, adjacent heads,
-    # a workspace within the bound.
+    # The shape side: more than 256 queries and 1024 rows (queries x query heads a KV head)
+    # a sequence, no window, 16-bit, adjacent heads, a workspace within the bound.
     fits = dict(dtype=torch.bfloat16, heads_adjacent=True, workspace_bytes=1 << 20)
-    assert copy_pays(513, 2, -1, **fits)
-    assert not copy_pays(512, 2, -1, **fits)                   # 256 a sequence: no gain
-    assert not copy_pays(4096, 1, 128, **fits)                 # a left window
-    assert not copy_pays(4096, 0, -1, **fits)
-    assert not copy_pays(4096, 1, -1, **(fits | dict(dtype=torch.float32)))
-    assert not copy_pays(4096, 1, -1, **(fits | dict(heads_adjacent=False)))
-    assert not copy_pays(4096, 1, -1, **(fits | dict(workspace_bytes=GATHER_MAX_BYTES + 1)))
+    assert copy_pays(513, 2, 4, -1, **fits)
+    assert not copy_pays(512, 2, 4, -1, **fits)                # 256 a sequence: no gain
+    assert not copy_pays(2 * 512, 2, 2, -1, **fits)            # 2 heads a KV head: 1024 rows
+    assert copy_pays(2 * 513, 2, 2, -1, **fits)
+    assert not copy_pays(512, 2, 16, -1, **fits)               # many rows, few queries
+    assert not copy_pays(4096, 1, 4, 128, **fits)              # a left window
+    assert not copy_pays(4096, 0, 4, -1, **fits)
+    assert not copy_pays(4096, 1, 4, -1, **(fits | dict(dtype=torch.float32)))
+    assert not copy_pays(4096, 1, 4, -1, **(fits | dict(heads_adjacent=False)))
+    assert not copy_pays(4096, 1, 4, -1, **(fits | dict(workspace_bytes=GATHER_MAX_BYTES + 1)))
     pool = torch.zeros(4, 16, 2, 8, 128)
     assert heads_adjacent(pool[:, :, 0]) and not heads_adjacent(pool[..., :64])
 
