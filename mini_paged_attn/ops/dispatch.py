@@ -234,6 +234,11 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     ``<= context_lens[i] - q_len_i + t``). One call serves whole prompts, chunked prefill,
     prefix-cache hits and decode rows (``q_len 1``) together.
 
+    Memory: on Hopper, the triton backend copies the pages of a step of long queries (on
+    average over 256 a sequence, and 1024 query rows: queries x query heads a KV head) into
+    contiguous rows before attending, in a workspace of at most 512 MiB allocated for the
+    call (:mod:`.prefill_gather`; never under CUDA-graph capture). The result is the same.
+
     Args:
         query: ``[total_q, num_q_heads, head_size]``, fp16 / bf16 / fp32.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]`` as in
