@@ -214,9 +214,10 @@ class ModelRunner:
 
         - Triton specialises integer arguments equal to 1 or divisible by 16, and the prefill
           kernel picks its tiles by the batch's mean query length: small batches of 1, 4, 200
-          and 300 tokens a sequence cover those variants, for whole prompts (new K/V read as
+          and 1040 tokens a sequence cover those variants, for whole prompts (new K/V read as
           they are) and for steps with cached prefixes (K/V read through the block tables,
-          or, above 256 a sequence on Hopper, copied out of them first: ops.prefill_gather).
+          or, for long queries on Hopper, copied out of them first: 1040 is past
+          ops.prefill_gather's threshold for any number of query heads a KV head).
         - cuBLAS picks its GEMM kernel by the number of rows, and CUDA loads each kernel on
           its first launch: a 512-token prompt's first step took 31 ms on an H100 against 13 ms
           for the next one. One prompt of each power-of-two length up to
@@ -227,7 +228,7 @@ class ModelRunner:
         start = time.perf_counter()
         cfg = self.config
         for num_seqs in (1, 2, 16):
-            for q_len in (1, 4, 200, 300):
+            for q_len in (1, 4, 200, 1040):
                 if num_seqs * q_len > cfg.max_num_batched_tokens or q_len > max_model_len:
                     continue
                 for no_prefix in (True, False) if q_len > 1 else (True,):
