@@ -1,4 +1,5 @@
-"""ModelRunner: sizes and owns the KV cache (a PagedAttentionManager), one forward per step.
+"""ModelRunner: owns the KV cache (a PagedAttentionManager, sized by ``pool_sizing``)
+and runs one forward per step.
 
 Per step: copy-on-write block copies (all layers at once), the inputs (built once, vectorised,
 see ``input_batch``), the forward (on CUDA a captured graph for decode-only batches and for a
@@ -24,7 +25,6 @@ import torch
 from ..cache.manager import PagedAttentionManager
 from ..core.args import cdiv
 from ..core.scheduler import SchedulerOutput
-from ..core.sliding_window import max_blocks_in_use
 from ..models.attention import AttentionMetadata
 from ..models.config import ModelConfig
 from ..ops.dispatch import resolve_backend
@@ -32,6 +32,7 @@ from ..ops.kv_quant import kv_cache_torch_dtype
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .input_batch import InputBuilder, dummy_inputs, table_width
+from .pool_sizing import auto_num_blocks
 from .prefill_graphs import PrefillGraphs, PromptGraph
 from .prompt_logprobs import (PendingPromptLogprobs, PromptLogprobs, PromptRows,
                               compute_prompt_logprobs, prompt_logprob_rows)
@@ -42,17 +43,8 @@ from .structured.bitmask import TokenMasks
 
 logger = logging.getLogger(__name__)
 
-# Left free for the CUDA graphs' memory pool and allocator fragmentation when sizing the pool.
-GRAPH_MEMORY_RESERVE = 512 << 20
 # Split-KV partial results the decode workspace holds per sequence (more for smaller batches).
 WORKSPACE_SPLITS_PER_SEQ = 16
-def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype,
-                   num_kv_heads: int | None = None) -> int:
-    """Bytes of one block over all layers (K and V); ``num_kv_heads``: the KV heads one rank
-    stores (default: all of the model's)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return config.num_layers * 2 * block_size * heads * config.head_size * elem
 
 
 class ModelRunner:
@@ -95,7 +87,7 @@ class ModelRunner:
                                   model_config.head_size, WORKSPACE_SPLITS_PER_SEQ)
             self.workspace = torch.empty(size, dtype=torch.float32, device=device)
 
-        self.num_blocks = config.num_kv_blocks or self._auto_num_blocks(max_model_len)
+        self.num_blocks = config.num_kv_blocks or auto_num_blocks(self, max_model_len)
         # The one KV cache: pool, block tables, copy-on-write (the scheduler allocates through
         # its kv_manager; other ranks use the pool and copy-on-write only).
         self.cache = PagedAttentionManager(
@@ -138,76 +130,6 @@ class ModelRunner:
             # requests start from the seed, whatever the limits those steps were sized by.
             self.sampler.generator.manual_seed(config.seed)
 
-    # ---- pool sizing -------------------------------------------------------------------------
-    def _auto_num_blocks(self, max_model_len: int) -> int:
-        per_block = kv_block_bytes(self.model_config, self.block_size, self.kv_dtype,
-                                   self.layout.num_kv_heads)
-        if self.device.type != "cuda":
-            budget = self.config.cpu_kv_cache_bytes
-            # More than the running sequences can ever hold is never used (under a window,
-            # each holds about one window of blocks, not its full length).
-            cap = max_blocks_in_use(self.config.max_num_seqs, max_model_len,
-                                    self.config.max_num_batched_tokens, self.block_size,
-                                    self.model_config.uniform_sliding_window)
-            num_blocks = min(budget // per_block, cap)
-            where = f"the CPU budget of {budget / 2**30:.2f} GiB"
-        else:
-            peak = self._profile_step_memory(max_model_len)
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            # The profiled step (whole prompts) copies no pages; a prefill step of long
-            # queries on cached prefixes may (ops.prefill_gather), up to its bound.
-            reserve = self._gather_reserve() + (
-                0 if self.config.enforce_eager else GRAPH_MEMORY_RESERVE)
-            budget = int(total * self.config.gpu_memory_utilization) - (total - free) - peak - reserve
-            num_blocks = max(0, budget) // per_block
-            where = (f"{self.config.gpu_memory_utilization:.0%} of {total / 2**30:.1f} GiB, less "
-                     f"{(total - free) / 2**30:.2f} GiB in use and a {peak / 2**30:.2f} GiB step peak")
-        if num_blocks < 1:
-            raise ValueError(f"num_kv_blocks: no room for a single KV block of {per_block} bytes "
-                             f"in {where}; raise gpu_memory_utilization or pass num_kv_blocks")
-        if self.tp.world_size > 1:
-            # Every rank must have every block id the scheduler hands out: the smallest pool.
-            agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
-            num_blocks = int(self.tp.all_reduce(agreed, "min").item())
-            where += f", the least of {self.tp.world_size} ranks"
-        logger.info("KV pool sized to %d blocks from %s", num_blocks, where)
-        return num_blocks
-
-    def _gather_reserve(self) -> int:
-        """Bytes a prefill step's page copy may take beyond the profiled peak (see
-        ``ops.prefill_gather``; the Triton backend only)."""
-        if self.backend != "triton":
-            return 0
-        from ..ops.prefill_gather import gather_reserve_bytes
-        return gather_reserve_bytes(
-            self.device, max_num_seqs=self.config.max_num_seqs, width=self.table_width,
-            block_size=self.block_size, num_kv_heads=self.layout.num_kv_heads,
-            head_size=self.model_config.head_size, dtype=self.dtype)
-
-    @torch.inference_mode()
-    def _profile_step_memory(self, max_model_len: int) -> int:
-        """Peak bytes a full step takes beyond what is allocated now: a forward over
-        max_num_batched_tokens tokens, logits and sampling for max_num_seqs rows."""
-        cfg, mc = self.config, self.model_config
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        num_tokens = cfg.max_num_batched_tokens
-        lens = [min(max_model_len, num_tokens - i) for i in range(0, num_tokens, max_model_len)]
-        # The pool does not exist yet: one scratch block, the only one the dummy batch reads.
-        scratch = torch.zeros((2, 1, self.block_size, self.layout.num_kv_heads, mc.head_size),
-                              dtype=self.kv_dtype, device=self.device)
-        hidden = self._run_dummy(lens, [(scratch[0], scratch[1])] * mc.num_layers,
-                                 decode_only=False)
-        rows = min(cfg.max_num_seqs, num_tokens)
-        logits = self.model.compute_logits(hidden[:rows])
-        params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=50)] * rows
-        self.sampler(logits, params, [None] * rows)
-        del hidden, logits
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - base
-
     @torch.inference_mode()
     def _warm_up(self, max_model_len: int) -> None:
         """Compile and load the kernels before the first request, so no request waits for it.
@@ -232,11 +154,11 @@ class ModelRunner:
                 if num_seqs * q_len > cfg.max_num_batched_tokens or q_len > max_model_len:
                     continue
                 for no_prefix in (True, False) if q_len > 1 else (True,):
-                    self._run_dummy([q_len] * num_seqs, self.kv_caches,
+                    self.run_dummy([q_len] * num_seqs, self.kv_caches,
                                     decode_only=q_len == 1, no_prefix=no_prefix)
         q_len = 16
         while q_len <= min(cfg.max_num_batched_tokens, max_model_len):
-            hidden = self._run_dummy([q_len], self.kv_caches, decode_only=False)
+            hidden = self.run_dummy([q_len], self.kv_caches, decode_only=False)
             rows = 1
             while rows <= min(cfg.max_num_seqs, q_len):
                 for dtype in dict.fromkeys((torch.float32, self.model.dtype)):
@@ -249,7 +171,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         logger.info("warmed up the kernels in %.1f s", time.perf_counter() - start)
 
-    def _run_dummy(self, q_lens: list[int], kv_caches, *, decode_only: bool,
+    def run_dummy(self, q_lens: list[int], kv_caches, *, decode_only: bool,
                    no_prefix: bool = True) -> torch.Tensor:
         """Forward a made-up batch (see ``input_batch.dummy_inputs``: sequence ``i`` computes
         ``q_lens[i]`` tokens, writes nothing, reads block 0 of ``kv_caches``) through the
@@ -428,4 +350,4 @@ def _sample_rows(out: SchedulerOutput) -> list[SampleRow]:
     return rows
 
 
-__all__ = ["ModelRunner", "kv_block_bytes"]
+__all__ = ["ModelRunner"]
