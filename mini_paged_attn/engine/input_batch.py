@@ -232,8 +232,8 @@ class InputBuilder:
         ``paged_prompt`` (with ``pad_prompt_to``, for a graph that reads the cache through the
         block tables): both block-table rows are ``max_blocks_per_seq`` wide and the
         padding's row is the prompt's, so the padding attends over the prompt's first
-        ``pad_prompt_to - num_tokens`` tokens (fewer than its own ``num_tokens``, which the
-        step writes before it attends)."""
+        ``pad_prompt_to - num_tokens`` positions (see :mod:`.prefill_graphs` for what they
+        hold)."""
         seqs = out.seqs
         n = len(seqs)
         num_tokens = out.num_batched_tokens
@@ -286,8 +286,9 @@ class InputBuilder:
             i64[ids_at + num_tokens:ids_at + m] = 0
             i64[pos_at + num_tokens:pos_at + m] = 0
             i64[slots_at + num_tokens:slots_at + m] = -1    # the padding writes nothing
-            i32[cu_at + 2] = m                               # and attends over itself only
-            i32[ctx_at + 1] = m - num_tokens
+            i32[cu_at + 2] = m
+            i32[ctx_at + 1] = m - num_tokens                # over its own rows, or (paged) the
+                                                             # prompt's first positions
         # Entries past a sequence's blocks are stale; the kernels never read them.
         i32[bt_at:bt_at + n * width].reshape(n, width)[:] = table[rows, :width]
         table_rows = n + int(paged_prompt)

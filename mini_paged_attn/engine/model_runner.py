@@ -3,7 +3,8 @@ and runs one forward per step.
 
 Per step: copy-on-write block copies (all layers at once), the inputs (built once, vectorised,
 see ``input_batch``), the forward (on CUDA a captured graph for decode-only batches and for a
-step of one prompt, see ``cuda_graphs`` and ``prefill_graphs``; else eager) and logits for the rows that sample (:meth:`ModelRunner.forward`), then the sampler
+step of one prompt, see ``cuda_graphs`` and ``prefill_graphs``; else eager) and logits for
+the rows that sample (:meth:`ModelRunner.forward`), then the sampler
 (:meth:`ModelRunner.sample`). The only host sync is reading the sampled token ids, which the
 engine may put off until the next step is launched (asynchronous scheduling). Requests that ask for prompt logprobs also get the log-softmax of the logits
 of every prompt position the step computes (see ``prompt_logprobs``).

@@ -134,8 +134,8 @@ class PrefillGraphs:
         width = inputs.max_blocks_per_seq
         for key in self.keys():
             # A prompt of half the bucket and the padding's sequence: the layout of a replay
-            # (positions below max_tokens: the buckets stop at the first that holds it);
-            # the paged family reads block 0 (nothing is written: every slot is -1).
+            # (positions below the bucket, which is at most max_tokens); the paged family
+            # reads block 0 (nothing is written: every slot is -1).
             bucket = key.tokens
             n = bucket // 2
             inputs.region("input_ids", bucket).zero_()

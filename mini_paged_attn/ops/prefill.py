@@ -140,11 +140,10 @@ def _gathered(query, key_cache, value_cache, block_tables, context_lens, cu_seql
     attend = _launch(query, k, v, out, lse, cu_k, cu_seqlens_q, cu_k, num_seqs=shapes.num_seqs,
                      num_kv_heads=shapes.num_kv_heads, scale=shapes.scale, causal=causal,
                      paged=False, block_size=1, config=config, **variant)
-    if attend is None or not gather.ready:
+    if attend is None or not gather.ready:     # the interpreter: nothing to repeat
         return None
-    run = GatheredPrefill(gather, attend, layout, (variant["k_scale"] is not None,
-                                                   variant["v_scale"] is not None))
-    return run if run.ready else None
+    return GatheredPrefill(gather, attend, layout, (variant["k_scale"] is not None,
+                                                    variant["v_scale"] is not None))
 
 
 def triton_varlen_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

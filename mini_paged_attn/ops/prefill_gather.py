@@ -215,16 +215,15 @@ def prepare_gather(key_cache: torch.Tensor, value_cache: torch.Tensor,
     return PreparedLaunch(_gather_kv_kernel, (width, num_seqs), (
         key_cache, value_cache, block_tables, context_lens, k_out, v_out, cu_k, num_seqs,
         width * block_size, key_cache.stride(0), key_cache.stride(1), value_cache.stride(0),
-        value_cache.stride(1),
-        block_tables.stride(0)), dict(
+        value_cache.stride(1), block_tables.stride(0)), dict(
         ROW=row, ROW_PADDED=row_padded, BLOCK_SIZE=block_size, TOKENS=tokens,
         SEQ_CHUNK=min(1024, max(16, next_pow2(num_seqs))),
         num_warps=8 if tokens * row_padded >= 4096 else 4))
 
 
 class GatheredPrefill:
-    """A repeatable paged prefill by copy: the copy's launch and the contiguous attention's,
-    over a workspace allocated per call (see the module doc).
+    """A repeatable paged prefill by copy: the copy's launch and the contiguous attention's
+    (both ready, see :mod:`.launch`), over a workspace allocated per call (see the module doc).
 
     Called like the paged prefill's own launch (:func:`~.prefill.triton_paged_prefill`), with
     the tensors ``(query, key_cache, value_cache, k_scale or key_cache, v_scale or key_cache,
@@ -234,7 +233,6 @@ class GatheredPrefill:
     def __init__(self, gather: PreparedLaunch, attend: PreparedLaunch, layout: GatherLayout,
                  scaled: tuple[bool, bool]) -> None:
         self.gather, self.attend, self.layout, self.scaled = gather, attend, layout, scaled
-        self.ready = gather.ready and attend.ready
 
     def __call__(self, tensors) -> bool:
         """Launch both for ``tensors``; False (nothing left in flight that matters: the
@@ -253,6 +251,5 @@ class GatheredPrefill:
 
 
 __all__ = ["GATHER_MAX_BYTES", "GATHER_MIN_Q_LEN", "GATHER_MIN_ROWS", "GatherLayout",
-           "GatheredPrefill",
-           "copy_pays", "gather_layout", "gather_reserve_bytes", "heads_adjacent",
-           "prepare_gather", "should_gather"]
+           "GatheredPrefill", "copy_pays", "gather_layout", "gather_reserve_bytes",
+           "heads_adjacent", "prepare_gather", "should_gather"]
