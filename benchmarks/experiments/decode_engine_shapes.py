@@ -36,7 +36,8 @@ HKV, D, BLOCK = 8, 128, 16
 CASES = (("32 x ~1k", 32, 16, (100, 2048), 256), ("128 x ~1k", 128, 16, (100, 2048), 256),
          ("256 x ~1k", 256, 16, (100, 2048), 256), ("64 x 4k g4", 64, 32, (4096, 4096), 256),
          ("256 x 4k g4", 256, 32, (4096, 4096), 256))
-VARIANTS = (None, (None, 1), (None, 2), (None, 4), ((128, 2, 3), None), ((64, 2, 6), None),
+VARIANTS = (None, (None, 1), (None, 2), (None, 4), (None, 8), ((128, 2, 3), None),
+            ((64, 2, 6), None),
             ((64, 2, 6), 1), ((128, 2, 3), 1), ((128, 4, 3), 1), ((64, 4, 4), 1),
             ((32, 2, 8), 1))
 FP8_SWEEP = tuple((tiles, splits) for tiles in (
@@ -75,12 +76,23 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also a grid of tiles x splits")
     parser.add_argument("--longest-first", action="store_true",
                         help="also the planned launches over batches ordered longest first")
+    parser.add_argument("--width", type=int, default=None,
+                        help="block tables this many blocks wide for workload (a)'s batches "
+                             "(default 256; the engine replays the narrowest power of two "
+                             "holding the batch's blocks, 128 for contexts up to 2048)")
+    parser.add_argument("--batches", type=int, nargs="+", default=None,
+                        help="workload (a)'s batch sizes (default 32 128 256)")
     args = parser.parse_args()
     ceilings = start_gpu_run(args.out, "benchmarks.experiments.decode_engine_shapes")
+    cases = CASES
+    if args.batches:
+        cases = tuple((f"{b} x ~1k", b, 16, (100, 2048), 256) for b in args.batches) + CASES[3:]
+    if args.width:
+        cases = tuple(c[:4] + (args.width,) if c[3] == (100, 2048) else c for c in cases)
     rows = []
     for kv_dtype in (torch.bfloat16, FP8_DTYPE):
         orders = (False, True) if args.longest_first else (False,)
-        for (label, batch, hq, lens_range, width), ordered in itertools.product(CASES, orders):
+        for (label, batch, hq, lens_range, width), ordered in itertools.product(cases, orders):
             query, kc, vc, tables, lens, nbytes = make_batch(batch, hq, lens_range, width,
                                                              kv_dtype, seed=batch,
                                                              longest_first=ordered)
@@ -92,7 +104,7 @@ def main() -> None:
                                kv_dtype=kv_dtype if kv_dtype == FP8_DTYPE else None)
             ref = None
             sweep = FP8_SWEEP if kv_dtype == FP8_DTYPE else BF16_SWEEP
-            variants = ((None, (None, 1), (None, 2)) if ordered else
+            variants = ((None, (None, 1), (None, 2), (None, 4), (None, 8)) if ordered else
                         VARIANTS + (sweep if args.sweep else ()))
             for variant in dict.fromkeys(variants):
                 tiles, splits = variant if variant else (None, None)
@@ -129,7 +141,7 @@ def main() -> None:
         {"env": environment(), "copy_gbps": ceilings.copy_gbps, "rows": rows}, indent=1))
     print(f"\n{environment()['device']}; copy {ceilings.copy_gbps:.0f} GB/s; "
           "% of copy over the bytes read")
-    labels = [c[0] for c in CASES]
+    labels = [c[0] for c in cases]
     print(f"{'kv':10}{'variant':32}" + "".join(f"{b:>13}" for b in labels))
     for kv in ("bfloat16", "float8_e4m3fn"):
         for name in dict.fromkeys(r["variant"] for r in rows if r["kv"] == kv):
