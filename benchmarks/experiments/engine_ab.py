@@ -70,23 +70,45 @@ def store_kv_launch(stack: ExitStack, llm) -> None:
         graphs.capture()
 
 
+def _replan(llm) -> None:
+    """Plan the decode launches again: clear the plan and launch caches, then choose the
+    decode graphs' table widths and capture them again."""
+    from mini_paged_attn.ops import dispatch, explain
+    plan = explain.plan_decode
+    while not hasattr(plan, "cache_clear"):    # patched: the cached function it wraps
+        plan = plan.__wrapped__
+    plan.cache_clear()
+    dispatch._DECODE_RUNS.clear()
+    graphs = llm.engine.runner.graphs
+    if graphs is not None:
+        graphs.widths = {b: graphs._widths(b) for b in graphs.buckets}
+        graphs._graphs.clear()
+        graphs.capture()
+
+
 def fp8_short_unsplit(stack: ExitStack, llm) -> None:
     """fp8 launches of short sequences planned as before the "fp8 short" rule (unsplit, or
     split toward 8 programs a SM); the decode graphs are planned and captured again."""
-    from mini_paged_attn.ops import dispatch, explain
-
-    def replan() -> None:
-        explain.plan_decode.cache_clear()
-        dispatch._DECODE_RUNS.clear()
-        graphs = llm.engine.runner.graphs
-        if graphs is not None:
-            graphs.widths = {b: graphs._widths(b) for b in graphs.buckets}
-            graphs._graphs.clear()
-            graphs.capture()
-
-    stack.callback(replan)
+    from mini_paged_attn.ops import explain
+    stack.callback(_replan, llm)
     stack.enter_context(patched(explain, "FP8_SHORT_TILES", 0))
-    replan()
+    _replan(llm)
+
+
+def fp8_unordered_plan(stack: ExitStack, llm) -> None:
+    """Decode launches planned as if their sequences came in batch order (over an fp8 cache:
+    short sequences split in two at any count of programs); the decode graphs are planned
+    and captured again."""
+    from mini_paged_attn.ops import decode, explain
+    plan = explain.plan_decode
+
+    @functools.wraps(plan)
+    def unordered(*args, ordered=False, **kwargs):
+        return plan(*args, **kwargs)
+    stack.callback(_replan, llm)
+    stack.enter_context(patched(explain, "plan_decode", unordered))
+    stack.enter_context(patched(decode, "plan_decode", unordered))
+    _replan(llm)
 
 
 def unordered_decode(stack: ExitStack, llm) -> None:
@@ -103,7 +125,8 @@ def unordered_decode(stack: ExitStack, llm) -> None:
 
 VARIANTS = {"current": lambda stack, llm: None, "eager_sampling": eager_sampling,
             "float32_logits": float32_logits, "store_kv_launch": store_kv_launch,
-            "fp8_short_unsplit": fp8_short_unsplit, "unordered_decode": unordered_decode}
+            "fp8_short_unsplit": fp8_short_unsplit, "fp8_unordered_plan": fp8_unordered_plan,
+            "unordered_decode": unordered_decode}
 
 
 def main() -> None:

@@ -101,7 +101,8 @@ class DecodeGraphs:
         plans = (explain_decode(b, self._num_q_heads, num_kv_heads, head_size,
                                 width * block_size, block_size, self.model.dtype,
                                 key_cache.device, window_size=w, kv_cache_dtype=key_cache.dtype,
-                                max_splits=max_splits) for w in self._windows)
+                                max_splits=max_splits, ordered=self.inputs.order_decode)
+                 for w in self._windows)
         return tuple((p.tiles, p.num_splits) for p in plans)
 
     def bucket_for(self, n: int) -> int | None:

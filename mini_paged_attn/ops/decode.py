@@ -199,7 +199,8 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
                        shapes.block_size, query.dtype, num_sms_of(device), num_splits,
                        max(1, min(max_splits, MAX_SPLITS)), device.type == "cuda", tiles,
                        kv_dtype=None if key_cache.dtype == query.dtype else key_cache.dtype,
-                       window_left=window_size[0], fused_merge=fused_merge)
+                       window_left=window_size[0], fused_merge=fused_merge,
+                       ordered=seq_order is not None)
     if explain:
         logger.info("%s", plan)
     if shapes.num_seqs == 0:

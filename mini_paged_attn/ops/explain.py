@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.args import cdiv, is_int, next_pow2, non_negative_int, positive_int
+from ..core.args import cdiv, check_bool, is_int, next_pow2, non_negative_int, positive_int
 from .decode_tiles import FP8_SPLIT_TILES, FP8_TILES, MAX_BLOCK_N, DecodeTiles, default_tiles
 from .heuristics import num_splits_heuristic
 from .kv_quant import FP8_DTYPE
@@ -73,7 +73,18 @@ exactly 2, instead of as :data:`FP8_SPLIT_BELOW` says, when the tiles its longes
 can touch (a window's, with one) fit this many of its 128-token tiles (2k tokens): programs
 this short start and end unevenly, and halving them evens the SMs' load. Measured on an H100
 at the engine's batches, 6-9 points of copy bandwidth gained; at 4k the unsplit launch stays
-ahead (see docs/performance-notes.md, "fp8 at the engine's shapes")."""
+ahead (see docs/performance-notes.md, "fp8 at the engine's shapes"). A launch that takes its
+sequences longest first (``seq_order``) is already even: see :data:`FP8_ORDERED_UNSPLIT`."""
+
+FP8_ORDERED_UNSPLIT = 6
+"""Programs per SM from which a launch of short sequences (:data:`FP8_SHORT_TILES`) over an
+fp8 cache, taking them longest first, stays unsplit; under :data:`FP8_SPLIT_BELOW` a SM it
+splits as that rule says, and in between in 2. The order already evens the SMs' load, and
+halving the programs only adds partials to merge. H100, contexts of 100..2048 tokens in
+longest-first order, % of copy bandwidth, 2 splits against unsplit: 73.9 / 80.3 at 7.8
+programs a SM (128 sequences), 78.3 / 84.5 at 15.5, but 68.8 / 53.4 at 3.9; at 1.9 a SM, 4
+splits 53.7 against 2 splits' 41-44 (docs/performance-notes.md, "fp8 decode in longest-first
+order")."""
 
 ASSUMED_NUM_SMS = 132
 """SM count used for planning when no CUDA device is given (an H100 or H200)."""
@@ -142,6 +153,7 @@ class DecodePlan:
     kv_dtype: torch.dtype | None = None    # the cache's dtype when not the query's (fp8)
     window_left: int = -1     # the sliding window's left side (-1: none)
     fused_merge: bool = False  # split launches: the decode kernel merges (no merge launch)
+    ordered: bool = False     # the launch takes its sequences longest first (seq_order)
 
     @property
     def fp16_dots(self) -> bool:
@@ -235,6 +247,8 @@ class DecodePlan:
         elif self.split_reason == "enough programs":
             why = (f"{self.units} programs >= 80% of {self.wave_slots} slots: no split "
                    "needed (FlashAttention's rule)")
+            if self.ordered and self.fp16_dots:
+                why += "; sequences taken longest first even out short fp8 programs"
         else:
             why = (f"{unsplit}; FlashAttention's split heuristic over "
                    f"{self.heuristic_kv_tiles} kv tiles chose {self.heuristic_splits} split"
@@ -254,7 +268,7 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
                 num_splits: int | None = None, max_splits: int = MAX_SPLITS,
                 on_gpu: bool = True, tiles: DecodeTiles | None = None, *,
                 kv_dtype: torch.dtype | None = None, window_left: int = -1,
-                fused_merge: bool = False) -> DecodePlan:
+                fused_merge: bool = False, ordered: bool = False) -> DecodePlan:
     """Plan one decode launch (pure; cached). The single place tiles and splits are chosen.
 
     num_splits: forced split count (1..MAX_SPLITS), or None for the heuristic.
@@ -264,6 +278,8 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
     window_left: a sliding window's left side (-1: none); the heuristic then counts only the
         tiles a window can touch.
     fused_merge: if the plan splits, merge inside the decode kernel (see :data:`FUSED_MERGE`).
+    ordered: the launch takes its sequences longest first (``seq_order``; see
+        :data:`FP8_ORDERED_UNSPLIT`).
     """
     if num_splits is not None and not (is_int(num_splits) and 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits: expected an int in 1..{MAX_SPLITS} or None, "
@@ -292,7 +308,11 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
                                     kv_dtype=kv_dtype)
             fp8_tiles = max(1, window_kv_tiles(max_context_len, unsplit.block_n, window_left))
             cap = max(1, min(max_splits, MAX_SPLITS))
-            if 1 < fp8_tiles <= FP8_SHORT_TILES and cap > 1:
+            short = 1 < fp8_tiles <= FP8_SHORT_TILES and cap > 1
+            if ordered:
+                short = short and (FP8_SPLIT_BELOW * num_sms <= units
+                                   < FP8_ORDERED_UNSPLIT * num_sms)
+            if short:
                 chosen, splits, reason = 2, 2, "fp8 short"
             elif units < FP8_SPLIT_BELOW * num_sms:
                 chosen = splits = min(fp8_tiles, cap,
@@ -305,7 +325,7 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
                                    kv_dtype=kv_dtype)
     return DecodePlan(num_seqs, num_q_heads, num_kv_heads, head_size, block_size, dtype,
                       max_context_len, tiles, num_sms, splits, reason, chosen, n_tiles,
-                      kv_dtype, window_left, fused_merge and splits > 1)
+                      kv_dtype, window_left, fused_merge and splits > 1, ordered)
 
 
 def window_kv_tiles(max_context_len: int, block_n: int, window_left: int = -1) -> int:
@@ -323,7 +343,7 @@ def explain_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size
                    device: torch.device | str | None = None, *,
                    window_size: tuple[int, int] = (-1, -1),
                    kv_cache_dtype: torch.dtype | None = None,
-                   max_splits: int | None = None) -> DecodePlan:
+                   max_splits: int | None = None, ordered: bool = False) -> DecodePlan:
     """Which decode kernel runs for these sizes, with which tiles and splits, and why.
 
     ``device``: the CUDA device whose SM count to plan for; None uses the current CUDA device
@@ -331,7 +351,8 @@ def explain_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size
     window (as ``paged_decode``'s); a left window plans for the tiles it can touch.
     ``kv_cache_dtype``: the cache's dtype when it is not ``dtype`` (``torch.float8_e4m3fn``).
     ``max_splits``: the splits a caller's workspace holds (see ``decode.workspace_size``);
-    None plans a call without a workspace (its merge as :data:`FUSED_MERGE` says). Returns a
+    None plans a call without a workspace (its merge as :data:`FUSED_MERGE` says).
+    ``ordered``: the call passes ``seq_order`` (sequences taken longest first). Returns a
     :class:`DecodePlan`; print it for a short explanation. ``paged_decode(..., explain=True)``
     logs the plan of the call itself.
     """
@@ -360,7 +381,8 @@ def explain_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size
                        max_splits=min(max_splits or MAX_SPLITS, MAX_SPLITS),
                        window_left=window[0],
                        kv_dtype=None if kv_cache_dtype in (None, dtype) else kv_cache_dtype,
-                       fused_merge=FUSED_MERGE and max_splits is None)
+                       fused_merge=FUSED_MERGE and max_splits is None,
+                       ordered=check_bool("ordered", ordered))
 
 
 # DecodeTiles, default_tiles, FP8_TILES and MAX_BLOCK_N live in .decode_tiles; re-exported

@@ -342,6 +342,42 @@ def test_fp8_launches_of_short_sequences_split_in_two(num_seqs, context, splits,
     assert plan_decode(num_seqs, 16, 8, 128, context, 16, torch.bfloat16, 132).num_splits == 1
 
 
+@pytest.mark.parametrize("num_seqs, splits, reason", [
+    (32, 4, "fp8 programs"),      # 256 programs, 1.9 a SM: toward 8 a SM, as if not short
+    (64, 2, "fp8 short"),         # 512, 3.9 a SM: still in two
+    (98, 2, "fp8 short"),         # 784, 5.9 a SM: the last count that splits
+    (99, 1, "enough programs"),   # 792, 6.0 a SM: the order evens them out
+    (256, 1, "enough programs"),
+])
+def test_fp8_short_sequences_taken_longest_first(num_seqs, splits, reason):
+    """A launch that takes its sequences longest first keeps short fp8 programs whole from
+    FP8_ORDERED_UNSPLIT programs a SM, splits them in two between FP8_SPLIT_BELOW and that,
+    and below FP8_SPLIT_BELOW splits as unordered launches of long sequences do."""
+    from mini_paged_attn.ops.explain import (FP8_ORDERED_UNSPLIT, FP8_SPLIT_BELOW, FP8_TILES,
+                                             explain_decode, plan_decode)
+
+    assert FP8_SPLIT_BELOW * 132 <= 8 * 64 and 8 * 98 < FP8_ORDERED_UNSPLIT * 132 <= 8 * 99
+    plan = plan_decode(num_seqs, 16, 8, 128, 2048, 16, torch.bfloat16, 132,
+                       kv_dtype=FP8_DTYPE, ordered=True)
+    assert (plan.num_splits, plan.tiles, plan.split_reason) == (splits, FP8_TILES, reason)
+    assert plan.ordered
+    # The same batch unordered still splits in two.
+    assert plan_decode(num_seqs, 16, 8, 128, 2048, 16, torch.bfloat16, 132,
+                       kv_dtype=FP8_DTYPE).split_reason == "fp8 short"
+    explained = explain_decode(num_seqs, 16, 8, 128, 2048, 16, torch.bfloat16, "cpu",
+                               kv_cache_dtype=FP8_DTYPE, ordered=True)
+    assert explained.num_splits == splits
+    if reason == "enough programs":
+        assert "longest first" in str(plan)
+
+
+def test_explain_decode_checks_ordered():
+    from mini_paged_attn.ops.explain import explain_decode
+
+    with pytest.raises(ValueError, match="^ordered: expected a bool"):
+        explain_decode(8, 16, 8, 128, 2048, ordered=1)
+
+
 @pytest.mark.parametrize("num_seqs, context, splits", [
     (32, 65536, 4),     # 256 programs: split toward 8 a SM
     (30, 4096, 4),
