@@ -128,7 +128,8 @@ def main() -> None:
 
         def planned():
             return paged_decode(query, kc, vc, tables, lens, seq_order=order)
-        table[(label, "library, planned")] = 100 * nbytes / time_us(planned) / 1e3 / ceilings.copy_gbps
+        table[(label, "library, planned")] = (100 * nbytes / time_us(planned) / 1e3
+                                              / ceilings.copy_gbps)
         shapes = check_paged_decode_args(query, kc, vc, tables, lens, None, None)
         for tiles, splits in LIBRARY:
             out = torch.empty_like(query)

@@ -116,7 +116,8 @@ VARIANTS = [Persistent(False, True), Persistent(False, False), Persistent(True, 
 # The stripped-down kernel, one program a tile, with Hopper's warp specialization: Triton
 # 3.6 applies it only to 4-warp kernels (then one producer and two consumer warp groups).
 STRIPPED = [Variant("tma"), Variant("tma", warps=4), Variant("tma", warps=4, ws=True),
-            Variant("tma", warps=4, ws=True, stages=2), Variant("tma", block_n=64, warps=4, ws=True)]
+            Variant("tma", warps=4, ws=True, stages=2),
+            Variant("tma", block_n=64, warps=4, ws=True)]
 
 
 def persistent_launcher(p: Persistent, batch, contiguous):

@@ -247,7 +247,9 @@ class DecodePlan:
         elif self.split_reason == "enough programs":
             why = (f"{self.units} programs >= 80% of {self.wave_slots} slots: no split "
                    "needed (FlashAttention's rule)")
-            if self.ordered and self.fp16_dots:
+            if (self.ordered and self.fp16_dots and window_kv_tiles(
+                    self.max_context_len, self.tiles.block_n, self.window_left)
+                    <= FP8_SHORT_TILES):
                 why += "; sequences taken longest first even out short fp8 programs"
         else:
             why = (f"{unsplit}; FlashAttention's split heuristic over "

@@ -369,6 +369,10 @@ def test_fp8_short_sequences_taken_longest_first(num_seqs, splits, reason):
     assert explained.num_splits == splits
     if reason == "enough programs":
         assert "longest first" in str(plan)
+        # Long sequences are whole in either order: the explanation does not credit it.
+        long = plan_decode(num_seqs, 16, 8, 128, 4096, 16, torch.bfloat16, 132,
+                           kv_dtype=FP8_DTYPE, ordered=True)
+        assert long.num_splits == 1 and "longest first" not in str(long)
 
 
 def test_explain_decode_checks_ordered():
