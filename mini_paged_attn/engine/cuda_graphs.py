@@ -21,20 +21,9 @@ import time
 import torch
 
 from ..models.attention import Attention, AttentionMetadata
-from .input_batch import InputBuilder, StepInputs
+from .input_batch import InputBuilder, StepInputs, batch_buckets
 
 logger = logging.getLogger(__name__)
-
-
-def graph_buckets(max_batch: int) -> list[int]:
-    """Batch sizes to capture: powers of two up to 16, then steps of 16, 32 past 128, capped at
-    ``max_batch`` (padding wastes at most a few rows of a memory-bound step)."""
-    sizes = [1, 2, 4, 8, 16]
-    b = 16
-    while b < max_batch:
-        b += 16 if b < 128 else 32
-        sizes.append(b)
-    return sorted({min(s, max_batch) for s in sizes})
 
 
 class DecodeGraphs:
@@ -56,7 +45,7 @@ class DecodeGraphs:
         self.inputs = inputs
         self.backend = backend
         self.workspace = decode_workspace
-        self.buckets = graph_buckets(max_batch)
+        self.buckets = batch_buckets(max_batch)
         device = model.device
         self.block_tables = torch.zeros(max_batch, inputs.max_blocks_per_seq, dtype=torch.int32,
                                         device=device)
@@ -121,7 +110,7 @@ class DecodeGraphs:
             cu_seqlens_q=inputs.region("cu_seqlens_q", b + 1),
             context_lens=inputs.region("context_lens", b),
             block_tables=self.block_tables[:b, :width], max_seqlen_q=1,
-            num_sample_rows=b, sample_rows=None,
+            num_sample_rows=b, logit_rows=b, sample_rows=None,
             seq_order=inputs.region("seq_order", b) if inputs.order_decode else None)
 
     @torch.inference_mode()
@@ -159,14 +148,15 @@ class DecodeGraphs:
     def replay(self, n: int, block_tables: torch.Tensor) -> torch.Tensor:
         """Run the captured forward for ``n`` sequences whose inputs were built with
         ``pad_to=bucket_for(n)``; ``block_tables`` is the step's int32 ``[n, width]`` table.
-        Returns the hidden states ``[n, hidden_size]`` (a view of the graph's output)."""
+        Returns the hidden states ``[bucket_for(n), hidden_size]`` (the graph's output; rows
+        ``n ..`` are the padding's, finite and meaningless)."""
         b = self.bucket_for(n)
         width = block_tables.shape[1]
         captured = next(w for w in self.widths[b] if w >= width)
         graph, hidden = self._graphs[b, captured]
         self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
         graph.replay()
-        return hidden[:n]
+        return hidden
 
 
-__all__ = ["DecodeGraphs", "graph_buckets"]
+__all__ = ["DecodeGraphs"]

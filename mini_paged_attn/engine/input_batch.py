@@ -24,6 +24,19 @@ REGION_ALIGN = 64
 TABLE_WIDTH_MULTIPLE = 16
 
 
+def batch_buckets(max_batch: int) -> list[int]:
+    """Batch sizes a CUDA engine rounds up to: powers of two up to 16, then steps of 16, 32
+    past 128, capped at ``max_batch`` (padding wastes at most a few rows of a memory-bound
+    step). The decode graphs are captured at these sizes, and the LM head runs on this many
+    rows (see :class:`InputBuilder`)."""
+    sizes = [1, 2, 4, 8, 16]
+    b = 16
+    while b < max_batch:
+        b += 16 if b < 128 else 32
+        sizes.append(b)
+    return sorted({min(s, max_batch) for s in sizes})
+
+
 class StagingBuffer:
     """A 1-D host buffer (pinned on CUDA) with a device twin; on CPU the two are one tensor."""
 
@@ -49,8 +62,12 @@ class StepInputs:
     ``cu_seqlens_q``: int32 ``[num_seqs + 1]``; ``context_lens``: int32 ``[num_seqs]``;
     ``block_tables``: int32 ``[num_seqs, width]`` (width: the batch's most blocks, rounded up
     to a multiple of 16);
-    ``sample_rows``: int64 ``[num_sample_rows]``, the hidden rows to sample from (a request
-    about to fork repeats its row n times), None when they are simply ``0 .. num_seqs - 1``;
+    ``num_sample_rows``: the rows that sample (a request about to fork counts n times);
+    ``logit_rows``: the rows the LM head runs on, ``num_sample_rows`` rounded up to the
+    builder's bucket (the rows past ``num_sample_rows`` are padding; 0 when nothing samples);
+    ``sample_rows``: int64 ``[logit_rows]``, the hidden rows to run the LM head on (a request
+    about to fork repeats its row n times; the padding repeats row 0), None when they are
+    simply ``0 .. logit_rows - 1``;
     ``no_prefix``: every sequence's new tokens are all its tokens (nothing cached before them);
     ``seq_order``: int32 ``[num_seqs]`` (padding included), the rows by context length, longest
     first, for the decode kernel's grid (``ops.paged_decode``'s ``seq_order``); None unless the
@@ -65,6 +82,7 @@ class StepInputs:
     block_tables: torch.Tensor
     max_seqlen_q: int
     num_sample_rows: int
+    logit_rows: int
     sample_rows: torch.Tensor | None
     # Input tokens still on the device (asynchronous scheduling), see TokenFill.
     fill: TokenFill | None = None
@@ -117,7 +135,8 @@ def dummy_inputs(q_lens: list[int], width: int, device: torch.device, *,
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
         cu_seqlens_q=cu.to(device), context_lens=lens.to(device),
         block_tables=torch.zeros(len(q_lens), width, dtype=torch.int32, device=device),
-        max_seqlen_q=max(q_lens), num_sample_rows=0, sample_rows=None, no_prefix=no_prefix,
+        max_seqlen_q=max(q_lens), num_sample_rows=0, logit_rows=0, sample_rows=None,
+        no_prefix=no_prefix,
         seq_order=(torch.arange(len(q_lens), dtype=torch.int32, device=device)
                    if ordered else None))
 
@@ -133,12 +152,21 @@ class InputBuilder:
         device: where the inputs go.
         order_decode: give decode-only steps a ``seq_order`` (the Triton decode kernel takes
             its sequences longest first; the torch reference has no use for it).
+        logit_buckets: row counts the LM head's rows are rounded up to (ascending, the last
+            ``>= max_num_seqs``), or None to run it on the sample rows as they are. cuBLAS
+            picks a GEMM kernel by the row count, and the first launch of a kernel CUDA has
+            not loaded yet waits for the device to drain: an engine that steps ahead of the
+            device loses the overlap at every new count (the first rounds of a new batch
+            size). A fixed set of counts is loaded once, at warm-up.
     """
 
     def __init__(self, tables: BlockTable, *, max_num_seqs: int, max_num_tokens: int,
-                 block_size: int, device: torch.device, order_decode: bool = False) -> None:
+                 block_size: int, device: torch.device, order_decode: bool = False,
+                 logit_buckets: list[int] | None = None) -> None:
+        assert logit_buckets is None or logit_buckets[-1] >= max_num_seqs, logit_buckets
         self.max_num_seqs = max_num_seqs
         self.order_decode = order_decode
+        self.logit_buckets = logit_buckets
         self.max_num_tokens = max_num_tokens
         self.block_size = block_size
         # Block-table widths are multiples of 16 and every region starts 256-byte aligned:
@@ -162,6 +190,13 @@ class InputBuilder:
         # host sync, so the next build waits on this before overwriting the host buffers.
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
 
+    def logit_rows(self, num_sample_rows: int) -> int:
+        """The rows the LM head runs on for ``num_sample_rows`` sample rows (see
+        ``logit_buckets``)."""
+        if self.logit_buckets is None or num_sample_rows == 0:
+            return num_sample_rows
+        return next((b for b in self.logit_buckets if b >= num_sample_rows), num_sample_rows)
+
     # ---- regions (device views at fixed offsets: CUDA graphs read them in place) ----------------
     def region(self, name: str, n: int) -> torch.Tensor:
         """The first ``n`` elements of a staging region on the device, a view at a fixed
@@ -179,7 +214,7 @@ class InputBuilder:
         what another tensor-parallel rank needs to rebuild it with :meth:`load`."""
         sizes = {name: getattr(step, name).numel() for name in STEP_ARRAYS}
         if step.sample_rows is not None:
-            sizes["sample_rows"] = step.num_sample_rows
+            sizes["sample_rows"] = step.logit_rows
         if step.seq_order is not None:
             sizes["seq_order"] = step.seq_order.numel()
         return {name: self._host(name, n).copy() for name, n in sizes.items()}
@@ -204,7 +239,8 @@ class InputBuilder:
             context_lens=views["context_lens"],
             block_tables=views["block_tables"].view(num_seqs, table_width),
             max_seqlen_q=max_seqlen_q, num_sample_rows=num_sample_rows,
-            sample_rows=views.get("sample_rows"), no_prefix=no_prefix,
+            logit_rows=self.logit_rows(num_sample_rows), sample_rows=views.get("sample_rows"),
+            no_prefix=no_prefix,
             seq_order=views.get("seq_order"))
         if self._uploaded is not None:
             self._uploaded.record()
@@ -302,14 +338,17 @@ class InputBuilder:
             i32[order_at + n:order_at + padded] = np.arange(n, padded)
             seq_order = self.i32.upload(order_at, order_at + padded)
 
-        # Rows to sample from: the last token of each sequence that samples, k times for k samples.
+        # Rows to sample from: the last token of each sequence that samples, k times for k
+        # samples; then padding up to the LM head's rows.
         num_samples = out.num_samples
         sample_rows = None
         num_sample_rows = sum(num_samples)
-        if not (out.decode_only and num_sample_rows == n):
+        logit_rows = self.logit_rows(num_sample_rows)
+        if not (out.decode_only and num_sample_rows == n and logit_rows <= m):
             at = r64["sample_rows"]
             i64[at:at + num_sample_rows] = np.repeat(cu[1:] - 1, num_samples)
-            sample_rows = self.i64.upload(at, at + num_sample_rows)
+            i64[at + num_sample_rows:at + logit_rows] = 0
+            sample_rows = self.i64.upload(at, at + logit_rows)
 
         fill = self._fill(seqs, cu, pending) if pending else None
         padded_prompt = int(pad_prompt_to is not None)     # the padding's sequence entry
@@ -323,7 +362,7 @@ class InputBuilder:
             block_tables=self.i32.upload(bt_at, bt_at + table_rows * width).view(
                 table_rows, width)[:n],
             max_seqlen_q=int(q_lens.max()) if n else 0,
-            num_sample_rows=num_sample_rows, sample_rows=sample_rows,
+            num_sample_rows=num_sample_rows, logit_rows=logit_rows, sample_rows=sample_rows,
             no_prefix=n > 0 and not computed.any(), seq_order=seq_order)
         if pad_prompt_to is not None:       # the graph reads the padding; the step is its own
             inputs.input_ids, inputs.positions, inputs.slot_mapping = (
@@ -363,4 +402,5 @@ def _layout(sizes: dict[str, int]) -> dict[str, int]:
     return offsets
 
 
-__all__ = ["InputBuilder", "StagingBuffer", "StepInputs", "TokenFill", "dummy_inputs", "table_width"]
+__all__ = ["InputBuilder", "StagingBuffer", "StepInputs", "TokenFill", "batch_buckets",
+           "dummy_inputs", "table_width"]

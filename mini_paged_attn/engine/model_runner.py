@@ -32,7 +32,7 @@ from ..ops.dispatch import resolve_backend
 from ..ops.kv_quant import kv_cache_torch_dtype
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
-from .input_batch import InputBuilder, dummy_inputs, table_width
+from .input_batch import InputBuilder, batch_buckets, dummy_inputs, table_width
 from .pool_sizing import auto_num_blocks
 from .prefill_graphs import PrefillGraphs, PromptGraph
 from .prompt_logprobs import (PendingPromptLogprobs, PromptLogprobs, PromptRows,
@@ -101,9 +101,10 @@ class ModelRunner:
         self.kv_caches = self.cache.layer_caches
         # A decode graph pads the batch to its bucket: room for max_num_seqs tokens at least.
         max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-        self.inputs = InputBuilder(self.cache.tables, max_num_seqs=config.max_num_seqs,
-                                   max_num_tokens=max_num_tokens, block_size=bs, device=device,
-                                   order_decode=self.backend == "triton")
+        self.inputs = InputBuilder(
+            self.cache.tables, max_num_seqs=config.max_num_seqs, max_num_tokens=max_num_tokens,
+            block_size=bs, device=device, order_decode=self.backend == "triton",
+            logit_buckets=batch_buckets(config.max_num_seqs) if device.type == "cuda" else None)
 
         # The last forward's SchedulerOutput and its sample rows' params and seeds.
         self._sample_inputs: tuple | None = None
@@ -143,10 +144,11 @@ class ModelRunner:
           ops.prefill_gather's threshold for any number of query heads a KV head).
         - cuBLAS picks its GEMM kernel by the number of rows, and CUDA loads each kernel on
           its first launch: a 512-token prompt's first step took 31 ms on an H100 against 13 ms
-          for the next one. One prompt of each power-of-two length up to
-          max_num_batched_tokens, and the LM head with greedy sampling (float32 and
-          model-dtype logits) and one-pass temperature sampling for 1..max_num_seqs rows,
-          load the kernels that steps of those sizes use.
+          for the next one, and a first launch waits for the device to drain. One prompt of
+          each power-of-two length up to max_num_batched_tokens loads the kernels that steps
+          of those sizes use; the LM head (float32 and model-dtype logits) runs at each of
+          the builder's ``logit_buckets``, the only row counts it sees, with greedy and
+          one-pass temperature sampling.
         """
         start = time.perf_counter()
         cfg = self.config
@@ -159,16 +161,17 @@ class ModelRunner:
                                     decode_only=q_len == 1, no_prefix=no_prefix)
         q_len = 16
         while q_len <= min(cfg.max_num_batched_tokens, max_model_len):
-            hidden = self.run_dummy([q_len], self.kv_caches, decode_only=False)
-            rows = 1
-            while rows <= min(cfg.max_num_seqs, q_len):
-                for dtype in dict.fromkeys((torch.float32, self.model.dtype)):
-                    logits = self.model.compute_logits(hidden[:rows], dtype=dtype)
-                    self.sampler(logits, [SamplingParams(temperature=0.0)] * rows, [None] * rows)
-                # The model-dtype logits (the last ones; greedy sampling left them as they were).
-                self.sampler(logits, [SamplingParams(temperature=1.0)] * rows, [None] * rows)
-                rows *= 4
+            self.run_dummy([q_len], self.kv_caches, decode_only=False)
             q_len *= 2
+        buckets = self.inputs.logit_buckets or []
+        hidden = torch.zeros(max(buckets, default=0), self.model_config.hidden_size,
+                             dtype=self.model.dtype, device=self.device)
+        for rows in buckets:
+            for dtype in dict.fromkeys((torch.float32, self.model.dtype)):
+                logits = self.model.compute_logits(hidden[:rows], dtype=dtype)
+                self.sampler(logits, [SamplingParams(temperature=0.0)] * rows, [None] * rows)
+            # The model-dtype logits (the last ones; greedy sampling left them as they were).
+            self.sampler(logits, [SamplingParams(temperature=1.0)] * rows, [None] * rows)
         torch.cuda.synchronize(self.device)
         logger.info("warmed up the kernels in %.1f s", time.perf_counter() - start)
 
@@ -311,10 +314,11 @@ class ModelRunner:
         if step.num_sample_rows == 0:
             return None
         if step.sample_rows is None:
-            hidden = hidden[:num_seqs]
+            hidden = hidden[:step.logit_rows]
         else:
             hidden = hidden.index_select(0, step.sample_rows)
-        return self.model.compute_logits(hidden, dtype=logits_dtype)
+        # The padding rows' logits are computed and dropped (the first rows: still contiguous).
+        return self.model.compute_logits(hidden, dtype=logits_dtype)[:step.num_sample_rows]
 
     def read_prompt_logprobs(self) -> None:
         """The latest step's prompt logprobs, to the host, into :attr:`prompt_logprobs`
