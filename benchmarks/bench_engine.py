@@ -244,13 +244,24 @@ def profile_decode(llm, prompts: list[list[int]], max_tokens: int, steps: int = 
                              "ms_per_step": device_us(e) / steps / 1e3} for e in top]}
 
 
+def workload_a_requests(n: int = 256, rng: random.Random | None = None):
+    """Workload (a)'s requests: ``(prompts, limits, params)``, ``n`` prompts of token ids
+    uniform in 0..10000 with lengths uniform in 100..1024, then their output lengths (same
+    range), sampled at temperature 0.6 with ``ignore_eos``. ``rng`` (default
+    ``random.Random(0)``, the sequence of ``random.seed(0)``) is left after the draws, for a
+    caller that draws more from it."""
+    from mini_paged_attn.engine import SamplingParams
+    rng = random.Random(0) if rng is None else rng
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(n)]
+    limits = [rng.randint(100, 1024) for _ in range(n)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in limits]
+    return prompts, limits, params
+
+
 def workload_a(args, root: Path, results: dict) -> None:
     from mini_paged_attn.engine import SamplingParams
-    random.seed(0)
     n = args.num_requests
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(n)]
-    limits = [random.randint(100, 1024) for _ in range(n)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in limits]
+    prompts, limits, params = workload_a_requests(n)
     path = Path(args.model) if args.model else random_model_dir("qwen3-0.6b", root)
     llm = engine_llm(path, args)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)      # warm-up

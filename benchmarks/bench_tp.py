@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_engine import engine_tool_main, random_model_dir, timed_generate
+from benchmarks.bench_engine import (engine_tool_main, random_model_dir, timed_generate,
+                                      workload_a_requests)
 
 SHAPE = "qwen2.5-7b"
 
@@ -54,12 +55,7 @@ def workload_b(llm) -> dict:
 
 
 def workload_a(llm, num_requests: int) -> dict:
-    from mini_paged_attn.engine import SamplingParams
-    random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
-               for _ in range(num_requests)]
-    limits = [random.randint(100, 1024) for _ in range(num_requests)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in limits]
+    prompts, limits, params = workload_a_requests(num_requests)
     seconds, _ = timed_generate(llm, prompts, params)
     return {"seconds": seconds, "tok_per_s": sum(limits) / seconds,
             "preemptions": llm.stats().num_preemptions}

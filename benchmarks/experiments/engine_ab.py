@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import random
 import tempfile
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from benchmarks.bench_engine import engine_llm, engine_options, random_model_dir, timed_generate
+from benchmarks.bench_engine import (engine_llm, engine_options, random_model_dir, timed_generate,
+                                      workload_a_requests)
 
 
 @contextmanager
@@ -136,11 +136,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     args = parser.parse_args()
     from mini_paged_attn.engine import SamplingParams
-    random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
-               for _ in range(256)]
-    limits = [random.randint(100, 1024) for _ in range(256)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in limits]
+    prompts, limits, params = workload_a_requests()
     results = {name: [] for name in args.variants}
     with tempfile.TemporaryDirectory() as root:
         path = random_model_dir("qwen3-0.6b", Path(root))

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_engine import engine_llm, engine_options, random_model_dir, timed_generate
+from benchmarks.bench_engine import (engine_llm, engine_options, random_model_dir, timed_generate,
+                                      workload_a_requests)
 from benchmarks.common import start_gpu_run
 
 # (kind, substrings of the kernel name); the first match wins.
@@ -153,13 +154,10 @@ def main() -> None:
     args = parser.parse_args()
     start_gpu_run(args.out, "engine_timeline")
     from mini_paged_attn.engine import SamplingParams
-    random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
-               for _ in range(256)]
-    limits = [random.randint(100, 1024) for _ in range(256)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in limits]
+    rng = random.Random(0)
+    prompts, limits, params = workload_a_requests(rng=rng)
     # The same lengths with other tokens, for the runs a prefix cache must not serve.
-    others = [[[random.randint(0, 10000) for _ in p] for p in prompts] for _ in range(2)]
+    others = [[[rng.randint(0, 10000) for _ in p] for p in prompts] for _ in range(2)]
     results = {}
     with tempfile.TemporaryDirectory() as root:
         path = random_model_dir("qwen3-0.6b", Path(root))

@@ -16,7 +16,6 @@ take about as long to launch as to run, so the host's speed shows in the rate.
 from __future__ import annotations
 
 import argparse
-import random
 import resource
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_engine import engine_llm, engine_options, random_model_dir
+from benchmarks.bench_engine import engine_llm, engine_options, random_model_dir, workload_a_requests
 from benchmarks.experiments.lm_head_rows import python_loop_ms
 
 
@@ -64,11 +63,7 @@ def main() -> None:
         sys.exit("first_run_host needs a CUDA GPU")
     from mini_paged_attn.engine import SamplingParams
     print(f"Python loop before the checkpoint: {python_loop_ms():.2f} ms", flush=True)
-    random.seed(0)
-    base = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
-            for _ in range(256)]
-    limits = [random.randint(100, 1024) for _ in range(256)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in limits]
+    base, limits, params = workload_a_requests()
     with tempfile.TemporaryDirectory() as root:
         llm = engine_llm(random_model_dir("qwen3-0.6b", Path(root)),
                          engine_options(kv_cache_dtype=args.kv_cache_dtype))

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_engine import engine_llm, engine_options, random_model_dir, timed_generate
+from benchmarks.bench_engine import (engine_llm, engine_options, random_model_dir, timed_generate,
+                                      workload_a_requests)
 
 
 class FirstUse:
@@ -176,12 +177,9 @@ def workload_b(root: Path, args) -> None:
 
 def workload_a(root: Path) -> None:
     from mini_paged_attn.engine import SamplingParams
-    random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
-               for _ in range(256)]
-    limits = [random.randint(100, 1024) for _ in range(256)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in limits]
-    others = [[random.randint(0, 10000) for _ in p] for p in prompts]
+    rng = random.Random(0)
+    prompts, limits, params = workload_a_requests(rng=rng)
+    others = [[rng.randint(0, 10000) for _ in p] for p in prompts]
     llm = engine_llm(random_model_dir("qwen3-0.6b", root), engine_options())
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
     print("(a) 256 requests", flush=True)

@@ -26,7 +26,6 @@ the LM head's rows to its batch buckets, all loaded at warm-up
 from __future__ import annotations
 
 import argparse
-import random
 import subprocess
 import sys
 import tempfile
@@ -98,14 +97,11 @@ def python_loop_ms() -> float:
 
 
 def engine_once(variant: str) -> None:
-    from benchmarks.bench_engine import engine_llm, engine_options, random_model_dir, timed_generate
+    from benchmarks.bench_engine import (engine_llm, engine_options, random_model_dir,
+                                          timed_generate, workload_a_requests)
     from mini_paged_attn.engine import SamplingParams
     before = python_loop_ms()
-    random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
-               for _ in range(256)]
-    limits = [random.randint(100, 1024) for _ in range(256)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in limits]
+    prompts, limits, params = workload_a_requests()
     with tempfile.TemporaryDirectory() as root:
         llm = engine_llm(random_model_dir("qwen3-0.6b", Path(root)), engine_options())
         if variant == "exact":
