@@ -21,7 +21,7 @@ import time
 import torch
 
 from ..models.attention import Attention, AttentionMetadata
-from .input_batch import InputBuilder, StepInputs, batch_buckets
+from .input_batch import InputBuilder, StepInputs, batch_buckets, smallest_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +95,7 @@ class DecodeGraphs:
         return tuple((p.tiles, p.num_splits) for p in plans)
 
     def bucket_for(self, n: int) -> int | None:
-        for b in self.buckets:
-            if b >= n:
-                return b
-        return None
+        return smallest_bucket(self.buckets, n)
 
     def _step(self, b: int, width: int) -> StepInputs:
         """The inputs of a ``b``-sequence decode step, read in place from the fixed regions,

@@ -37,6 +37,11 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted({min(s, max_batch) for s in sizes})
 
 
+def smallest_bucket(buckets: list[int], n: int) -> int | None:
+    """The smallest of ``buckets`` (ascending) that holds ``n``, or None when none does."""
+    return next((b for b in buckets if b >= n), None)
+
+
 class StagingBuffer:
     """A 1-D host buffer (pinned on CUDA) with a device twin; on CPU the two are one tensor."""
 
@@ -195,7 +200,8 @@ class InputBuilder:
         ``logit_buckets``)."""
         if self.logit_buckets is None or num_sample_rows == 0:
             return num_sample_rows
-        return next((b for b in self.logit_buckets if b >= num_sample_rows), num_sample_rows)
+        bucket = smallest_bucket(self.logit_buckets, num_sample_rows)
+        return num_sample_rows if bucket is None else bucket
 
     # ---- regions (device views at fixed offsets: CUDA graphs read them in place) ----------------
     def region(self, name: str, n: int) -> torch.Tensor:
@@ -403,4 +409,4 @@ def _layout(sizes: dict[str, int]) -> dict[str, int]:
 
 
 __all__ = ["InputBuilder", "StagingBuffer", "StepInputs", "TokenFill", "batch_buckets",
-           "dummy_inputs", "table_width"]
+           "dummy_inputs", "smallest_bucket", "table_width"]

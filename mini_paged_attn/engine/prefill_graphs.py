@@ -37,7 +37,7 @@ import torch
 
 from ..core.scheduler import SchedulerOutput
 from ..models.attention import AttentionMetadata
-from .input_batch import InputBuilder
+from .input_batch import InputBuilder, smallest_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class PrefillGraphs:
         if out.decode_only or out.num_seqs != 1:
             return None
         n = out.num_batched_tokens
-        bucket = next((b for b in self.buckets if b >= n), None)
+        bucket = smallest_bucket(self.buckets, n)
         if bucket is None:
             return None
         return PromptGraph(bucket, bool(out.seqs[0].num_computed_tokens) or not self.contiguous)
