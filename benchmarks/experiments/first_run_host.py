@@ -3,8 +3,9 @@
 
 One engine runs (a) ``--runs`` times, each with new prompts of the same lengths (token ids
 shifted, so the prefix cache finds nothing). For each run: the rate; the wall time of the
-``step()`` calls launching prompt tokens and of the decode-only ones; over the prompt steps,
-the main thread's CPU time (equal to the wall time: the thread never sleeps, so a slower
+``step()`` calls launching prompt tokens and of the decode-only ones; from the run's start to
+its last prompt step (in (a) every prompt is admitted before any step is decode-only), the
+main thread's CPU time (equal to the wall time: the thread never sleeps, so a slower
 run is a slower host, not a wait), its page faults and involuntary context switches; and a
 fixed pure-Python loop timed before the checkpoint is written, after the engine's start and
 after each run (~1 ms on a fast host). The prompt steps of (a) (8192 tokens, 28 eager layers)
