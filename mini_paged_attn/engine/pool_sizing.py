@@ -18,6 +18,7 @@ import torch
 
 from ..core.sliding_window import max_blocks_in_use
 from ..models.config import ModelConfig
+from .input_batch import batch_buckets, smallest_bucket
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -93,7 +94,8 @@ def _gather_reserve(runner: ModelRunner) -> int:
 @torch.inference_mode()
 def profile_step_memory(runner: ModelRunner, max_model_len: int) -> int:
     """Peak bytes a full step takes beyond what is allocated now: a forward over
-    max_num_batched_tokens tokens, logits and sampling for max_num_seqs rows."""
+    max_num_batched_tokens tokens, logits and sampling for max_num_seqs rows (the logits over
+    those rows rounded up to a batch bucket, as a CUDA step's LM head runs them)."""
     config, model_config, device = runner.config, runner.model_config, runner.device
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -106,9 +108,13 @@ def profile_step_memory(runner: ModelRunner, max_model_len: int) -> int:
     hidden = runner.run_dummy(lens, [(scratch[0], scratch[1])] * model_config.num_layers,
                               decode_only=False)
     rows = min(config.max_num_seqs, num_tokens)
-    logits = runner.model.compute_logits(hidden[:rows])
+    # InputBuilder.logit_rows: a step's sample rows padded to the bucket holding them, which
+    # may exceed the step's tokens when max_num_batched_tokens < max_num_seqs.
+    logit_rows = smallest_bucket(batch_buckets(config.max_num_seqs), rows) or rows
+    index = torch.arange(logit_rows, device=device) % hidden.shape[0]
+    logits = runner.model.compute_logits(hidden[index])
     params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=50)] * rows
-    runner.sampler(logits, params, [None] * rows)
+    runner.sampler(logits[:rows], params, [None] * rows)
     del hidden, logits
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - base

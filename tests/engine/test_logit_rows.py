@@ -101,3 +101,31 @@ def test_padded_sample_rows_travel_to_other_ranks(tiny_model_factory):
                              num_sample_rows=step.num_sample_rows)
         assert loaded.logit_rows == step.logit_rows
         assert loaded.sample_rows.tolist() == rows
+
+
+@pytest.mark.gpu
+def test_pool_sizing_profiles_the_lm_head_on_padded_rows(tiny_model_factory, monkeypatch):
+    """With fewer batched tokens than sequences, a step's sample rows may pad past its
+    tokens; the profiled step that sizes the pool runs the LM head on that padded count."""
+    from mini_paged_attn.models.llama import CausalLM
+
+    seen = []
+    compute_logits = CausalLM.compute_logits
+
+    def recording(self, hidden, **kwargs):
+        seen.append(hidden.shape[0])
+        return compute_logits(self, hidden, **kwargs)
+    monkeypatch.setattr(CausalLM, "compute_logits", recording)
+    # 20 tokens a step, 30 sequences: 20 sample rows at most, padded to a bucket above 20.
+    bucket = min(b for b in batch_buckets(30) if b >= 20)
+    assert bucket > 20
+    engine = make_engine(tiny_model_factory("qwen3"), backend="triton", device="cuda",
+                         enforce_eager=True, max_num_seqs=30, max_num_batched_tokens=20,
+                         max_model_len=20, block_size=4)
+    assert seen[0] == bucket, seen
+    seen.clear()
+    requests = [([5 + i], SamplingParams(temperature=0.0, max_tokens=3)) for i in range(25)]
+    outputs = run_to_finish(engine, requests)
+    assert all(len(o.outputs[0].token_ids) == 3 for o in outputs)
+    assert bucket in seen and max(seen) == bucket
+    assert_pool_whole(engine)
