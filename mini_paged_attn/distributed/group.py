@@ -69,11 +69,17 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
     def close(self) -> None:
-        """Release the communicator (NCCL); harmless for gloo and TP=1."""
-        shutdown = getattr(self.process_group, "shutdown", None)
-        if shutdown is not None:
+        """Release the communicator; harmless for TP=1. NCCL's is aborted rather than shut
+        down: its orderly shutdown waits until every rank shuts down, but rank 0 closes only
+        after its workers have exited, and a rank whose peer died would wait forever. By the
+        time a rank closes, its steps are done (or failed). Drop the CUDA graphs that
+        captured its collectives first (``ModelRunner.release_graphs``): NCCL's teardown
+        waits while they exist."""
+        pg = self.process_group
+        release = getattr(pg, "abort" if self.device.type == "cuda" else "shutdown", None)
+        if release is not None:
             try:
-                shutdown()
+                release()
             except RuntimeError:        # a peer is already gone
                 pass
 

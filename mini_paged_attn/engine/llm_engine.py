@@ -141,6 +141,9 @@ class LLMEngine:
         """Stop the other tensor-parallel ranks (nothing to do with one rank). Idempotent;
         also happens when the engine is garbage collected and at interpreter exit."""
         if self.peers is not None:
+            # Before the group closes: NCCL's shutdown waits while graphs that captured its
+            # collectives exist.
+            self.runner.release_graphs()
             self.peers.close()
 
     # ---- requests (any thread) ----------------------------------------------------------------

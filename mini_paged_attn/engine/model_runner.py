@@ -17,6 +17,7 @@ other ranks run :meth:`ModelRunner.execute_message`. Only rank 0 samples.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -319,6 +320,16 @@ class ModelRunner:
             hidden = hidden.index_select(0, step.sample_rows)
         # The padding rows' logits are computed and dropped (the first rows: still contiguous).
         return self.model.compute_logits(hidden, dtype=logits_dtype)[:step.num_sample_rows]
+
+    def release_graphs(self) -> None:
+        """Drop the CUDA graphs once the device is idle (later steps would run eagerly). A
+        tensor-parallel rank calls it before its group closes: NCCL's orderly shutdown waits
+        while graphs that captured its collectives exist."""
+        if self.graphs is None and self.prefill_graphs is None:
+            return
+        torch.cuda.synchronize(self.device)
+        self.graphs = self.prefill_graphs = None
+        gc.collect()        # a graph is destroyed with its last reference
 
     def read_prompt_logprobs(self) -> None:
         """The latest step's prompt logprobs, to the host, into :attr:`prompt_logprobs`

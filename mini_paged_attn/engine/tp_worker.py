@@ -75,6 +75,7 @@ def run_worker(launch: WorkerLaunch, conn: Any) -> None:
     try:
         _serve(runner, conn, launch.rank)
     finally:
+        runner.release_graphs()
         tp.close()
 
 

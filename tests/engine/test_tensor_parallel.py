@@ -22,6 +22,7 @@ import torch
 
 from helpers.engine_clients import run_requests
 from helpers.engines import ENGINE, assert_greedy_matches_transformers
+from helpers.tiny_models import hf_greedy
 from mini_paged_attn.distributed import ShardLayout, TPGroup
 from mini_paged_attn.engine import InprocEngineClient, LLMEngine, MPEngineClient
 from mini_paged_attn.engine.config import EngineConfig
@@ -152,6 +153,30 @@ def test_a_too_long_max_model_len_is_refused_before_any_process_starts(tiny_mode
         LLM(tiny_model_factory("llama"), device="cpu", tensor_parallel_size=2,
             max_model_len=10**6)
     assert {p.pid for p in multiprocessing.active_children()} == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_greedy_on_two_gpus_matches_transformers(tiny_model_factory, enforce_eager, caplog):
+    """NCCL, the Triton kernels, decode graphs replayed in step on both ranks, and the LM
+    head on padded row counts (both ranks pad alike): fp32, so parity is exact. Shutdown
+    stops the worker without terminating it (NCCL's shutdown used to wait on graphs that
+    captured its collectives)."""
+    model_dir = tiny_model_factory("qwen3")
+    prompts = [[(5 * i + 3 * j) % 250 + 3 for j in range(2 + 7 * i)] for i in range(11)]
+    expected = hf_greedy(model_dir, prompts, 8)
+    llm = LLM(model_dir, dtype="float32", device="cuda", tensor_parallel_size=2,
+              block_size=16, num_kv_blocks=64, max_num_seqs=8, max_model_len=128,
+              enforce_eager=enforce_eager)
+    try:
+        assert llm.engine.runner.inputs.logit_buckets is not None
+        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8),
+                               use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    finally:
+        llm.shutdown()
+    assert "did not stop" not in caplog.text
 
 
 class _FakeGroup:
