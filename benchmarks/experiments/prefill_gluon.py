@@ -1,0 +1,355 @@
+"""Causal prefill in Gluon with the QK of one K/V tile overlapping the softmax of the last.
+
+Plain Triton 3.6 waits for every ``wgmma`` right after issuing it (``wgmma.wait_group 0`` after
+both dots of the attention loop, checked in the PTX of a stripped-down loop compiled for
+sm_90), and its Hopper warp specialization does not compile on these kernels (see
+docs/performance-notes.md, "Persistent programs and Hopper warp specialization"). So the
+tensor cores idle while a program computes its softmax. Gluon issues and waits for the
+``wgmma`` groups by hand, which allows FlashAttention-3's overlap within one warp group
+(its "intra-warpgroup pipelining"), iteration ``j``:
+
+    issue S_j = Q K_j^T                       (async)
+    issue O += P_{j-1} V_{j-1}                (async, P from registers)
+    wait until one group is left              -> S_j is done, the PV may still run
+    softmax of S_j -> P_j, m_j, l_j, alpha_j  (CUDA cores, under the PV)
+    wait for the PV; O *= alpha_j
+    refill the finished tile's K/V slot by TMA
+
+Stripped down to the benchmark's case: equal-length causal sequences (a multiple of 128),
+bf16, head size 128, GQA by head index, K/V tiles by TMA into a ring of ``STAGES`` slots.
+``OVERLAP=False`` runs the same kernel in the usual order (each dot waited for at once) as
+its own baseline. The run checks every variant against torch SDPA and times it beside the
+library's contiguous path (``flash_attn_varlen_func``) and cuDNN / flash SDPA in one process.
+
+    python -m benchmarks.experiments.prefill_gluon                 # GPU (sm_90)
+    python -m benchmarks.experiments.prefill_gluon --compile-only  # any machine: sm_90 AOT
+
+Gluon does not run under the Triton interpreter; this stays an experiment unless it pays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+                                                              tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+LOG2E = 1.4426950408889634
+SHAPES = ((1, 4096), (4, 4096), (1, 16384))      # (sequences, tokens each), causal
+H_Q, H_KV, D = 32, 8, 128
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, qk_scale, q_start, k_start, MASKED: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr,
+                  p_layout: gl.constexpr):
+    """One tile's online softmax: ``s`` float32 [BLOCK_M, BLOCK_N] (scores before scaling,
+    ``layout``: the QK accumulator's); ``m_i`` / ``l_i`` float32 [BLOCK_M] (row max in log2
+    units, row sum). Returns (p, m_new, l_new, alpha): p bf16 [BLOCK_M, BLOCK_N] in
+    ``p_layout`` (the PV dot's register operand), converted here so that no float32 copy
+    stays live beside the dots in flight."""
+    if MASKED:      # the diagonal tile: key position <= query position
+        rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))  # [BLOCK_M]
+        cols = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))  # [BLOCK_N]
+        s = gl.where(cols[None, :] <= rows[:, None], s, -float("inf"))
+    # The scale is positive: the row max of the raw scores, scaled, is the scaled max, and
+    # scale-and-subtract is one FFMA per score.
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_new[:, None])                        # [BLOCK_M, BLOCK_N]
+    alpha = gl.exp2(m_i - m_new)
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    return gl.convert_layout(p.to(gl.bfloat16), p_layout), m_new, l_new, alpha
+
+
+@gluon.jit
+def _load_kv(k_desc, v_desc, k_smem, v_smem, bar, row, col, pred):
+    """Start the TMA copies of one K and one V tile into a ring slot, both on ``bar``."""
+    mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [row, col], bar, k_smem, pred=pred)
+    tma.async_copy_global_to_shared(v_desc, [row, col], bar, v_smem, pred=pred)
+
+
+@gluon.jit
+def _attn_fwd(q_desc, k_desc, v_desc, o_desc, seq_len, qk_scale,
+              NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+              OVERLAP: gl.constexpr, num_warps: gl.constexpr):
+    """One program: one query tile of one head of one sequence, heaviest tiles first.
+
+    q_desc / o_desc: over ``[num_seqs * seq_len, NUM_Q_HEADS * HEAD_D]`` bf16, block
+    [BLOCK_M, HEAD_D]; k_desc / v_desc: over ``[num_seqs * seq_len, num_kv_heads * HEAD_D]``,
+    block [BLOCK_N, HEAD_D]. ``seq_len`` a multiple of BLOCK_M; BLOCK_M == BLOCK_N, so a
+    query tile's last K/V tile is its diagonal one."""
+    gl.static_assert(BLOCK_M == BLOCK_N)
+    num_m = seq_len // BLOCK_M
+    pid = gl.program_id(0)
+    m_tile = num_m - 1 - pid % num_m
+    head = (pid // num_m) % NUM_Q_HEADS
+    seq = pid // (num_m * NUM_Q_HEADS)
+    q_start = m_tile * BLOCK_M                  # position in the sequence
+    q_row = seq * seq_len + q_start
+    kv_row0 = seq * seq_len
+    q_col = head * HEAD_D
+    kv_col = (head // GROUP) * HEAD_D
+    n_tiles = m_tile + 1
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES + 1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES + 1):
+        mbarrier.init(bars.index(i), count=1)
+    q_bar = bars.index(STAGES)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
+    # Tile t lives in slot t % STAGES; every slot starts filled.
+    for i in gl.static_range(STAGES):
+        _load_kv(k_desc, v_desc, k_smem.index(i), v_smem.index(i), bars.index(i),
+                 kv_row0 + i * BLOCK_N, kv_col, i < n_tiles)
+
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+
+    # Tile 0: its scores alone.
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(bars.index(0), 0)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)),
+                      gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                      is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    if n_tiles == 1:
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, q_start, 0, True,
+                                           BLOCK_M, BLOCK_N, s_layout, p_layout)
+    else:
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, q_start, 0, False,
+                                           BLOCK_M, BLOCK_N, s_layout, p_layout)
+
+    for j in range(1, n_tiles):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        p_op = p
+        mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
+        # The last tile's scores are dead: their registers take this tile's (use_acc=False
+        # ignores them), so no zero tile stays live through the loop.
+        s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s, use_acc=False,
+                          is_async=True)
+        if OVERLAP:
+            acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))        # the QK; the PV may still run
+        else:
+            s = warpgroup_mma_wait(0, deps=(s,))
+            acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        if j == n_tiles - 1:
+            p, m_new, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, q_start, j * BLOCK_N,
+                                                 True, BLOCK_M, BLOCK_N, s_layout,
+                                                 p_layout)
+        else:
+            p, m_new, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, q_start, j * BLOCK_N,
+                                                 False, BLOCK_M, BLOCK_N, s_layout,
+                                                 p_layout)
+        if OVERLAP:
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
+        m_i = m_new
+        # Tile j - 1 is done (its PV waited for): its slot takes tile j - 1 + STAGES.
+        nxt = j - 1 + STAGES
+        _load_kv(k_desc, v_desc, k_smem.index(prev), v_smem.index(prev), bars.index(prev),
+                 kv_row0 + nxt * BLOCK_N, kv_col, nxt < n_tiles)
+
+    last = (n_tiles - 1) % STAGES
+    p_op = p
+    acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+    for i in gl.static_range(STAGES + 1):
+        mbarrier.invalidate(bars.index(i))
+
+    out = acc / gl.convert_layout(l_i, o_row_layout)[:, None]        # [BLOCK_M, HEAD_D]
+    q_smem.store(out.to(o_desc.dtype))          # Q's tile is no longer read: reuse it
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [q_row, q_col], q_smem)
+    tma.store_wait(pendings=0)
+
+
+def _layout():
+    return gl.NVMMASharedLayout.get_default_for([128, D], gl.bfloat16)
+
+
+def gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int,
+                    *, overlap: bool = True, stages: int = 2, block: int = 128,
+                    num_warps: int = 8) -> torch.Tensor:
+    """Causal attention of ``num_seqs`` equal-length sequences.
+
+    q: bf16 ``[num_seqs * seq_len, H_Q, D]``; k, v: bf16 ``[num_seqs * seq_len, H_KV, D]``.
+    Returns bf16 ``[num_seqs * seq_len, H_Q, D]``."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    total, num_q_heads, head = q.shape
+    seq_len = total // num_seqs
+    assert seq_len % block == 0 and head == D
+    out = torch.empty_like(q)
+    layout = gl.NVMMASharedLayout.get_default_for([block, head], gl.bfloat16)
+
+    def desc(t):
+        flat = t.view(t.shape[0], -1)
+        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block, head],
+                                layout)
+    grid = (num_seqs * num_q_heads * (seq_len // block),)
+    _attn_fwd[grid](desc(q), desc(k), desc(v), desc(out), seq_len,
+                    head ** -0.5 * LOG2E, num_q_heads, num_q_heads // k.shape[1], block, block,
+                    head, stages, overlap, num_warps=num_warps)
+    return out
+
+
+def compile_only() -> None:
+    """Compile each variant for sm_90 here (no GPU): registers, spills, and the order of the
+    wgmma issues and waits in the PTX."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    desc = f"tensordesc<bf16[128, {D}],{_layout()!r}>"
+    signature = dict(q_desc=desc, k_desc=desc, v_desc=desc, o_desc=desc, seq_len="i32",
+                     qk_scale="fp32")
+    names = list(_attn_fwd.arg_names)
+    for overlap in (False, True):
+        for stages in (2, 3):
+            constexprs = dict(NUM_Q_HEADS=H_Q, GROUP=H_Q // H_KV, BLOCK_M=128, BLOCK_N=128,
+                              HEAD_D=D, STAGES=stages, OVERLAP=overlap, num_warps=8)
+            sig = {n: signature.get(n, "constexpr") for n in names}
+            src = GluonASTSource(_attn_fwd, sig, {(names.index(k),): v
+                                                  for k, v in constexprs.items()})
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                    options=dict(num_warps=8))
+            ptx = kernel.asm["ptx"]
+            seq = ["W" + m.group(1) if m.group(1) is not None else "M" for m in re.finditer(
+                r"wgmma\.wait_group\.sync\.aligned\s+(\d+)|wgmma\.mma_async", ptx)]
+            runs = []
+            for x in seq:
+                if runs and runs[-1][0] == x:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([x, 1])
+            order = " ".join(f"{x}x{n}" if n > 1 else x for x, n in runs)
+            print(f"overlap={overlap!s:5} stages={stages}: {_usage(kernel)} "
+                  f"shared={kernel.metadata.shared}  wgmma order: {order}", flush=True)
+
+
+def _usage(kernel) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True,
+                              text=True).stdout
+    return " ".join(re.findall(r"(?:REG|STACK|LOCAL):\d+", text))
+
+
+def _time_ms(fn, reps: int = 20) -> float:
+    """Median of ``reps`` CUDA-event timings, L2 flushed before each."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(3):
+        fn()
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def run_gpu(rounds: int) -> None:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from mini_paged_attn.ops import flash_attn_varlen_func
+    variants = {"gluon, waits at once, 2 stages": dict(overlap=False, stages=2),
+                "gluon, overlap, 2 stages": dict(overlap=True, stages=2),
+                "gluon, overlap, 3 stages": dict(overlap=True, stages=3)}
+    rows = []
+    for num_seqs, seq_len in SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        total = num_seqs * seq_len
+        q = torch.randn(total, H_Q, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(total, H_KV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(total, H_KV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        cu = torch.arange(0, total + 1, seq_len, dtype=torch.int32, device="cuda")
+        qb = q.view(num_seqs, seq_len, H_Q, D).transpose(1, 2)
+        kb = k.view(num_seqs, seq_len, H_KV, D).transpose(1, 2).repeat_interleave(
+            H_Q // H_KV, dim=1)
+        vb = v.view(num_seqs, seq_len, H_KV, D).transpose(1, 2).repeat_interleave(
+            H_Q // H_KV, dim=1)
+        qc, kc, vc = qb.contiguous(), kb.contiguous(), vb.contiguous()
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            ref = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
+        ref = ref.transpose(1, 2).reshape(total, H_Q, D)
+        flops = 4 * num_seqs * H_Q * D * seq_len * seq_len / 2
+        fns = {"library contiguous (flash_attn_varlen_func)": lambda: flash_attn_varlen_func(
+            q, k, v, cu, cu, seq_len, seq_len, causal=True)}
+        for name, opts in variants.items():
+            fns[name] = (lambda o=opts: gluon_attention(q, k, v, num_seqs, **o))
+
+        def sdpa(backend):
+            def run():
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
+            return run
+        fns["SDPA cuDNN"] = sdpa(SDPBackend.CUDNN_ATTENTION)
+        fns["SDPA flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
+        errors = {}
+        for name, fn in fns.items():
+            out = fn()
+            if out.shape != ref.shape:
+                out = out.transpose(1, 2).reshape(total, H_Q, D)
+            errors[name] = (out.float() - ref.float()).abs().max().item()
+        best = {name: float("inf") for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                best[name] = min(best[name], _time_ms(fn))
+        cudnn = flops / best["SDPA cuDNN"] / 1e9
+        for name in fns:
+            tflops = flops / best[name] / 1e9
+            rows.append((f"{num_seqs}x{seq_len // 1024}k", name, tflops, tflops / cudnn,
+                         errors[name]))
+            print(f"{rows[-1][0]:>6} {name:44} {tflops:7.1f} TFLOP/s {tflops / cudnn:5.2f}x "
+                  f"cuDNN  max err {errors[name]:.3g}", flush=True)
+    print("\ncase   variant                                      TFLOP/s  x cuDNN")
+    for case, name, tflops, ratio, _ in rows:
+        print(f"{case:>6} {name:44} {tflops:7.1f} {ratio:6.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile for sm_90 without a GPU and report registers")
+    parser.add_argument("--rounds", type=int, default=3, help="alternated timing rounds")
+    args = parser.parse_args()
+    if args.compile_only:
+        compile_only()
+    else:
+        run_gpu(args.rounds)
+
+
+if __name__ == "__main__":
+    main()
