@@ -21,8 +21,11 @@ bf16, head size 128, GQA by head index, K/V tiles by TMA into a ring of ``STAGES
 its own baseline. The run checks every variant against torch SDPA and times it beside the
 library's contiguous path (``flash_attn_varlen_func``) and cuDNN / flash SDPA in one process.
 
-    python -m benchmarks.experiments.prefill_gluon                 # GPU (sm_90)
     python -m benchmarks.experiments.prefill_gluon --compile-only  # any machine: sm_90 AOT
+    for v in wait2 overlap2 overlap3; do                           # GPU (sm_90): each variant
+        timeout 120 python -m benchmarks.experiments.prefill_gluon --check $v
+    done                                                           # alone first (a hang
+    python -m benchmarks.experiments.prefill_gluon --rounds 3      # costs one process)
 
 Gluon does not run under the Triton interpreter; this stays an experiment unless it pays.
 """
@@ -30,7 +33,6 @@ Gluon does not run under the Triton interpreter; this stays an experiment unless
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import subprocess
@@ -180,8 +182,8 @@ def _attn_fwd(q_desc, k_desc, v_desc, o_desc, seq_len, qk_scale,
     p_op = p
     acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-    for i in gl.static_range(STAGES + 1):
-        mbarrier.invalidate(bars.index(i))
+    # The barriers are not invalidated: their memory is not reused, and the other warp group
+    # may still be polling the last tile's (already completed) phase.
 
     out = acc / gl.convert_layout(l_i, o_row_layout)[:, None]        # [BLOCK_M, HEAD_D]
     q_smem.store(out.to(o_desc.dtype))          # Q's tile is no longer read: reuse it
@@ -279,14 +281,35 @@ def _time_ms(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+VARIANTS = {"wait2": ("gluon, waits at once, 2 stages", dict(overlap=False, stages=2)),
+            "overlap2": ("gluon, overlap, 2 stages", dict(overlap=True, stages=2)),
+            "overlap3": ("gluon, overlap, 3 stages", dict(overlap=True, stages=3))}
+
+
+def check(variant: str) -> None:
+    """One Gluon variant on causal 1 x 4k against SDPA (flash): its largest error."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    name, opts = VARIANTS[variant]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(4096, h, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for h in (H_Q, H_KV, H_KV))
+    out = gluon_attention(q, k, v, 1, **opts)
+    torch.cuda.synchronize()
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ref = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None].repeat_interleave(H_Q // H_KV, 1),
+            v.transpose(0, 1)[None].repeat_interleave(H_Q // H_KV, 1), is_causal=True)
+    err = (out.float() - ref[0].transpose(0, 1).float()).abs().max().item()
+    print(f"check {variant} ({name}): max error {err:.3g} against SDPA flash", flush=True)
+
+
 def run_gpu(rounds: int) -> None:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from mini_paged_attn.ops import flash_attn_varlen_func
-    variants = {"gluon, waits at once, 2 stages": dict(overlap=False, stages=2),
-                "gluon, overlap, 2 stages": dict(overlap=True, stages=2),
-                "gluon, overlap, 3 stages": dict(overlap=True, stages=3)}
+    variants = dict(VARIANTS.values())
     rows = []
     for num_seqs, seq_len in SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -344,9 +367,13 @@ def main() -> None:
     parser.add_argument("--compile-only", action="store_true",
                         help="compile for sm_90 without a GPU and report registers")
     parser.add_argument("--rounds", type=int, default=3, help="alternated timing rounds")
+    parser.add_argument("--check", choices=sorted(VARIANTS),
+                        help="only check one Gluon variant's output on causal 1 x 4k")
     args = parser.parse_args()
     if args.compile_only:
         compile_only()
+    elif args.check:
+        check(args.check)
     else:
         run_gpu(args.rounds)
 
