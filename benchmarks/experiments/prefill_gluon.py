@@ -33,10 +33,7 @@ Gluon does not run under the Triton interpreter; this stays an experiment unless
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import subprocess
-import tempfile
 
 import torch
 import triton
@@ -226,6 +223,8 @@ def compile_only() -> None:
     wgmma issues and waits in the PTX."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+
+    from benchmarks.experiments.decode_compile_check import resource_usage
     desc = f"tensordesc<bf16[128, {D}],{_layout()!r}>"
     signature = dict(q_desc=desc, k_desc=desc, v_desc=desc, o_desc=desc, seq_len="i32",
                      qk_scale="fp32")
@@ -249,19 +248,8 @@ def compile_only() -> None:
                 else:
                     runs.append([x, 1])
             order = " ".join(f"{x}x{n}" if n > 1 else x for x, n in runs)
-            print(f"overlap={overlap!s:5} stages={stages}: {_usage(kernel)} "
+            print(f"overlap={overlap!s:5} stages={stages}: {resource_usage(kernel)} "
                   f"shared={kernel.metadata.shared}  wgmma order: {order}", flush=True)
-
-
-def _usage(kernel) -> str:
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                        "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True,
-                              text=True).stdout
-    return " ".join(re.findall(r"(?:REG|STACK|LOCAL):\d+", text))
 
 
 def _time_ms(fn, reps: int = 20) -> float:
