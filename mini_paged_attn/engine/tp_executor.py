@@ -64,6 +64,11 @@ class TPWorkers:
     def world_size(self) -> int:
         return self.tp.world_size
 
+    @property
+    def failed(self) -> bool:
+        """A step failed or a worker was found dead: the ranks are out of step."""
+        return self._error is not None
+
     def check(self) -> None:
         """Raise :class:`TensorParallelError` if a worker has died or a step failed before."""
         if self._error is None:

@@ -72,27 +72,33 @@ def run_worker(launch: WorkerLaunch, conn: Any) -> None:
         _report(conn, f"{type(exc).__name__}: {exc}")
         return
     conn.send(("ready", None))
+    clean = False
     try:
-        _serve(runner, conn, launch.rank)
+        clean = _serve(runner, conn, launch.rank)
     finally:
-        runner.release_graphs()
+        if clean:
+            # The device is idle: drop the graphs, which the group's teardown waits for.
+            # After a failed step a collective may never finish, so no synchronize then.
+            runner.release_graphs()
         tp.close()
 
 
-def _serve(runner, conn: Any, rank: int) -> None:
+def _serve(runner, conn: Any, rank: int) -> bool:
+    """Run rank 0's steps until told to stop (True) or until rank 0 is gone or a step
+    fails (False)."""
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):      # rank 0 is gone
-            return
+            return False
         if isinstance(message, StopMessage):
-            return
+            return True
         try:
             runner.execute_message(message)
         except BaseException as exc:
             logger.exception("tensor-parallel rank %d: step failed", rank)
             _report(conn, f"{type(exc).__name__}: {exc}")
-            return
+            return False
 
 
 def _report(conn: Any, text: str) -> None:
