@@ -18,11 +18,14 @@ tensor cores idle while a program computes its softmax. Gluon issues and waits f
 Stripped down to the benchmark's case: equal-length causal sequences (a multiple of 128),
 bf16, head size 128, GQA by head index, K/V tiles by TMA into a ring of ``STAGES`` slots.
 ``OVERLAP=False`` runs the same kernel in the usual order (each dot waited for at once) as
-its own baseline. The run checks every variant against torch SDPA and times it beside the
-library's contiguous path (``flash_attn_varlen_func``) and cuDNN / flash SDPA in one process.
+its own baseline. ``PRODUCER=True`` moves the K/V loads to a loader warp of their own (Gluon
+warp specialization, FlashAttention-3's producer): the compute warps then hand a finished
+slot back through an mbarrier instead of refilling it between their own dots. The run
+checks every variant against torch SDPA and times it beside the library's contiguous path
+(``flash_attn_varlen_func``) and cuDNN / flash SDPA in one process.
 
     python -m benchmarks.experiments.prefill_gluon --compile-only  # any machine: sm_90 AOT
-    for v in wait2 overlap2 overlap3; do                           # GPU (sm_90): each variant
+    for v in wait2 overlap2 overlap3 producer2 producer3; do       # GPU (sm_90): each variant
         timeout 120 python -m benchmarks.experiments.prefill_gluon --check $v
     done                                                           # alone first (a hang
     python -m benchmarks.experiments.prefill_gluon --rounds 3      # costs one process)
@@ -79,29 +82,13 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, bar, row, col, pred):
 
 
 @gluon.jit
-def _attn_fwd(q_desc, k_desc, v_desc, o_desc, seq_len, qk_scale,
-              NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              OVERLAP: gl.constexpr, num_warps: gl.constexpr):
-    """One program: one query tile of one head of one sequence, heaviest tiles first.
-
-    q_desc / o_desc: over ``[num_seqs * seq_len, NUM_Q_HEADS * HEAD_D]`` bf16, block
-    [BLOCK_M, HEAD_D]; k_desc / v_desc: over ``[num_seqs * seq_len, num_kv_heads * HEAD_D]``,
-    block [BLOCK_N, HEAD_D]. ``seq_len`` a multiple of BLOCK_M; BLOCK_M == BLOCK_N, so a
-    query tile's last K/V tile is its diagonal one."""
-    gl.static_assert(BLOCK_M == BLOCK_N)
-    num_m = seq_len // BLOCK_M
-    pid = gl.program_id(0)
-    m_tile = num_m - 1 - pid % num_m
-    head = (pid // num_m) % NUM_Q_HEADS
-    seq = pid // (num_m * NUM_Q_HEADS)
-    q_start = m_tile * BLOCK_M                  # position in the sequence
-    q_row = seq * seq_len + q_start
-    kv_row0 = seq * seq_len
-    q_col = head * HEAD_D
-    kv_col = (head // GROUP) * HEAD_D
-    n_tiles = m_tile + 1
-
+def _consume(q_smem, k_smem, v_smem, ready, empty, q_bar, o_desc, k_desc, v_desc, q_row, q_col,
+             kv_row0, kv_col, q_start, n_tiles, qk_scale, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+             OVERLAP: gl.constexpr, PRODUCER: gl.constexpr, num_warps: gl.constexpr):
+    """The attention loop of one query tile and its output's store. Tile ``t``'s K/V are in
+    ring slot ``t % STAGES``, signalled on ``ready``; a finished slot is handed back by
+    arriving on ``empty`` (a producer partition refills it) or refilled here."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -110,27 +97,13 @@ def _attn_fwd(q_desc, k_desc, v_desc, o_desc, seq_len, qk_scale,
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES + 1, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES + 1):
-        mbarrier.init(bars.index(i), count=1)
-    q_bar = bars.index(STAGES)
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
-    # Tile t lives in slot t % STAGES; every slot starts filled.
-    for i in gl.static_range(STAGES):
-        _load_kv(k_desc, v_desc, k_smem.index(i), v_smem.index(i), bars.index(i),
-                 kv_row0 + i * BLOCK_N, kv_col, i < n_tiles)
-
     acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
     m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, row_layout)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
 
     # Tile 0: its scores alone.
     mbarrier.wait(q_bar, 0)
-    mbarrier.wait(bars.index(0), 0)
+    mbarrier.wait(ready.index(0), 0)
     s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)),
                       gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
                       is_async=True)
@@ -146,7 +119,7 @@ def _attn_fwd(q_desc, k_desc, v_desc, o_desc, seq_len, qk_scale,
         slot = j % STAGES
         prev = (j - 1) % STAGES
         p_op = p
-        mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
         # The last tile's scores are dead: their registers take this tile's (use_acc=False
         # ignores them), so no zero tile stays live through the loop.
         s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s, use_acc=False,
@@ -171,9 +144,13 @@ def _attn_fwd(q_desc, k_desc, v_desc, o_desc, seq_len, qk_scale,
         acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
         m_i = m_new
         # Tile j - 1 is done (its PV waited for): its slot takes tile j - 1 + STAGES.
-        nxt = j - 1 + STAGES
-        _load_kv(k_desc, v_desc, k_smem.index(prev), v_smem.index(prev), bars.index(prev),
-                 kv_row0 + nxt * BLOCK_N, kv_col, nxt < n_tiles)
+        if PRODUCER:
+            gl.thread_barrier()         # both warp groups' PV of the slot are done
+            mbarrier.arrive(empty.index(prev), count=1)
+        else:
+            nxt = j - 1 + STAGES
+            _load_kv(k_desc, v_desc, k_smem.index(prev), v_smem.index(prev),
+                     ready.index(prev), kv_row0 + nxt * BLOCK_N, kv_col, nxt < n_tiles)
 
     last = (n_tiles - 1) % STAGES
     p_op = p
@@ -189,13 +166,100 @@ def _attn_fwd(q_desc, k_desc, v_desc, o_desc, seq_len, qk_scale,
     tma.store_wait(pendings=0)
 
 
+@gluon.jit
+def _produce(k_desc, v_desc, k_smem, v_smem, ready, empty, kv_row0, kv_col, n_tiles,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The loader partition (one warp): every K/V tile into its ring slot once the slot's
+    last tile is done (an mbarrier starts with its phase 1 complete: the first round waits
+    for nothing)."""
+    for t in range(n_tiles):
+        slot = t % STAGES
+        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
+        _load_kv(k_desc, v_desc, k_smem.index(slot), v_smem.index(slot), ready.index(slot),
+                 kv_row0 + t * BLOCK_N, kv_col, True)
+
+
+@gluon.jit
+def _attn_fwd(q_desc, k_desc, v_desc, o_desc, seq_len, qk_scale,
+              NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+              OVERLAP: gl.constexpr, PRODUCER: gl.constexpr, num_warps: gl.constexpr):
+    """One program: one query tile of one head of one sequence, heaviest tiles first.
+
+    q_desc / o_desc: over ``[num_seqs * seq_len, NUM_Q_HEADS * HEAD_D]`` bf16, block
+    [BLOCK_M, HEAD_D]; k_desc / v_desc: over ``[num_seqs * seq_len, num_kv_heads * HEAD_D]``,
+    block [BLOCK_N, HEAD_D]. ``seq_len`` a multiple of BLOCK_M; BLOCK_M == BLOCK_N, so a
+    query tile's last K/V tile is its diagonal one. ``PRODUCER``: K/V loads from a loader
+    warp of their own (Gluon warp specialization) instead of the compute warps' refills."""
+    gl.static_assert(BLOCK_M == BLOCK_N)
+    num_m = seq_len // BLOCK_M
+    pid = gl.program_id(0)
+    m_tile = num_m - 1 - pid % num_m
+    head = (pid // num_m) % NUM_Q_HEADS
+    seq = pid // (num_m * NUM_Q_HEADS)
+    q_start = m_tile * BLOCK_M                  # position in the sequence
+    q_row = seq * seq_len + q_start
+    kv_row0 = seq * seq_len
+    q_col = head * HEAD_D
+    kv_col = (head // GROUP) * HEAD_D
+    n_tiles = m_tile + 1
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(q_bar, count=1)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
+    if PRODUCER:
+        gl.warp_specialize([
+            (_consume, (q_smem, k_smem, v_smem, ready, empty, q_bar, o_desc, k_desc, v_desc,
+                        q_row, q_col, kv_row0, kv_col, q_start, n_tiles, qk_scale, BLOCK_M,
+                        BLOCK_N, HEAD_D, STAGES, OVERLAP, PRODUCER, num_warps)),
+            (_produce, (k_desc, v_desc, k_smem, v_smem, ready, empty, kv_row0, kv_col,
+                        n_tiles, BLOCK_N, STAGES)),
+        ], [1], [24])
+    else:
+        for i in gl.static_range(STAGES):       # every slot starts filled
+            _load_kv(k_desc, v_desc, k_smem.index(i), v_smem.index(i), ready.index(i),
+                     kv_row0 + i * BLOCK_N, kv_col, i < n_tiles)
+        _consume(q_smem, k_smem, v_smem, ready, empty, q_bar, o_desc, k_desc, v_desc, q_row,
+                 q_col, kv_row0, kv_col, q_start, n_tiles, qk_scale, BLOCK_M, BLOCK_N,
+                 HEAD_D, STAGES, OVERLAP, PRODUCER, num_warps)
+
+
 def _layout():
     return gl.NVMMASharedLayout.get_default_for([128, D], gl.bfloat16)
 
 
+# name: (label, options of gluon_attention)
+VARIANTS = {
+    "wait2": ("gluon, waits at once, 2 stages", dict(overlap=False, stages=2)),
+    "overlap2": ("gluon, overlap, 2 stages", dict(overlap=True, stages=2)),
+    "overlap3": ("gluon, overlap, 3 stages", dict(overlap=True, stages=3)),
+    "producer2": ("gluon, overlap, loader warp, 2 stages",
+                  dict(overlap=True, stages=2, producer=True)),
+    "producer3": ("gluon, overlap, loader warp, 3 stages",
+                  dict(overlap=True, stages=3, producer=True)),
+}
+NUM_WARPS = 8
+PRODUCER_MAXNREG = 168
+"""With a loader warp the CTA has 12 warps (a warp group of its own), and 168 x 12 x 32
+registers fit the SM's 65,536; the loader's 24 a thread leave 240 to the compute warps."""
+
+
+def launch_options(producer: bool) -> dict:
+    return dict(num_warps=NUM_WARPS, **(dict(maxnreg=PRODUCER_MAXNREG) if producer else {}))
+
+
 def gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int,
-                    *, overlap: bool = True, stages: int = 2, block: int = 128,
-                    num_warps: int = 8) -> torch.Tensor:
+                    *, overlap: bool = True, stages: int = 2, producer: bool = False,
+                    block: int = 128) -> torch.Tensor:
     """Causal attention of ``num_seqs`` equal-length sequences.
 
     q: bf16 ``[num_seqs * seq_len, H_Q, D]``; k, v: bf16 ``[num_seqs * seq_len, H_KV, D]``.
@@ -214,7 +278,7 @@ def gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs:
     grid = (num_seqs * num_q_heads * (seq_len // block),)
     _attn_fwd[grid](desc(q), desc(k), desc(v), desc(out), seq_len,
                     head ** -0.5 * LOG2E, num_q_heads, num_q_heads // k.shape[1], block, block,
-                    head, stages, overlap, num_warps=num_warps)
+                    head, stages, overlap, producer, **launch_options(producer))
     return out
 
 
@@ -229,27 +293,28 @@ def compile_only() -> None:
     signature = dict(q_desc=desc, k_desc=desc, v_desc=desc, o_desc=desc, seq_len="i32",
                      qk_scale="fp32")
     names = list(_attn_fwd.arg_names)
-    for overlap in (False, True):
-        for stages in (2, 3):
-            constexprs = dict(NUM_Q_HEADS=H_Q, GROUP=H_Q // H_KV, BLOCK_M=128, BLOCK_N=128,
-                              HEAD_D=D, STAGES=stages, OVERLAP=overlap, num_warps=8)
-            sig = {n: signature.get(n, "constexpr") for n in names}
-            src = GluonASTSource(_attn_fwd, sig, {(names.index(k),): v
-                                                  for k, v in constexprs.items()})
-            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                    options=dict(num_warps=8))
-            ptx = kernel.asm["ptx"]
-            seq = ["W" + m.group(1) if m.group(1) is not None else "M" for m in re.finditer(
-                r"wgmma\.wait_group\.sync\.aligned\s+(\d+)|wgmma\.mma_async", ptx)]
-            runs = []
-            for x in seq:
-                if runs and runs[-1][0] == x:
-                    runs[-1][1] += 1
-                else:
-                    runs.append([x, 1])
-            order = " ".join(f"{x}x{n}" if n > 1 else x for x, n in runs)
-            print(f"overlap={overlap!s:5} stages={stages}: {resource_usage(kernel)} "
-                  f"shared={kernel.metadata.shared}  wgmma order: {order}", flush=True)
+    for name, (_, opts) in VARIANTS.items():
+        producer = opts.get("producer", False)
+        constexprs = dict(NUM_Q_HEADS=H_Q, GROUP=H_Q // H_KV, BLOCK_M=128, BLOCK_N=128,
+                          HEAD_D=D, STAGES=opts["stages"], OVERLAP=opts["overlap"],
+                          PRODUCER=producer, num_warps=NUM_WARPS)
+        sig = {n: signature.get(n, "constexpr") for n in names}
+        src = GluonASTSource(_attn_fwd, sig, {(names.index(k),): v
+                                              for k, v in constexprs.items()})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options=launch_options(producer))
+        ptx = kernel.asm["ptx"]
+        seq = ["W" + m.group(1) if m.group(1) is not None else "M" for m in re.finditer(
+            r"wgmma\.wait_group\.sync\.aligned\s+(\d+)|wgmma\.mma_async", ptx)]
+        runs = []
+        for x in seq:
+            if runs and runs[-1][0] == x:
+                runs[-1][1] += 1
+            else:
+                runs.append([x, 1])
+        order = " ".join(f"{x}x{n}" if n > 1 else x for x, n in runs)
+        print(f"{name:9}: {resource_usage(kernel)} shared={kernel.metadata.shared} "
+              f"warps={kernel.metadata.num_warps}  wgmma order: {order}", flush=True)
 
 
 def _time_ms(fn, reps: int = 20) -> float:
@@ -267,11 +332,6 @@ def _time_ms(fn, reps: int = 20) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
-
-
-VARIANTS = {"wait2": ("gluon, waits at once, 2 stages", dict(overlap=False, stages=2)),
-            "overlap2": ("gluon, overlap, 2 stages", dict(overlap=True, stages=2)),
-            "overlap3": ("gluon, overlap, 3 stages", dict(overlap=True, stages=3))}
 
 
 def check(variant: str) -> None:
