@@ -14,6 +14,8 @@ import gc
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -137,6 +139,38 @@ def test_garbage_collection_stops_the_workers():
     del llm
     gc.collect()
     assert_gone(pids)
+
+
+_EXIT_WITHOUT_SHUTDOWN = """
+import sys
+from mini_paged_attn.engine import model_runner
+from mini_paged_attn.engine.llm import LLM
+from mini_paged_attn.engine.sampling_params import SamplingParams
+
+def released(self):
+    if self.peers is not None:          # rank 0's runner (a worker's has no peers)
+        print("rank 0 graphs released", flush=True)
+model_runner.ModelRunner.release_graphs = released
+if __name__ == "__main__":
+    llm = LLM("tiny", device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
+    llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)
+    print("workers", *[p.pid for p in llm.engine.peers.processes], flush=True)
+"""
+
+
+def test_interpreter_exit_shuts_a_live_engine_down(tmp_path):
+    """A script that never calls shutdown(): at exit the engine's own hook runs shutdown()
+    (rank 0's graphs released first, as NCCL needs), before multiprocessing's finalizer."""
+    script = tmp_path / "no_shutdown.py"
+    script.write_text(_EXIT_WITHOUT_SHUTDOWN)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert "rank 0 graphs released" in lines, done.stdout
+    pids = [int(p) for p in next(l for l in lines if l.startswith("workers")).split()[1:]]
+    assert_gone(pids)
+    assert "did not stop" not in done.stderr
 
 
 @pytest.mark.parametrize("size, match", [
