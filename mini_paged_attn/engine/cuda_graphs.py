@@ -142,6 +142,12 @@ class DecodeGraphs:
                     "in %.1f s", len(self._graphs), self.buckets,
                     len(self._graphs) - len(self.buckets), time.perf_counter() - start)
 
+    def release(self) -> None:
+        """Wait for the device, then destroy the captured graphs (replay cannot run after)."""
+        if self._graphs:
+            torch.cuda.synchronize()
+            self._graphs.clear()        # a graph is destroyed with its last reference
+
     def replay(self, n: int, block_tables: torch.Tensor) -> torch.Tensor:
         """Run the captured forward for ``n`` sequences whose inputs were built with
         ``pad_to=bucket_for(n)``; ``block_tables`` is the step's int32 ``[n, width]`` table.

@@ -8,14 +8,11 @@ the model runner are only ever touched by the stepping thread.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import functools
 import itertools
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -69,12 +66,6 @@ class LLMEngine:
         # Rank 0 under tensor parallelism: the other ranks (stopped by shutdown()).
         self.peers = peers
         self.runner = ModelRunner(model, model_config, config, max_len, peers=peers)
-        self._shutdown_at_exit = None
-        if peers is not None:
-            # At interpreter exit, before multiprocessing's own exit handler (atexit runs
-            # the latest first) stops the workers without rank 0's graphs released.
-            self._shutdown_at_exit = functools.partial(_shutdown_if_alive, weakref.ref(self))
-            atexit.register(self._shutdown_at_exit)
         # The one KV cache (pool, block tables, copy-on-write) and its block-level logic.
         self.cache = self.runner.cache
         self.kv_manager = self.cache.kv_manager
@@ -156,7 +147,6 @@ class LLMEngine:
             if not self.peers.failed:
                 self.runner.release_graphs()
             self.peers.close()
-            atexit.unregister(self._shutdown_at_exit)
 
     # ---- requests (any thread) ----------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -557,13 +547,6 @@ class LLMEngine:
         if now - self._last_log >= self.config.log_stats_interval_s:
             self._last_log = now
             logger.info("engine: %s", self.stats().summary())
-
-
-def _shutdown_if_alive(engine_ref: weakref.ref) -> None:
-    """The atexit hook of a tensor-parallel engine never shut down."""
-    engine = engine_ref()
-    if engine is not None:
-        engine.shutdown()
 
 
 def _needs_sync(request: Request) -> bool:

@@ -115,6 +115,8 @@ class ModelRunner:
                                        max_batch=config.max_num_seqs, backend=self.backend,
                                        decode_workspace=self.workspace)
             self.graphs.capture()
+            if peers is not None:       # also at garbage collection, before NCCL closes
+                peers.track_graphs(self.graphs)
             # Whole prompts attend over their new K/V only with a cache in the model's dtype
             # (else they take the paged graphs); other ranks would have to replay in step
             # with rank 0.

@@ -21,6 +21,7 @@ import pickle
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from multiprocessing import util as mp_util
 from pathlib import Path
@@ -55,10 +56,13 @@ class TPWorkers:
         self.conns = conns
         self.tp = tp
         self._error: str | None = None
+        # Rank 0's CUDA graph holders, weakly: destroyed before the group closes (_stop).
+        self._graphs: list[weakref.ref] = []
         # Close at garbage collection and at interpreter exit (before multiprocessing joins
         # its children, which would wait forever on running workers).
-        self._finalizer = mp_util.Finalize(self, _stop, args=(processes, conns, tp, cleanup),
-                                           exitpriority=EXIT_PRIORITY)
+        self._finalizer = mp_util.Finalize(
+            self, _stop, args=(processes, conns, tp, cleanup, self._graphs),
+            exitpriority=EXIT_PRIORITY)
 
     @property
     def world_size(self) -> int:
@@ -69,12 +73,19 @@ class TPWorkers:
         """A step failed or a worker was found dead: the ranks are out of step."""
         return self._error is not None
 
+    def track_graphs(self, holder) -> None:
+        """Have :meth:`close` (also at garbage collection) call ``holder.release()``, which
+        synchronizes and destroys rank 0's CUDA graphs, before the NCCL group closes: NCCL's
+        teardown waits while graphs that captured its collectives exist. Held weakly; never
+        called once the ranks failed (a collective of the failed step may never finish)."""
+        self._graphs.append(weakref.ref(holder))
+
     def check(self) -> None:
         """Raise :class:`TensorParallelError` if a worker has died or a step failed before."""
         if self._error is None:
             dead = dead_ranks(self.processes, self.conns)
             if dead:
-                self._error = dead
+                self._set_error(dead)
         if self._error is not None:
             raise TensorParallelError(self._error)
 
@@ -124,8 +135,12 @@ class TPWorkers:
         _close_after_failure(self.processes, self.conns, exc, self.close)
 
     def _fail(self, text: str, cause: BaseException) -> None:
-        self._error = self._error or text
+        self._set_error(self._error or text)
         raise TensorParallelError(self._error) from cause
+
+    def _set_error(self, text: str) -> None:
+        self._error = text
+        self._graphs.clear()        # see track_graphs
 
 
 def dead_ranks(processes: list, conns: list) -> str | None:
@@ -211,7 +226,7 @@ def start_tensor_parallel(model: str | Path, *, dtype: str, device: str | None,
         if workers is not None:
             workers.close_after_failure(exc)
         _close_after_failure(processes, conns, exc,
-                             lambda: _stop(processes, conns, None, cleanup))
+                             lambda: _stop(processes, conns, None, cleanup, []))
 
 
 def _rank_devices(device: torch.device, n: int) -> list[torch.device]:
@@ -260,8 +275,10 @@ def _last_error(conn: Any) -> str | None:
     return text
 
 
-def _stop(processes: list, conns: list, tp: TPGroup | None, cleanup: list[Path]) -> None:
-    """Stop the workers: a stop message, then terminate, then kill; release the group."""
+def _stop(processes: list, conns: list, tp: TPGroup | None, cleanup: list[Path],
+          graphs: list[weakref.ref]) -> None:
+    """Stop the workers: a stop message, then terminate, then kill; release rank 0's CUDA
+    graphs that are still alive (see TPWorkers.track_graphs), then the group."""
     stop = pickle.dumps(StopMessage())
     for process, conn in zip(processes, conns):
         if process.is_alive():
@@ -282,6 +299,10 @@ def _stop(processes: list, conns: list, tp: TPGroup | None, cleanup: list[Path])
             process.join()
     for conn in conns:
         conn.close()
+    for ref in graphs:
+        holder = ref()
+        if holder is not None:
+            holder.release()
     if tp is not None:
         tp.close()
     for path in cleanup:

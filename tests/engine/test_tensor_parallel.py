@@ -141,26 +141,65 @@ def test_garbage_collection_stops_the_workers():
     assert_gone(pids)
 
 
+class _GraphHolder:
+    """Stands in for rank 0's decode graphs (CPU engines capture none)."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def release(self) -> None:
+        self.log.append("graphs released")
+
+
+def test_garbage_collection_releases_rank_0_graphs_before_the_group_closes(monkeypatch):
+    log: list[str] = []
+    close = TPGroup.close
+    monkeypatch.setattr(TPGroup, "close",
+                        lambda self: (log.append(f"rank {self.rank} group closed"), close(self)))
+    llm = LLM("tiny", device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
+    holder = _GraphHolder(log)
+    llm.engine.peers.track_graphs(holder)
+    pids = worker_pids(llm)
+    del llm
+    gc.collect()
+    assert_gone(pids)
+    assert log == ["graphs released", "rank 0 group closed"]
+
+
+def test_failed_ranks_never_release_graphs():
+    """After a failure a collective may never finish: nothing waits for the device."""
+    log: list[str] = []
+    llm = LLM("tiny", device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
+    holder = _GraphHolder(log)
+    llm.engine.peers.track_graphs(holder)
+    (pid,) = worker_pids(llm)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(TensorParallelError, match="rank 1"):
+        llm.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.shutdown()
+    assert log == []
+
+
 _EXIT_WITHOUT_SHUTDOWN = """
-import sys
-from mini_paged_attn.engine import model_runner
 from mini_paged_attn.engine.llm import LLM
 from mini_paged_attn.engine.sampling_params import SamplingParams
 
-def released(self):
-    if self.peers is not None:          # rank 0's runner (a worker's has no peers)
+class Graphs:
+    def release(self):
         print("rank 0 graphs released", flush=True)
-model_runner.ModelRunner.release_graphs = released
+
 if __name__ == "__main__":
     llm = LLM("tiny", device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
     llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)
+    graphs = Graphs()
+    llm.engine.peers.track_graphs(graphs)
     print("workers", *[p.pid for p in llm.engine.peers.processes], flush=True)
 """
 
 
-def test_interpreter_exit_shuts_a_live_engine_down(tmp_path):
-    """A script that never calls shutdown(): at exit the engine's own hook runs shutdown()
-    (rank 0's graphs released first, as NCCL needs), before multiprocessing's finalizer."""
+def test_interpreter_exit_stops_a_live_engine(tmp_path):
+    """A script that never calls shutdown(): at exit the workers' finalizer stops them and
+    releases rank 0's graphs (still alive then) before the group closes."""
     script = tmp_path / "no_shutdown.py"
     script.write_text(_EXIT_WITHOUT_SHUTDOWN)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
