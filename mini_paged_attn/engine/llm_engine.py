@@ -141,11 +141,7 @@ class LLMEngine:
         """Stop the other tensor-parallel ranks (nothing to do with one rank). Idempotent;
         also happens when the engine is garbage collected and at interpreter exit."""
         if self.peers is not None:
-            # Before the group closes: NCCL's teardown waits while graphs that captured its
-            # collectives exist. Not after a failure: a collective of the failed step may
-            # never finish, and releasing waits for the device.
-            if not self.peers.failed:
-                self.runner.release_graphs()
+            # Releases rank 0's decode graphs before the group (TPWorkers.track_graphs).
             self.peers.close()
 
     # ---- requests (any thread) ----------------------------------------------------------------

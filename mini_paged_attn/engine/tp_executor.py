@@ -132,6 +132,7 @@ class TPWorkers:
         """Starting the engine failed with ``exc``: stop the workers and raise, naming a worker
         that died (a worker failing to start breaks rank 0's rendezvous or first collective:
         what the worker said is the useful part), else ``exc`` itself."""
+        self._graphs.clear()        # a failed start may have left a collective unfinished
         _close_after_failure(self.processes, self.conns, exc, self.close)
 
     def _fail(self, text: str, cause: BaseException) -> None:
@@ -277,8 +278,12 @@ def _last_error(conn: Any) -> str | None:
 
 def _stop(processes: list, conns: list, tp: TPGroup | None, cleanup: list[Path],
           graphs: list[weakref.ref]) -> None:
-    """Stop the workers: a stop message, then terminate, then kill; release rank 0's CUDA
-    graphs that are still alive (see TPWorkers.track_graphs), then the group."""
+    """Release rank 0's CUDA graphs that are still alive (see TPWorkers.track_graphs); stop
+    the workers: a stop message, then terminate, then kill; close the group."""
+    for ref in graphs:          # first, as shutdown() did when measured on two GPUs
+        holder = ref()
+        if holder is not None:
+            holder.release()
     stop = pickle.dumps(StopMessage())
     for process, conn in zip(processes, conns):
         if process.is_alive():
@@ -299,10 +304,6 @@ def _stop(processes: list, conns: list, tp: TPGroup | None, cleanup: list[Path],
             process.join()
     for conn in conns:
         conn.close()
-    for ref in graphs:
-        holder = ref()
-        if holder is not None:
-            holder.release()
     if tp is not None:
         tp.close()
     for path in cleanup:
