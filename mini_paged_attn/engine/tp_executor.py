@@ -68,11 +68,6 @@ class TPWorkers:
     def world_size(self) -> int:
         return self.tp.world_size
 
-    @property
-    def failed(self) -> bool:
-        """A step failed or a worker was found dead: the ranks are out of step."""
-        return self._error is not None
-
     def track_graphs(self, holder) -> None:
         """Have :meth:`close` (also at garbage collection) call ``holder.release()``, which
         synchronizes and destroys rank 0's CUDA graphs, before the NCCL group closes: NCCL's

@@ -107,8 +107,6 @@ def test_a_worker_killed_inside_a_step_fails_that_step_without_a_hang():
             llm.generate(["x"] * 8, SamplingParams(max_tokens=2000, ignore_eos=True),
                          use_tqdm=False)
         assert time.monotonic() - start < 15
-        # Shutdown then skips waiting for the device (a collective may never finish).
-        assert llm.engine.peers.failed
     finally:
         killer.cancel()
         llm.shutdown()
