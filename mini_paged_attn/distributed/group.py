@@ -72,9 +72,9 @@ class TPGroup:
         """Release the communicator; harmless for TP=1. NCCL's is aborted rather than shut
         down: its orderly shutdown waits until every rank shuts down, but rank 0 closes only
         after its workers have exited, and a rank whose peer died would wait forever. By the
-        time a rank closes, its steps are done (or failed). Drop the CUDA graphs that
-        captured its collectives first (``ModelRunner.release_graphs``): NCCL's teardown
-        waits while they exist."""
+        time a rank closes, its steps are done (or failed). Destroy the CUDA graphs that
+        captured its collectives first (``ModelRunner.release_graphs``,
+        ``TPWorkers.track_graphs``): NCCL's teardown waits while they exist."""
         pg = self.process_group
         release = getattr(pg, "abort" if self.device.type == "cuda" else "shutdown", None)
         if release is not None:

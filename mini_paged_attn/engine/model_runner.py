@@ -17,7 +17,6 @@ other ranks run :meth:`ModelRunner.execute_message`. Only rank 0 samples.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable
@@ -324,14 +323,13 @@ class ModelRunner:
         return self.model.compute_logits(hidden, dtype=logits_dtype)[:step.num_sample_rows]
 
     def release_graphs(self) -> None:
-        """Drop the CUDA graphs once the device is idle (later steps would run eagerly). A
-        tensor-parallel rank calls it before its group closes: NCCL's orderly shutdown waits
-        while graphs that captured its collectives exist."""
-        if self.graphs is None and self.prefill_graphs is None:
-            return
-        torch.cuda.synchronize(self.device)
-        self.graphs = self.prefill_graphs = None
-        gc.collect()        # a graph is destroyed with its last reference
+        """Destroy the decode graphs once the device is idle (later decode steps run
+        eagerly). A tensor-parallel worker calls it before its group closes: NCCL's teardown
+        waits while graphs that captured its collectives exist (rank 0's are destroyed by
+        ``TPWorkers``, see ``track_graphs``)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
 
     def read_prompt_logprobs(self) -> None:
         """The latest step's prompt logprobs, to the host, into :attr:`prompt_logprobs`

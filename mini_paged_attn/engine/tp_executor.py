@@ -275,7 +275,7 @@ def _stop(processes: list, conns: list, tp: TPGroup | None, cleanup: list[Path],
           graphs: list[weakref.ref]) -> None:
     """Release rank 0's CUDA graphs that are still alive (see TPWorkers.track_graphs); stop
     the workers: a stop message, then terminate, then kill; close the group."""
-    for ref in graphs:          # first, as shutdown() did when measured on two GPUs
+    for ref in graphs:          # first: the order that stopped cleanly on two GPUs
         holder = ref()
         if holder is not None:
             holder.release()
