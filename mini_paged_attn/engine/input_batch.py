@@ -42,6 +42,14 @@ def smallest_bucket(buckets: list[int], n: int) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
+def padded_rows(buckets: list[int] | None, n: int) -> int:
+    """The rows the LM head runs on for ``n`` sample rows: the smallest of ``buckets``
+    holding ``n``; ``n`` itself without buckets, for 0 rows, or past the largest bucket."""
+    if buckets is None or n == 0:
+        return n
+    return smallest_bucket(buckets, n) or n
+
+
 class StagingBuffer:
     """A 1-D host buffer (pinned on CUDA) with a device twin; on CPU the two are one tensor."""
 
@@ -198,10 +206,7 @@ class InputBuilder:
     def logit_rows(self, num_sample_rows: int) -> int:
         """The rows the LM head runs on for ``num_sample_rows`` sample rows (see
         ``logit_buckets``)."""
-        if self.logit_buckets is None or num_sample_rows == 0:
-            return num_sample_rows
-        bucket = smallest_bucket(self.logit_buckets, num_sample_rows)
-        return num_sample_rows if bucket is None else bucket
+        return padded_rows(self.logit_buckets, num_sample_rows)
 
     # ---- regions (device views at fixed offsets: CUDA graphs read them in place) ----------------
     def region(self, name: str, n: int) -> torch.Tensor:
@@ -409,4 +414,4 @@ def _layout(sizes: dict[str, int]) -> dict[str, int]:
 
 
 __all__ = ["InputBuilder", "StagingBuffer", "StepInputs", "TokenFill", "batch_buckets",
-           "dummy_inputs", "smallest_bucket", "table_width"]
+           "dummy_inputs", "padded_rows", "smallest_bucket", "table_width"]

@@ -18,7 +18,7 @@ import torch
 
 from ..core.sliding_window import max_blocks_in_use
 from ..models.config import ModelConfig
-from .input_batch import batch_buckets, smallest_bucket
+from .input_batch import batch_buckets, padded_rows
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -108,9 +108,9 @@ def profile_step_memory(runner: ModelRunner, max_model_len: int) -> int:
     hidden = runner.run_dummy(lens, [(scratch[0], scratch[1])] * model_config.num_layers,
                               decode_only=False)
     rows = min(config.max_num_seqs, num_tokens)
-    # InputBuilder.logit_rows: a step's sample rows padded to the bucket holding them, which
-    # may exceed the step's tokens when max_num_batched_tokens < max_num_seqs.
-    logit_rows = smallest_bucket(batch_buckets(config.max_num_seqs), rows) or rows
+    # As InputBuilder.logit_rows pads a CUDA step's sample rows, which may then exceed the
+    # step's tokens when max_num_batched_tokens < max_num_seqs.
+    logit_rows = padded_rows(batch_buckets(config.max_num_seqs), rows)
     index = torch.arange(logit_rows, device=device) % hidden.shape[0]
     logits = runner.model.compute_logits(hidden[index])
     params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=50)] * rows
