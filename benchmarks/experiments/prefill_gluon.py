@@ -317,46 +317,50 @@ def compile_only() -> None:
               f"warps={kernel.metadata.num_warps}  wgmma order: {order}", flush=True)
 
 
-def _time_ms(fn, reps: int = 20) -> float:
-    """Median of ``reps`` CUDA-event timings, L2 flushed before each."""
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(3):
-        fn()
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int):
+    """``[num_seqs * seq_len, heads, D]`` inputs as SDPA's contiguous ``[num_seqs, H_Q,
+    seq_len, D]``, K/V heads repeated for GQA."""
+    def dense(t, repeat):
+        return (t.view(num_seqs, -1, t.shape[1], D).transpose(1, 2)
+                .repeat_interleave(repeat, dim=1).contiguous())
+    return dense(q, 1), dense(k, H_Q // H_KV), dense(v, H_Q // H_KV)
+
+
+def _sdpa(backend, dense) -> torch.Tensor:
+    """Causal SDPA with ``backend`` over ``_dense``'s tensors: ``[num_seqs, H_Q, seq_len, D]``
+    (timed as it is; ``_tokens`` gives the kernels' layout)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(*dense, is_causal=True)
+
+
+def _tokens(out: torch.Tensor) -> torch.Tensor:
+    """``[tokens, H_Q, D]`` of an output, SDPA's ``[num_seqs, H_Q, seq_len, D]`` included."""
+    return out if out.dim() == 3 else out.transpose(1, 2).reshape(-1, H_Q, D)
 
 
 def check(variant: str) -> None:
     """One Gluon variant on causal 1 x 4k against SDPA (flash): its largest error."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
     name, opts = VARIANTS[variant]
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(4096, h, D, device="cuda", dtype=torch.bfloat16, generator=gen)
                for h in (H_Q, H_KV, H_KV))
     out = gluon_attention(q, k, v, 1, **opts)
     torch.cuda.synchronize()
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        ref = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None].repeat_interleave(H_Q // H_KV, 1),
-            v.transpose(0, 1)[None].repeat_interleave(H_Q // H_KV, 1), is_causal=True)
-    err = (out.float() - ref[0].transpose(0, 1).float()).abs().max().item()
+    ref = _tokens(_sdpa(SDPBackend.FLASH_ATTENTION, _dense(q, k, v, 1)))
+    err = (out.float() - ref.float()).abs().max().item()
     print(f"check {variant} ({name}): max error {err:.3g} against SDPA flash", flush=True)
 
 
 def run_gpu(rounds: int) -> None:
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
+    from benchmarks.common import environment, time_us
     from mini_paged_attn.ops import flash_attn_varlen_func
+    env = environment()
+    print(f"{env['device']} torch {env['torch']} triton {env['triton']} {env['date']}")
     variants = dict(VARIANTS.values())
     rows = []
     for num_seqs, seq_len in SHAPES:
@@ -366,41 +370,24 @@ def run_gpu(rounds: int) -> None:
         k = torch.randn(total, H_KV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
         v = torch.randn(total, H_KV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
         cu = torch.arange(0, total + 1, seq_len, dtype=torch.int32, device="cuda")
-        qb = q.view(num_seqs, seq_len, H_Q, D).transpose(1, 2)
-        kb = k.view(num_seqs, seq_len, H_KV, D).transpose(1, 2).repeat_interleave(
-            H_Q // H_KV, dim=1)
-        vb = v.view(num_seqs, seq_len, H_KV, D).transpose(1, 2).repeat_interleave(
-            H_Q // H_KV, dim=1)
-        qc, kc, vc = qb.contiguous(), kb.contiguous(), vb.contiguous()
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            ref = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
-        ref = ref.transpose(1, 2).reshape(total, H_Q, D)
+        dense = _dense(q, k, v, num_seqs)
+        ref = _tokens(_sdpa(SDPBackend.FLASH_ATTENTION, dense))
         flops = 4 * num_seqs * H_Q * D * seq_len * seq_len / 2
         fns = {"library contiguous (flash_attn_varlen_func)": lambda: flash_attn_varlen_func(
             q, k, v, cu, cu, seq_len, seq_len, causal=True)}
         for name, opts in variants.items():
             fns[name] = (lambda o=opts: gluon_attention(q, k, v, num_seqs, **o))
-
-        def sdpa(backend):
-            def run():
-                with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
-            return run
-        fns["SDPA cuDNN"] = sdpa(SDPBackend.CUDNN_ATTENTION)
-        fns["SDPA flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
-        errors = {}
-        for name, fn in fns.items():
-            out = fn()
-            if out.shape != ref.shape:
-                out = out.transpose(1, 2).reshape(total, H_Q, D)
-            errors[name] = (out.float() - ref.float()).abs().max().item()
+        fns["SDPA cuDNN"] = lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, dense)
+        fns["SDPA flash"] = lambda: _sdpa(SDPBackend.FLASH_ATTENTION, dense)
+        errors = {name: (_tokens(fn()).float() - ref.float()).abs().max().item()
+                  for name, fn in fns.items()}
         best = {name: float("inf") for name in fns}
         for _ in range(rounds):
             for name, fn in fns.items():
-                best[name] = min(best[name], _time_ms(fn))
-        cudnn = flops / best["SDPA cuDNN"] / 1e9
+                best[name] = min(best[name], time_us(fn))
+        cudnn = flops / best["SDPA cuDNN"] / 1e6
         for name in fns:
-            tflops = flops / best[name] / 1e9
+            tflops = flops / best[name] / 1e6
             rows.append((f"{num_seqs}x{seq_len // 1024}k", name, tflops, tflops / cudnn,
                          errors[name]))
             print(f"{rows[-1][0]:>6} {name:44} {tflops:7.1f} TFLOP/s {tflops / cudnn:5.2f}x "
