@@ -246,6 +246,10 @@ VARIANTS = {
                   dict(overlap=True, stages=2, producer=True)),
     "producer3": ("gluon, overlap, loader warp, 3 stages",
                   dict(overlap=True, stages=3, producer=True)),
+    "pingpong2": ("gluon, ping-pong groups, loader warp, 2 stages",
+                  dict(pingpong=True, stages=2)),
+    "pingpong3": ("gluon, ping-pong groups, loader warp, 3 stages",
+                  dict(pingpong=True, stages=3)),
 }
 NUM_WARPS = 8
 PRODUCER_MAXNREG = 168
@@ -259,12 +263,16 @@ def launch_options(producer: bool) -> dict:
 
 def gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int,
                     *, overlap: bool = True, stages: int = 2, producer: bool = False,
-                    block: int = 128) -> torch.Tensor:
+                    pingpong: bool = False, block: int = 128) -> torch.Tensor:
     """Causal attention of ``num_seqs`` equal-length sequences.
 
     q: bf16 ``[num_seqs * seq_len, H_Q, D]``; k, v: bf16 ``[num_seqs * seq_len, H_KV, D]``.
-    Returns bf16 ``[num_seqs * seq_len, H_Q, D]``."""
+    Returns bf16 ``[num_seqs * seq_len, H_Q, D]``. ``pingpong``: the kernel of
+    ``prefill_gluon_pingpong`` (``overlap`` and ``producer`` are implied)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    if pingpong:
+        from benchmarks.experiments.prefill_gluon_pingpong import pingpong_attention
+        return pingpong_attention(q, k, v, num_seqs, stages=stages)
     total, num_q_heads, head = q.shape
     seq_len = total // num_seqs
     assert seq_len % block == 0 and head == D
@@ -288,21 +296,34 @@ def compile_only() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    from benchmarks.experiments import prefill_gluon_pingpong as pp
     from benchmarks.experiments.decode_compile_check import resource_usage
-    desc = f"tensordesc<bf16[128, {D}],{_layout()!r}>"
-    signature = dict(q_desc=desc, k_desc=desc, v_desc=desc, o_desc=desc, seq_len="i32",
-                     qk_scale="fp32")
-    names = list(_attn_fwd.arg_names)
+
+    def desc(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {D}],{layout!r}>"
     for name, (_, opts) in VARIANTS.items():
         producer = opts.get("producer", False)
-        constexprs = dict(NUM_Q_HEADS=H_Q, GROUP=H_Q // H_KV, BLOCK_M=128, BLOCK_N=128,
-                          HEAD_D=D, STAGES=opts["stages"], OVERLAP=opts["overlap"],
-                          PRODUCER=producer, num_warps=NUM_WARPS)
+        if opts.get("pingpong", False):
+            kernel_fn, options = pp._attn_fwd_pingpong, dict(num_warps=pp.NUM_WARPS,
+                                                             maxnreg=pp.MAXNREG)
+            descs = dict(q_desc=desc(pp.HALF), k_desc=desc(128), v_desc=desc(128),
+                         o_desc=desc(pp.HALF))
+            constexprs = dict(NUM_Q_HEADS=H_Q, GROUP=H_Q // H_KV, HALF_M=pp.HALF, BLOCK_N=128,
+                              HEAD_D=D, STAGES=opts["stages"])
+        else:
+            kernel_fn, options = _attn_fwd, launch_options(producer)
+            descs = dict(q_desc=desc(128), k_desc=desc(128), v_desc=desc(128),
+                         o_desc=desc(128))
+            constexprs = dict(NUM_Q_HEADS=H_Q, GROUP=H_Q // H_KV, BLOCK_M=128, BLOCK_N=128,
+                              HEAD_D=D, STAGES=opts["stages"], OVERLAP=opts["overlap"],
+                              PRODUCER=producer, num_warps=NUM_WARPS)
+        names = list(kernel_fn.arg_names)
+        signature = dict(descs, seq_len="i32", qk_scale="fp32")
         sig = {n: signature.get(n, "constexpr") for n in names}
-        src = GluonASTSource(_attn_fwd, sig, {(names.index(k),): v
+        src = GluonASTSource(kernel_fn, sig, {(names.index(k),): v
                                               for k, v in constexprs.items()})
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options=launch_options(producer))
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         ptx = kernel.asm["ptx"]
         seq = ["W" + m.group(1) if m.group(1) is not None else "M" for m in re.finditer(
             r"wgmma\.wait_group\.sync\.aligned\s+(\d+)|wgmma\.mma_async", ptx)]
@@ -354,14 +375,14 @@ def check(variant: str) -> None:
     print(f"check {variant} ({name}): max error {err:.3g} against SDPA flash", flush=True)
 
 
-def run_gpu(rounds: int) -> None:
+def run_gpu(rounds: int, names: list[str]) -> None:
     from torch.nn.attention import SDPBackend
 
     from benchmarks.common import environment, time_us
     from mini_paged_attn.ops import flash_attn_varlen_func
     env = environment()
     print(f"{env['device']} torch {env['torch']} triton {env['triton']} {env['date']}")
-    variants = dict(VARIANTS.values())
+    variants = dict(VARIANTS[n] for n in names)
     rows = []
     for num_seqs, seq_len in SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -404,13 +425,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternated timing rounds")
     parser.add_argument("--check", choices=sorted(VARIANTS),
                         help="only check one Gluon variant's output on causal 1 x 4k")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated Gluon variants to time (default: all)")
     args = parser.parse_args()
+    names = [n for n in args.variants.split(",") if n]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}, expected some of {sorted(VARIANTS)}")
     if args.compile_only:
         compile_only()
     elif args.check:
         check(args.check)
     else:
-        run_gpu(args.rounds)
+        run_gpu(args.rounds, names)
 
 
 if __name__ == "__main__":
