@@ -67,6 +67,18 @@ class _Rebased:
         self.block_shape, self.padding = descriptor.block_shape, descriptor.padding
 
 
+@functools.lru_cache(maxsize=None)
+def _descriptor_types() -> tuple[type, ...]:
+    """Triton's host tensor descriptor classes: ``triton.tools``' and Gluon's (which adds a
+    shared-memory layout; the launcher reads the same fields of both)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor  # triton is optional
+    try:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    except ImportError:
+        return (TensorDescriptor,)
+    return (TensorDescriptor, GluonDescriptor)
+
+
 class PreparedLaunch:
     """One launch of a ``@triton.jit`` kernel, made through the JIT, repeatable directly.
 
@@ -124,9 +136,8 @@ class PreparedLaunch:
         # Tensor descriptor j follows tensor argument descriptor_sources[j]: (position in the
         # tail, tensor index, the prepared descriptor's fields). By position, not by identity:
         # one tensor may be passed in several places (k is v, a scale pointer standing in).
-        from triton.tools.tensor_descriptor import TensorDescriptor  # triton is optional
         self._descriptors: list[tuple[int, int, _Rebased]] = []
-        positions = [i for i, arg in enumerate(tail) if isinstance(arg, TensorDescriptor)]
+        positions = [i for i, arg in enumerate(tail) if isinstance(arg, _descriptor_types())]
         if len(positions) != len(descriptor_sources):
             self.ready = False     # a descriptor whose tensor argument nobody named
             return
