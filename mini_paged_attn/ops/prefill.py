@@ -4,7 +4,9 @@
 :func:`triton_varlen_contiguous` (contiguous K/V, behind ``flash_attn_varlen_func``) build one
 launch of the kernel in :mod:`.prefill_kernel`: one program per tile of query rows, tiles from
 :mod:`.prefill_plan`, the variants (:mod:`.variants`) and an fp8 cache's scales
-(:mod:`.kv_quant`) passed as constexpr switches and arguments. A paged step of long queries
+(:mod:`.kv_quant`) passed as constexpr switches and arguments. Contiguous K/V on an H100 /
+H200 (sm_90) with default tiles and no variant run the Gluon kernel of :mod:`.prefill_hopper`
+instead, where :func:`~.prefill_plan.hopper_prefill_usable` allows. A paged step of long queries
 on Hopper copies its pages into contiguous rows first and runs the contiguous launch
 (:mod:`.prefill_gather`).
 """
@@ -20,10 +22,21 @@ from .launch import PreparedLaunch
 from .prefill_gather import (GatheredPrefill, gather_layout, heads_adjacent, prepare_gather,
                              should_gather)
 from .prefill_kernel import _prefill_kernel
-from .prefill_plan import PrefillConfig, default_config, tiling, tma_usable
+from .prefill_plan import (PrefillConfig, default_config, hopper_prefill_usable, tiling,
+                           tma_usable)
 from .variants import effective_right
 
 LOG2E = 1.4426950408889634
+
+
+def _hopper_runs(q, k, v, out, num_seqs: int, block_size: int | None, right: int, k_scale,
+                 v_scale, window_size: tuple[int, int], softcap: float, sinks) -> bool:
+    """Whether a launch with default tiles goes to :mod:`.prefill_hopper`: no variant but
+    causal (``right``, the right bound :func:`~.variants.effective_right` gives, 0 or
+    unbounded) and a batch :func:`~.prefill_plan.hopper_prefill_usable` takes."""
+    return (k_scale is None and v_scale is None and softcap == 0 and sinks is None
+            and window_size[0] < 0 and right <= 0
+            and hopper_prefill_usable(q, k, v, out, num_seqs, block_size))
 
 
 def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs: int,
@@ -34,6 +47,13 @@ def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs:
     total_q, num_q_heads, head_size = q.shape
     if total_q == 0 or num_seqs == 0:
         return None
+    right = effective_right(window_size, causal)
+    if not paged and config is None and _hopper_runs(q, k, v, out, num_seqs, None, right,
+                                                     k_scale, v_scale, window_size, softcap,
+                                                     sinks):
+        from .prefill_hopper import hopper_launch    # Gluon: only where it runs
+        return hopper_launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens,
+                             num_seqs=num_seqs, scale=scale, causal=right == 0)
     group = num_q_heads // num_kv_heads
     config = config or default_config(head_size, q.dtype, q.device, total_q / num_seqs,
                                       contiguous=not paged)
@@ -44,7 +64,6 @@ def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs:
                                              [t.stride(0), 1], [config.block_n, head_size])
                             for t in (k, v))
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
-    right = effective_right(window_size, causal)
     grid = plan.grid(total_q, num_seqs, num_kv_heads)
     launch = PreparedLaunch(_prefill_kernel, grid, (
         q, k, v, *scale_pointers(k, k_scale, v_scale),
@@ -99,7 +118,8 @@ def triton_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         k_scale, v_scale: None or float32 ``[]`` / ``[num_kv_heads]``, an fp8 cache's scales.
         gather: copy the pages into contiguous rows and attend over those
             (:mod:`.prefill_gather`; the cache's tokens must have their heads adjacent);
-            None: where :func:`~.prefill_gather.should_gather` says so and ``config`` is None.
+            None (and ``config`` None): the Hopper kernel (:mod:`.prefill_hopper`) where it
+            runs, else copy where :func:`~.prefill_gather.should_gather` says so.
 
     Returns:
         The launch, repeatable for other tensors of the same shapes with the tensors in the
@@ -108,6 +128,15 @@ def triton_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         query)`` (None under the interpreter or for an empty batch).
     """
     del max_seqlen_q  # the flattened tile schedule makes it unnecessary
+    right = effective_right(window_size, causal)
+    if gather is None and config is None and _hopper_runs(
+            query, key_cache, value_cache, out, shapes.num_seqs, shapes.block_size, right,
+            k_scale, v_scale, window_size, softcap, sinks):
+        from .prefill_hopper import hopper_launch    # Gluon: only where it runs
+        return hopper_launch(query, key_cache, value_cache, out, lse, block_tables,
+                             cu_seqlens_q, context_lens, num_seqs=shapes.num_seqs,
+                             scale=shapes.scale, causal=right == 0,
+                             block_size=shapes.block_size)
     if gather is None:
         gather = config is None and should_gather(query, key_cache, value_cache,
                                                   shapes.num_seqs, shapes.max_blocks_per_seq,

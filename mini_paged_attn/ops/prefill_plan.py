@@ -103,6 +103,55 @@ def tma_usable(k: torch.Tensor, v: torch.Tensor, block_n: int) -> bool:
                 and t.data_ptr() % 16 == 0 for t in (k, v)))
 
 
+HOPPER_MIN_AVG_Q_LEN = 128
+"""Below this average query length a contiguous batch runs the Triton kernel, whose tiles
+pack a GQA group's heads: the Hopper kernel's 128-token tile of one head would be mostly
+empty rows."""
+
+
+def hopper_prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          out: torch.Tensor, num_seqs: int,
+                          block_size: int | None = None) -> bool:
+    """Whether :mod:`.prefill_hopper` (Gluon) can run a batch: CUDA sm_90, fp16 / bf16 K/V in
+    q's dtype, head_size 128, an average query length of at least
+    :data:`HOPPER_MIN_AVG_Q_LEN`, and the layouts its tensor descriptors need: q and out
+    ``[rows, heads, 128]``, K/V contiguous ``[rows, heads, 128]`` or (``block_size``) caches
+    ``[num_blocks, block_size, heads, 128]`` whose blocks lie end to end with a block size
+    of 8 to 128 dividing 128 or a multiple of 128; each token's heads adjacent, 16-byte
+    aligned bases and token strides. The variants (windows, softcap, sinks, fp8 scales) are
+    the caller's to rule out."""
+    if (num_seqs < 1 or q.shape[0] < num_seqs * HOPPER_MIN_AVG_Q_LEN
+            or not hopper_prefill_runs_on(q.device, q.shape[2], q.dtype, block_size)):
+        return False
+    for t in (q, out, k, v):
+        row = t.stride(-3)
+        if not (t.dtype == q.dtype and t.shape[0] > 0 and t.stride(-1) == 1
+                and t.stride(-2) == 128 and row * t.element_size() % 16 == 0
+                and t.data_ptr() % 16 == 0):
+            return False
+        if t.dim() == 4 and t.stride(0) != t.shape[1] * row:    # blocks end to end
+            return False
+    return True
+
+
+def hopper_prefill_runs_on(device: torch.device, head_size: int, dtype: torch.dtype,
+                           block_size: int | None = None) -> bool:
+    """The device-and-shape side of :func:`hopper_prefill_usable`: CUDA sm_90 with Gluon,
+    fp16 / bf16, head_size 128, and (paged) a block size the kernel copies as boxes."""
+    if block_size is not None and not (
+            (8 <= block_size <= 128 and 128 % block_size == 0) or block_size % 128 == 0):
+        return False
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and head_size == 128 and torch.cuda.get_device_capability(device) == (9, 0)
+            and _gluon_present())
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_present() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("triton.experimental.gluon") is not None
+
+
 def default_config(head_size: int, dtype: torch.dtype, device: torch.device,
                    avg_q_len: float | None = None, contiguous: bool = False) -> PrefillConfig:
     """Tile sizes for a head size, dtype and batch shape (measured on an H100; the numbers are

@@ -90,13 +90,14 @@ def _hopper() -> bool:
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _hopper(), reason="needs Hopper")
 def test_long_queries_copy_the_pages_and_repeat():
-    """Sequences of long queries on Hopper copy their pages and attend over the copy (the
+    """Sequences of long queries on Hopper over blocks too small for the Hopper kernel's
+    block copies (under 8 tokens) copy their pages and attend over the copy (the
     tensor-descriptor path); the first call and its repeat match the reference, and a left
     window or short queries keep the block-table loads."""
     from mini_paged_attn.ops.checks import check_paged_prefill_args
     from mini_paged_attn.ops.prefill import triton_paged_prefill
     from mini_paged_attn.ops.prefill_gather import GatheredPrefill
-    batch = _batch(LONG_Q, LONG_PREFIX, seed=12)
+    batch = _batch(LONG_Q, LONG_PREFIX, seed=12, block_size=4)
     out = torch.empty_like(batch.query)
     shapes = check_paged_prefill_args(*batch.prefill_args, None, out)
     run = triton_paged_prefill(*batch.prefill_args, shapes, causal=True, out=out, lse=None)
@@ -104,7 +105,7 @@ def test_long_queries_copy_the_pages_and_repeat():
     windowed = triton_paged_prefill(*batch.prefill_args, shapes, causal=True, out=out,
                                     lse=None, window_size=(128, 0))
     assert not isinstance(windowed, GatheredPrefill)
-    short = _batch([100, 100], [4000, 10], seed=13)
+    short = _batch([100, 100], [4000, 10], seed=13, block_size=4)
     shapes = check_paged_prefill_args(*short.prefill_args, None, None)
     assert not isinstance(triton_paged_prefill(*short.prefill_args, shapes, causal=True,
                                                out=torch.empty_like(short.query), lse=None),
@@ -134,7 +135,7 @@ def test_long_queries_over_an_fp8_cache_copy_widened_pages():
 def test_long_queries_under_capture_read_the_pages_in_place(monkeypatch):
     """Captured, the call reads the pages in place (a graph would keep the copy's
     workspace) even after eager calls of the same shapes copied them, and the replay on new
-    data matches the reference."""
+    data matches the reference. Blocks of 4 tokens: larger ones go to the Hopper kernel."""
     from mini_paged_attn.ops import prefill, prefill_gather
     decisions = []
 
@@ -142,7 +143,7 @@ def test_long_queries_under_capture_read_the_pages_in_place(monkeypatch):
         decisions.append(prefill_gather.should_gather(*args))
         return decisions[-1]
     monkeypatch.setattr(prefill, "should_gather", recording)
-    batch = _batch(LONG_Q, LONG_PREFIX, seed=15)
+    batch = _batch(LONG_Q, LONG_PREFIX, seed=15, block_size=4)
     out = torch.empty_like(batch.query)
     graph, _ = capture(lambda: paged_prefill(*batch.prefill_args, out=out, backend="triton"))
     assert decisions == [True, False]        # the eager warm-up copied, the capture did not
