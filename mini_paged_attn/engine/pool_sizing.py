@@ -88,7 +88,8 @@ def _gather_reserve(runner: ModelRunner) -> int:
     return gather_reserve_bytes(
         runner.device, max_num_seqs=runner.config.max_num_seqs, width=runner.table_width,
         block_size=runner.block_size, num_kv_heads=runner.layout.num_kv_heads,
-        head_size=runner.model_config.head_size, dtype=runner.dtype)
+        head_size=runner.model_config.head_size, dtype=runner.dtype,
+        cache_dtype=runner.kv_dtype)
 
 
 @torch.inference_mode()

@@ -20,6 +20,10 @@ attention masks rows past each sequence's keys. The three live in one workspace 
 per call and freed once the launches are queued: :data:`GATHER_MAX_BYTES` bounds it, and the
 engine reserves the largest its steps can take beside its KV pool
 (:func:`gather_reserve_bytes`).
+
+On an H100 / H200 the Hopper kernel (:mod:`.prefill_hopper`, Gluon) copies each block into
+its tile itself, so the copy here serves what it leaves: an fp8 cache (widened by the copy)
+and blocks under 8 tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import triton.language as tl
 
 from ..core.args import next_pow2
 from .launch import PreparedLaunch
-from .prefill_plan import default_config
+from .prefill_plan import default_config, hopper_prefill_runs_on
 
 GATHER_MIN_Q_LEN = 256
 """Average query tokens a sequence above which the copy may pay. A prefill graph's step (two
@@ -137,13 +141,18 @@ def should_gather(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 
 def gather_reserve_bytes(device: torch.device, *, max_num_seqs: int, width: int,
                          block_size: int, num_kv_heads: int, head_size: int,
-                         dtype: torch.dtype) -> int:
+                         dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> int:
     """Memory a caller that sizes its KV pool from a profiled step (the engine) leaves free
     for the copy's workspace: the largest one a step of at most ``max_num_seqs`` sequences
     over ``width``-block tables can take (at most :data:`GATHER_MAX_BYTES`), or 0 where the
-    copy never runs (the device, head size or dtype)."""
+    copy never runs (the device, head size or dtype, or a cache in ``dtype`` whose pages the
+    Hopper kernel reads in place). ``dtype``: the queries'; ``cache_dtype``: the cache's
+    (default ``dtype``; an fp8 cache is widened into ``dtype`` by the copy)."""
     if dtype not in (torch.float16, torch.bfloat16) or not _copy_runs_on(device, head_size,
                                                                         dtype):
+        return 0
+    if (cache_dtype in (None, dtype)
+            and hopper_prefill_runs_on(device, head_size, dtype, block_size)):
         return 0
     largest = gather_layout(max_num_seqs, width, block_size, num_kv_heads, head_size, dtype)
     return min(largest.nbytes, GATHER_MAX_BYTES)
