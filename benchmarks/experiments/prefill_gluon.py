@@ -30,7 +30,11 @@ checks every variant against torch SDPA and times it beside the library's contig
     done                                                           # alone first (a hang
     python -m benchmarks.experiments.prefill_gluon --rounds 3      # costs one process)
 
-Gluon does not run under the Triton interpreter; this stays an experiment unless it pays.
+It did not pay: at best 0.82-0.87x cuDNN, under the Triton kernel's 0.88-0.98x (rows in
+``results/prefill_gluon_h100.txt``). Its two warp groups run in step, so both compute their
+softmax while the tensor cores idle; the library's Hopper kernel (``ops/prefill_hopper.py``)
+gives each warp group a partition of its own and alternates their dots (ping-pong), and the
+"library contiguous" row of this run is that kernel now.
 """
 
 from __future__ import annotations
@@ -246,10 +250,6 @@ VARIANTS = {
                   dict(overlap=True, stages=2, producer=True)),
     "producer3": ("gluon, overlap, loader warp, 3 stages",
                   dict(overlap=True, stages=3, producer=True)),
-    "pingpong2": ("gluon, ping-pong groups, loader warp, 2 stages",
-                  dict(pingpong=True, stages=2)),
-    "pingpong3": ("gluon, ping-pong groups, loader warp, 3 stages",
-                  dict(pingpong=True, stages=3)),
 }
 NUM_WARPS = 8
 PRODUCER_MAXNREG = 168
@@ -263,16 +263,12 @@ def launch_options(producer: bool) -> dict:
 
 def gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int,
                     *, overlap: bool = True, stages: int = 2, producer: bool = False,
-                    pingpong: bool = False, block: int = 128) -> torch.Tensor:
+                    block: int = 128) -> torch.Tensor:
     """Causal attention of ``num_seqs`` equal-length sequences.
 
     q: bf16 ``[num_seqs * seq_len, H_Q, D]``; k, v: bf16 ``[num_seqs * seq_len, H_KV, D]``.
-    Returns bf16 ``[num_seqs * seq_len, H_Q, D]``. ``pingpong``: the kernel of
-    ``prefill_gluon_pingpong`` (``overlap`` and ``producer`` are implied)."""
+    Returns bf16 ``[num_seqs * seq_len, H_Q, D]``."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    if pingpong:
-        from benchmarks.experiments.prefill_gluon_pingpong import pingpong_attention
-        return pingpong_attention(q, k, v, num_seqs, stages=stages)
     total, num_q_heads, head = q.shape
     seq_len = total // num_seqs
     assert seq_len % block == 0 and head == D
@@ -296,7 +292,6 @@ def compile_only() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from benchmarks.experiments import prefill_gluon_pingpong as pp
     from benchmarks.experiments.decode_compile_check import resource_usage
 
     def desc(rows):
@@ -304,20 +299,11 @@ def compile_only() -> None:
         return f"tensordesc<bf16[{rows}, {D}],{layout!r}>"
     for name, (_, opts) in VARIANTS.items():
         producer = opts.get("producer", False)
-        if opts.get("pingpong", False):
-            kernel_fn, options = pp._attn_fwd_pingpong, dict(num_warps=pp.NUM_WARPS,
-                                                             maxnreg=pp.MAXNREG)
-            descs = dict(q_desc=desc(pp.HALF), k_desc=desc(128), v_desc=desc(128),
-                         o_desc=desc(pp.HALF))
-            constexprs = dict(NUM_Q_HEADS=H_Q, GROUP=H_Q // H_KV, HALF_M=pp.HALF, BLOCK_N=128,
-                              HEAD_D=D, STAGES=opts["stages"])
-        else:
-            kernel_fn, options = _attn_fwd, launch_options(producer)
-            descs = dict(q_desc=desc(128), k_desc=desc(128), v_desc=desc(128),
-                         o_desc=desc(128))
-            constexprs = dict(NUM_Q_HEADS=H_Q, GROUP=H_Q // H_KV, BLOCK_M=128, BLOCK_N=128,
-                              HEAD_D=D, STAGES=opts["stages"], OVERLAP=opts["overlap"],
-                              PRODUCER=producer, num_warps=NUM_WARPS)
+        kernel_fn, options = _attn_fwd, launch_options(producer)
+        descs = dict(q_desc=desc(128), k_desc=desc(128), v_desc=desc(128), o_desc=desc(128))
+        constexprs = dict(NUM_Q_HEADS=H_Q, GROUP=H_Q // H_KV, BLOCK_M=128, BLOCK_N=128,
+                          HEAD_D=D, STAGES=opts["stages"], OVERLAP=opts["overlap"],
+                          PRODUCER=producer, num_warps=NUM_WARPS)
         names = list(kernel_fn.arg_names)
         signature = dict(descs, seq_len="i32", qk_scale="fp32")
         sig = {n: signature.get(n, "constexpr") for n in names}
