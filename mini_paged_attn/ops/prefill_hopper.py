@@ -1,17 +1,19 @@
-"""The Hopper prefill kernel (Gluon): FlashAttention-3's schedule for contiguous varlen K/V.
+"""The Hopper prefill kernel (Gluon): FlashAttention-3's schedule over varlen or paged K/V.
 
 Plain Triton 3.6 waits for every ``wgmma`` right after issuing it, so in :mod:`.prefill_kernel`
 the tensor cores idle while a program computes its softmax (57% busy at causal 4 x 4k on an
-H100, against 69% for cuDNN; docs/performance-notes.md, "Ping-pong warp groups"). Gluon, Triton's
-lower-level dialect, issues and waits for the dots by hand. One program owns 128 query tokens
-of one query head and runs three partitions (warp specialization):
+H100, against 69% for cuDNN; docs/performance-notes.md, "Ping-pong warp groups in Gluon").
+Gluon, Triton's lower-level dialect, issues and waits for the dots by hand. One program owns
+128 query tokens of one query head and runs three partitions (warp specialization):
 
 - two consumer warp groups, 64 query rows each, take turns to issue their dots (two
   mbarriers hand the turn over), so one group's softmax runs under the other's dots; within a
   group, tile ``j``'s QK and tile ``j - 1``'s PV are issued together and the softmax of tile
   ``j`` runs under that PV;
 - a loader warp copies K and V tiles by TMA into a ring of ``STAGES`` slots; a K slot is
-  handed back once both groups' QK of it is done, a V slot once both PV dots are.
+  handed back once both groups' QK of it is done, a V slot once both PV dots are. Contiguous
+  K/V come as one box a tile; a paged cache as one box a block (``BOX`` rows), each block's
+  row read from the block table by the loader ahead of its copies.
 
 Varlen as :mod:`.prefill_kernel`: query tiles sit on its flattened slot axis (sequence ``i``
 owns slots from ``cu_seqlens_q[i] // 128 + i``; a program finds its sequence with a vector
@@ -22,10 +24,11 @@ not its own: their scores are masked, and the loader zeroes those V rows in shar
 query tile's rows past its sequence are computed and never stored: full 64-row halves leave
 by TMA, the sequence's last half by masked stores.
 
-Scope (:func:`hopper_prefill_usable`): sm_90, fp16 / bf16, head_size 128, no window, softcap,
-sinks or fp8 scales; everything else runs :mod:`.prefill_kernel`. Gluon does not run in the
-Triton interpreter; tests/ops/test_prefill_hopper.py compiles it for sm_90 on any machine and
-checks it against the reference on a GPU.
+Scope (:func:`~.prefill_plan.hopper_prefill_usable`): sm_90, fp16 / bf16, head_size 128,
+blocks of 8-128 tokens dividing 128 or multiples of 128, no window, softcap, sinks or fp8
+scales; everything else runs :mod:`.prefill_kernel`. Gluon does not run in the Triton
+interpreter; tests/ops/test_prefill_hopper.py compiles it for sm_90 on any machine and checks
+it against the reference on a GPU.
 """
 
 from __future__ import annotations
