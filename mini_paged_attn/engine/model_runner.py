@@ -141,8 +141,9 @@ class ModelRunner:
         - Triton specialises integer arguments equal to 1 or divisible by 16, and the prefill
           kernel picks its tiles by the batch's mean query length: small batches of 1, 4, 200
           and 1040 tokens a sequence cover those variants, for whole prompts (new K/V read as
-          they are) and for steps with cached prefixes (K/V read through the block tables,
-          or, for long queries on Hopper, copied out of them first: 1040 is past
+          they are) and for steps with cached prefixes (K/V read through the block tables).
+          On an H100 / H200 the longer ones run the Hopper kernel (ops.prefill_hopper, from
+          128 tokens a sequence), or over an fp8 cache copy the pages first (1040 is past
           ops.prefill_gather's threshold for any number of query heads a KV head).
         - cuBLAS picks its GEMM kernel by the number of rows, and CUDA loads each kernel on
           its first launch: a 512-token prompt's first step took 31 ms on an H100 against 13 ms

@@ -138,12 +138,18 @@ def hopper_prefill_runs_on(device: torch.device, head_size: int, dtype: torch.dt
                            block_size: int | None = None) -> bool:
     """The device-and-shape side of :func:`hopper_prefill_usable`: CUDA sm_90 with Gluon,
     fp16 / bf16, head_size 128, and (paged) a block size the kernel copies as boxes."""
-    if block_size is not None and not (
-            (8 <= block_size <= 128 and 128 % block_size == 0) or block_size % 128 == 0):
+    if block_size is not None and not hopper_copies_blocks_of(block_size):
         return False
     return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
             and head_size == 128 and torch.cuda.get_device_capability(device) == (9, 0)
             and _gluon_present())
+
+
+def hopper_copies_blocks_of(block_size: int) -> bool:
+    """Whether the Hopper kernel copies a cache's blocks of ``block_size`` tokens into its
+    128-row tiles: one box a block (8 to 128 tokens dividing 128; the swizzle repeats every 8
+    rows) or 128-row boxes of a larger block (a multiple of 128)."""
+    return (8 <= block_size <= 128 and 128 % block_size == 0) or block_size % 128 == 0
 
 
 @functools.lru_cache(maxsize=None)

@@ -65,6 +65,13 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
         assert int(shared) <= 227 * 1024          # one program fits an SM's shared memory
 
 
+def test_block_sizes_the_kernel_copies_and_where_it_runs():
+    from mini_paged_attn.ops.prefill_plan import hopper_copies_blocks_of, hopper_prefill_runs_on
+    assert [b for b in range(1, 600) if hopper_copies_blocks_of(b)] == [
+        8, 16, 32, 64, 128, 256, 384, 512]
+    assert not hopper_prefill_runs_on(torch.device("cpu"), 128, torch.bfloat16, 16)
+
+
 def _cu(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
                         device="cuda")
