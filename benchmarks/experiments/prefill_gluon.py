@@ -293,23 +293,20 @@ def compile_only() -> None:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from benchmarks.experiments.decode_compile_check import resource_usage
-
-    def desc(rows):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16)
-        return f"tensordesc<bf16[{rows}, {D}],{layout!r}>"
+    desc = f"tensordesc<bf16[128, {D}],{_layout()!r}>"
+    signature = dict(q_desc=desc, k_desc=desc, v_desc=desc, o_desc=desc, seq_len="i32",
+                     qk_scale="fp32")
+    names = list(_attn_fwd.arg_names)
     for name, (_, opts) in VARIANTS.items():
         producer = opts.get("producer", False)
-        kernel_fn, options = _attn_fwd, launch_options(producer)
-        descs = dict(q_desc=desc(128), k_desc=desc(128), v_desc=desc(128), o_desc=desc(128))
         constexprs = dict(NUM_Q_HEADS=H_Q, GROUP=H_Q // H_KV, BLOCK_M=128, BLOCK_N=128,
                           HEAD_D=D, STAGES=opts["stages"], OVERLAP=opts["overlap"],
                           PRODUCER=producer, num_warps=NUM_WARPS)
-        names = list(kernel_fn.arg_names)
-        signature = dict(descs, seq_len="i32", qk_scale="fp32")
         sig = {n: signature.get(n, "constexpr") for n in names}
-        src = GluonASTSource(kernel_fn, sig, {(names.index(k),): v
+        src = GluonASTSource(_attn_fwd, sig, {(names.index(k),): v
                                               for k, v in constexprs.items()})
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options=launch_options(producer))
         ptx = kernel.asm["ptx"]
         seq = ["W" + m.group(1) if m.group(1) is not None else "M" for m in re.finditer(
             r"wgmma\.wait_group\.sync\.aligned\s+(\d+)|wgmma\.mma_async", ptx)]
