@@ -137,7 +137,8 @@ class PreparedLaunch:
         # tail, tensor index, the prepared descriptor's fields). By position, not by identity:
         # one tensor may be passed in several places (k is v, a scale pointer standing in).
         self._descriptors: list[tuple[int, int, _Rebased]] = []
-        positions = [i for i, arg in enumerate(tail) if isinstance(arg, _descriptor_types())]
+        descriptor_types = _descriptor_types()
+        positions = [i for i, arg in enumerate(tail) if isinstance(arg, descriptor_types)]
         if len(positions) != len(descriptor_sources):
             self.ready = False     # a descriptor whose tensor argument nobody named
             return

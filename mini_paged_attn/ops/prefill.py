@@ -4,10 +4,11 @@
 :func:`triton_varlen_contiguous` (contiguous K/V, behind ``flash_attn_varlen_func``) build one
 launch of the kernel in :mod:`.prefill_kernel`: one program per tile of query rows, tiles from
 :mod:`.prefill_plan`, the variants (:mod:`.variants`) and an fp8 cache's scales
-(:mod:`.kv_quant`) passed as constexpr switches and arguments. Contiguous K/V on an H100 /
-H200 (sm_90) with default tiles and no variant run the Gluon kernel of :mod:`.prefill_hopper`
-instead, where :func:`~.prefill_plan.hopper_prefill_usable` allows. A paged step of long queries
-on Hopper copies its pages into contiguous rows first and runs the contiguous launch
+(:mod:`.kv_quant`) passed as constexpr switches and arguments. On an H100 / H200 (sm_90),
+batches with default tiles and no variant, contiguous or paged, run the Gluon kernel of
+:mod:`.prefill_hopper` instead, where :func:`~.prefill_plan.hopper_prefill_usable` allows.
+A paged step of long queries on Hopper that it does not take (an fp8 cache, blocks under 8
+tokens) copies its pages into contiguous rows first and runs the contiguous launch
 (:mod:`.prefill_gather`).
 """
 

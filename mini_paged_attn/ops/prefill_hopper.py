@@ -41,8 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .launch import PreparedLaunch
+from .prefill import LOG2E      # no cycle: .prefill imports this module in its launchers
 
-LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
 
 
@@ -324,8 +324,10 @@ def _prefill_hopper_kernel(
     The leading tensors follow :mod:`.prefill_kernel`'s order so one prepared launch serves
     either; ``q_ptr``, ``k_ptr``, ``v_ptr``, the scales, ``block_tables_ptr`` and ``sinks_ptr``
     are unused (K/V come through the descriptors). q_desc / o_desc: blocks [HALF_M, HEAD_SIZE]
-    over ``[total_q, NUM_Q_HEADS * HEAD_SIZE]``; k_desc / v_desc: blocks [BLOCK_N, HEAD_SIZE]
-    over ``[total_k, num_kv_heads * HEAD_SIZE]``. out: ``stride_out`` elements a token row,
+    over ``[total_q, NUM_Q_HEADS * HEAD_SIZE]``; k_desc / v_desc: blocks [BOX, HEAD_SIZE]
+    over ``[K/V token rows, num_kv_heads * HEAD_SIZE]`` (contiguous: ``total_k`` rows, BOX =
+    BLOCK_N; paged: the cache's blocks end to end, ``cu_seqlens_k`` then holds the context
+    lengths and ``block_tables_ptr`` the tables, ``stride_table`` apart). out: ``stride_out`` elements a token row,
     heads adjacent; lse float32 ``[total_q, NUM_Q_HEADS]`` (strides in elements)."""
     slot = gl.program_id(0)
     head = gl.program_id(1)
