@@ -7,8 +7,9 @@ more than the GPU time of a small decode. A :class:`PreparedLaunch` records one 
 repeats it with other tensors of the same shapes: the integer and constexpr arguments are kept,
 tensors are passed as raw device pointers, and the compiled kernel's launcher is called
 directly (a few microseconds). A tensor descriptor argument (``TensorDescriptor``) over one of
-the tensor arguments follows that argument: each repeat re-points it, and Triton's launcher
-encodes the hardware descriptor from it (about a microsecond each).
+the tensor arguments follows that argument: a repeat passes the hardware descriptor (the
+``CUtensorMap``) encoded for that argument's pointer, once per pointer and kept, where
+Triton's launcher would encode every descriptor at every launch (2-3 us each).
 
 Safe reuse is the caller's contract: a prepared launch may run again only for arguments whose
 non-tensor values (shapes, strides, scale, flags) equal those it was prepared with, and tensors
@@ -23,10 +24,13 @@ launches.
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 from collections.abc import Hashable, Sequence
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 ALIGNMENT = 16
 """Triton specialises pointer arguments on ``data_ptr() % 16 == 0``."""
@@ -41,8 +45,8 @@ def _leading_tensors(args: Sequence) -> int:
 
 
 class _Address:
-    """A device pointer standing in for a descriptor's base tensor (the launcher reads only
-    its ``data_ptr()``)."""
+    """A device pointer standing in for a descriptor's base tensor (Triton's encoding reads
+    only its ``data_ptr()``)."""
 
     __slots__ = ("address",)
 
@@ -54,10 +58,8 @@ class _Address:
 
 
 class _Rebased:
-    """A tensor descriptor argument of one repeat: the prepared descriptor's shape, strides and
-    box (the repeat contract keeps them) over a new base pointer. Triton's launcher encodes the
-    hardware descriptor from these fields at every launch. Made per call, so repeats of one
-    prepared launch on several threads never share one."""
+    """A prepared tensor descriptor's shape, strides and box (the repeat contract keeps them)
+    over another base pointer: what Triton's encoding reads of a descriptor."""
 
     __slots__ = ("base", "shape", "strides", "block_shape", "padding")
 
@@ -65,6 +67,47 @@ class _Rebased:
         self.base = _Address(address)
         self.shape, self.strides = descriptor.shape, descriptor.strides
         self.block_shape, self.padding = descriptor.block_shape, descriptor.padding
+
+
+class _EncodedDescriptor:
+    """One tensor descriptor argument of a prepared launch: the launcher arguments it expands
+    to (the encoded ``CUtensorMap`` then its shape and strides, or a base pointer and both
+    twice where the kernel does not use TMA), kept per base pointer.
+
+    The expansion is a function of the pointer alone (the repeat contract fixes the rest), so
+    a kept one is exactly what encoding anew would give. Thread-safe for the use here: a lost
+    entry costs one encoding."""
+
+    MAX_POINTERS = 1024
+    """Pointers kept before the map is emptied (an engine passes one K and one V cache a
+    layer)."""
+
+    def __init__(self, descriptor, metadata, encode) -> None:
+        self._descriptor = descriptor
+        self._metadata = metadata
+        self._encode = encode
+        self._expanded: dict[int, tuple] = {}
+        self.width = len(self.expand(descriptor.base.data_ptr()))
+
+    def expand(self, address: int) -> tuple:
+        expanded = self._expanded.get(address)
+        if expanded is None:
+            if len(self._expanded) >= self.MAX_POINTERS:
+                self._expanded.clear()
+            expanded = tuple(self._encode(_Rebased(self._descriptor, address), self._metadata))
+            self._expanded[address] = expanded
+        return expanded
+
+
+def _unwrapped_launch(launch):
+    """Triton's compiled launch function under its tensor-descriptor wrapper: the wrapper
+    (``wrap_handle_tensordesc`` in triton 3.6's CUDA driver) expands each descriptor argument,
+    encoding it anew, and hands everything to the function it closes over as ``launcher``.
+    None where ``launch`` is not such a wrapper."""
+    names = getattr(getattr(launch, "__code__", None), "co_freevars", ())
+    if "launcher" not in names:
+        return None
+    return launch.__closure__[names.index("launcher")].cell_contents
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,8 +136,9 @@ class PreparedLaunch:
         args, kwargs: the kernel's arguments as for ``jit_fn[grid]``: the tensors first and
             positional, launch options such as ``num_warps`` among ``kwargs``.
         descriptor_sources: for each ``TensorDescriptor`` among the other arguments, in order,
-            the index of the tensor argument it is over: a repeat makes it anew over that
-            argument's pointer. A launch with a descriptor not named here is not repeatable.
+            the index of the tensor argument it is over: a repeat passes it encoded over that
+            argument's pointer. A launch with a descriptor not named here, or with descriptors
+            and scratch memory, is not repeatable.
     """
 
     def __init__(self, jit_fn, grid: tuple[int, ...], args: Sequence, kwargs: dict,
@@ -107,46 +151,65 @@ class PreparedLaunch:
                       and not any(isinstance(a, torch.Tensor) for a in args[num_tensors:]))
         if not self.ready:
             return
-        self._bind_arguments(jit_fn, args, kwargs, num_tensors, descriptor_sources)
         compiled._init_handles()
         launcher = compiled.run
-        if (getattr(launcher, "global_scratch_size", 0) or getattr(
-                launcher, "profile_scratch_size", 0)) or not hasattr(launcher, "launch"):
+        scratch = (getattr(launcher, "global_scratch_size", 0)
+                   or getattr(launcher, "profile_scratch_size", 0)
+                   or not hasattr(launcher, "launch"))
+        if scratch:
             # The kernel needs scratch memory per launch: the launcher's wrapper allocates it.
             self._launch = launcher
             self._head = (compiled.function, compiled.packed_metadata, None, None, None)
         else:
-            self._launch = launcher.launch
+            # With descriptors, the function under Triton's expansion: the repeat expands them.
+            self._launch = (_unwrapped_launch(launcher.launch) if descriptor_sources
+                            else launcher.launch)
             self._head = (compiled.function, launcher.launch_cooperative_grid,
                           launcher.launch_pdl, None, None, compiled.packed_metadata, None,
                           None, None)
+        if descriptor_sources and (scratch or self._launch is None):
+            logger.debug("%s: its tensor descriptors cannot be passed past Triton's launcher "
+                         "here; every call goes through the JIT", jit_fn)
+            self.ready = False
+            return
+        self._bind_arguments(jit_fn, args, kwargs, num_tensors, descriptor_sources,
+                             getattr(compiled.metadata, "tensordesc_meta", None))
         from triton.runtime import driver
         # One C call per repeat (a bound partial), not a method and a lookup.
         self.stream = functools.partial(driver.active.get_current_stream, self._device_index)
 
     def _bind_arguments(self, jit_fn, args: Sequence, kwargs: dict, num_tensors: int,
-                        descriptor_sources: Sequence[int]) -> None:
+                        descriptor_sources: Sequence[int], descriptor_metadata) -> None:
         """What a repeat needs from the prepared arguments: the tensors' alignment and device,
         and the kernel's remaining arguments in signature order, constexprs included (the
-        launcher's argument format lists them too, and skips them)."""
+        launcher's argument format lists them too, and skips them), each tensor descriptor
+        expanded as the launcher takes it."""
         self._aligned = [a.data_ptr() % ALIGNMENT == 0 for a in args[:num_tensors]]
         self.all_aligned = all(self._aligned)
         self._device_index = args[0].get_device()
         tail = list(args[num_tensors:]) + [kwargs[name] for name in jit_fn.arg_names[len(args):]]
-        # Tensor descriptor j follows tensor argument descriptor_sources[j]: (position in the
-        # tail, tensor index, the prepared descriptor's fields). By position, not by identity:
-        # one tensor may be passed in several places (k is v, a scale pointer standing in).
-        self._descriptors: list[tuple[int, int, _Rebased]] = []
         descriptor_types = _descriptor_types()
         positions = [i for i, arg in enumerate(tail) if isinstance(arg, descriptor_types)]
         if len(positions) != len(descriptor_sources):
             self.ready = False     # a descriptor whose tensor argument nobody named
             return
-        for i, index in zip(positions, descriptor_sources):
-            assert tail[i].base is args[index], "a descriptor over another tensor than named"
-            tail[i] = _Rebased(tail[i], 0)
-            self._descriptors.append((i, index, tail[i]))
-        self._tail = tuple(tail)
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+        metadata = descriptor_metadata or [None] * len(positions)
+        # Descriptor j follows tensor argument descriptor_sources[j]: (where its expansion
+        # starts in the flat tail, tensor index, its encodings). By position, not by identity:
+        # one tensor may be passed in several places (k is v, a scale pointer standing in).
+        self._descriptors: list[tuple[int, int, _EncodedDescriptor]] = []
+        flat: list = []
+        for i, arg in enumerate(tail):
+            if i not in positions:
+                flat.append(arg)
+                continue
+            j = positions.index(i)
+            assert arg.base is args[descriptor_sources[j]], "a descriptor over another tensor"
+            encoded = _EncodedDescriptor(arg, metadata[j], make_tensordesc_arg)
+            self._descriptors.append((len(flat), descriptor_sources[j], encoded))
+            flat.extend(encoded.expand(arg.base.data_ptr()))
+        self._tail = tuple(flat)
 
     def __call__(self, tensors: Sequence[torch.Tensor | int]) -> bool:
         """Launch with ``tensors`` in place of the prepared launch's tensor arguments, in their
@@ -176,12 +239,12 @@ class PreparedLaunch:
 
     def _tail_for(self, ptrs: Sequence[int]) -> tuple:
         """The non-tensor arguments of a repeat over ``ptrs``: the prepared ones, with each
-        tensor descriptor made anew over its tensor's pointer."""
+        tensor descriptor's expansion for its tensor's pointer."""
         if not self._descriptors:
             return self._tail
         tail = list(self._tail)
-        for position, index, prepared in self._descriptors:
-            tail[position] = _Rebased(prepared, ptrs[index])
+        for start, index, encoded in self._descriptors:
+            tail[start:start + encoded.width] = encoded.expand(ptrs[index])
         return tuple(tail)
 
 

@@ -67,8 +67,9 @@ def test_calls_aligned_differently_get_keys_of_their_own(monkeypatch):
 
 def test_tensor_descriptors_follow_the_tensor_argument_named_for_them():
     """A descriptor follows the argument position it was named for, not whichever argument
-    holds the same tensor (k also passed as a scale pointer, or k is v), and each repeat makes
-    its own descriptor objects (threads may repeat one launch at once)."""
+    holds the same tensor (k also passed as a scale pointer, or k is v), and expands as
+    Triton's launcher takes it (without TMA: base pointer, shape, strides, padding flag,
+    shape, strides)."""
     from types import SimpleNamespace
 
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -82,12 +83,35 @@ def test_tensor_descriptors_follow_the_tensor_argument_named_for_them():
         launch.ready = True
         desc = TensorDescriptor(x, [4, 8], [8, 1], [2, 8])
         # Prepared with one tensor as q, k and the scale stand-in (a user's q is k is v).
-        launch._bind_arguments(kernel, (x, x, x, desc, 3), {}, 3, sources)
+        launch._bind_arguments(kernel, (x, x, x, desc, 3), {}, 3, sources, None)
         return launch
 
     launch = bound((1,))
     first, second = launch._tail_for([100, 200, 300]), launch._tail_for([400, 500, 600])
-    assert first[0].base.data_ptr() == 200 and second[0].base.data_ptr() == 500
-    assert (first[0].shape, first[0].strides, first[0].block_shape) == ([4, 8], [8, 1], [2, 8])
-    assert first[1] == second[1] == 3 and first[0] is not second[0]
+    assert first[0].data_ptr() == 200 and second[0].data_ptr() == 500
+    assert first[1:] == second[1:] == (4, 8, 8, 1, False, 4, 8, 8, 1, 3)
     assert not bound(()).ready       # a descriptor nobody named: never repeated
+
+
+def test_descriptors_are_encoded_once_per_pointer(monkeypatch):
+    """The encoding is a function of the pointer alone: kept per pointer, bounded."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from mini_paged_attn.ops.launch import _EncodedDescriptor
+    x = torch.zeros(4, 8)
+    encoded_for = []
+
+    def encode(descriptor, metadata):
+        encoded_for.append(descriptor.base.data_ptr())
+        return [("map", descriptor.base.data_ptr(), metadata), *descriptor.shape]
+
+    monkeypatch.setattr(_EncodedDescriptor, "MAX_POINTERS", 3)
+    encoded = _EncodedDescriptor(TensorDescriptor(x, [4, 8], [8, 1], [2, 8]), "meta", encode)
+    assert encoded.width == 3
+    assert encoded.expand(200) == (("map", 200, "meta"), 4, 8)
+    for address in (200, 300, 200, 300):
+        encoded.expand(address)
+    assert encoded_for == [x.data_ptr(), 200, 300]
+    encoded.expand(400)          # a fourth pointer empties the map first
+    encoded.expand(200)
+    assert encoded_for[3:] == [400, 200]

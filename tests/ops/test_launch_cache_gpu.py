@@ -81,6 +81,24 @@ def test_prefill_repeat_uses_the_prepared_launch(monkeypatch):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+def test_prefill_repeats_over_other_caches_and_back(monkeypatch):
+    """Long queries: on Hopper the kernel reads the caches through tensor descriptors, whose
+    encodings the prepared launch keeps per pointer; a repeat over other caches, then over the
+    first ones again, must attend over each call's own caches."""
+    def batch(seed):
+        return make_prefill_batch([200, 150], [0, 300], num_q_heads=16, num_kv_heads=4,
+                                  head_size=128, block_size=16, dtype=torch.bfloat16,
+                                  seed=seed, pool_layout=True, device="cuda")
+    first, second = batch(8), batch(9)
+    paged_prefill(*first.prefill_args)
+    _forbid_full_path(monkeypatch, "check_paged_prefill_args")
+    for current in (second, first, second):
+        out = paged_prefill(*current.prefill_args)
+        ref, _ = reference.paged_prefill_gather(*current.prefill_args, causal=True,
+                                                scale=128 ** -0.5)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_store_kv_repeat_uses_the_prepared_launch(monkeypatch):
     gen = torch.Generator(device="cuda").manual_seed(7)
     pool = torch.zeros(8, 16, 2, 4, 64, dtype=torch.bfloat16, device="cuda")
