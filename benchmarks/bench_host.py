@@ -146,24 +146,24 @@ def prefill_and_store_rows(gen) -> list[tuple[dict, object]]:
     def store():
         return store_kv(k, k, kc, vc, slots)
     # Four whole 64-token prompts over their own K/V, as an engine step of fresh prompts calls
-    # it (tensor-descriptor loads on Hopper).
+    # it (the Triton kernel).
     new_k, new_v = (torch.randn(256, H_KV, D, device="cuda", generator=gen,
                                 dtype=torch.bfloat16) for _ in range(2))
 
     def prompts():
         return flash_attn_varlen_func(query, new_k, new_v, cu, cu, 64, 64, causal=True)
-    # Two 128-token prompts: on an H100 / H200 the Hopper kernel (Gluon, four descriptors
-    # encoded at every call).
-    cu2 = torch.tensor([0, 128, 256], dtype=torch.int32, device="cuda")
+    # One 256-token prompt: on an H100 / H200 the Hopper kernel (Gluon, four tensor
+    # descriptors).
+    cu2 = torch.tensor([0, 256], dtype=torch.int32, device="cuda")
 
     def long_prompts():
-        return flash_attn_varlen_func(query, new_k, new_v, cu2, cu2, 128, 128, causal=True)
+        return flash_attn_varlen_func(query, new_k, new_v, cu2, cu2, 256, 256, causal=True)
     return [(dict(op="paged_prefill", shape="4x64 on 1k",
                   first_call_us=first_call_us(prefill, _clear_cache("_PREFILL_RUNS"))), prefill),
             (dict(op="flash_attn_varlen_func", shape="4x64 prompts",
                   first_call_us=first_call_us(prompts, _clear_cache("_CONTIGUOUS_RUNS",
                                                                     varlen))), prompts),
-            (dict(op="flash_attn_varlen_func", shape="2x128 prompts",
+            (dict(op="flash_attn_varlen_func", shape="1x256 prompt",
                   first_call_us=first_call_us(long_prompts, _clear_cache("_CONTIGUOUS_RUNS",
                                                                          varlen))),
              long_prompts),

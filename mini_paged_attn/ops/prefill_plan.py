@@ -104,9 +104,14 @@ def tma_usable(k: torch.Tensor, v: torch.Tensor, block_n: int) -> bool:
 
 
 HOPPER_MIN_AVG_Q_LEN = 128
-"""Below this average query length a contiguous batch runs the Triton kernel, whose tiles
-pack a GQA group's heads: the Hopper kernel's 128-token tile of one head would be mostly
-empty rows."""
+"""Below this average query length a batch runs the Triton kernel, whose tiles pack a GQA
+group's heads: the Hopper kernel's 128-token tile of one head would be mostly empty rows."""
+
+HOPPER_MIN_AVG_KV_LEN = 256
+"""Below this average K/V length a contiguous batch (whose lengths the host knows from the
+shapes) runs the Triton kernel: a Hopper program's fixed cost is then most of its time, and
+whole prompts of 128-224 tokens ran 0.7-0.9x as fast as with the Triton kernel on an H100
+(docs/performance-notes.md, "Where the Hopper kernel takes over")."""
 
 
 def hopper_prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -114,13 +119,15 @@ def hopper_prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           block_size: int | None = None) -> bool:
     """Whether :mod:`.prefill_hopper` (Gluon) can run a batch: CUDA sm_90, fp16 / bf16 K/V in
     q's dtype, head_size 128, an average query length of at least
-    :data:`HOPPER_MIN_AVG_Q_LEN`, and the layouts its tensor descriptors need: q and out
+    :data:`HOPPER_MIN_AVG_Q_LEN` (and for contiguous K/V an average K/V length of at least
+    :data:`HOPPER_MIN_AVG_KV_LEN`), and the layouts its tensor descriptors need: q and out
     ``[rows, heads, 128]``, K/V contiguous ``[rows, heads, 128]`` or (``block_size``) caches
     ``[num_blocks, block_size, heads, 128]`` whose blocks lie end to end with a block size
     of 8 to 128 dividing 128 or a multiple of 128; each token's heads adjacent, 16-byte
     aligned bases and token strides. The variants (windows, softcap, sinks, fp8 scales) are
     the caller's to rule out."""
     if (num_seqs < 1 or q.shape[0] < num_seqs * HOPPER_MIN_AVG_Q_LEN
+            or (block_size is None and k.shape[0] < num_seqs * HOPPER_MIN_AVG_KV_LEN)
             or not hopper_prefill_runs_on(q.device, q.shape[2], q.dtype, block_size)):
         return False
     for t in (q, out, k, v):

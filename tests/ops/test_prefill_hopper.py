@@ -109,9 +109,10 @@ CASES = {
     # chunks on cached prefixes (q_len < k_len), one a partial tile past a full prefix
     "chunks": ([200, 300, 129], [1000, 700, 129 + 256]),
     # more queries than keys: causal rows that see no key give 0; no keys at all
-    "no_keys": ([300, 256, 200], [100, 0, 200]),
+    "no_keys": ([300, 256, 200], [100, 0, 700]),
     "one_sequence": ([1500], None),
-    "many_sequences": ([130 + i % 7 for i in range(150)], None),   # two search loads
+    # two search loads
+    "many_sequences": ([130 + i % 7 for i in range(150)], [330 + i % 7 for i in range(150)]),
 }
 
 
