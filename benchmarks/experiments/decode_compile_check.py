@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 
 from mini_paged_attn.ops.decode_kernel import _paged_decode_kernel
 from mini_paged_attn.ops.decode_merge import merge_chunk, merge_rows
-from mini_paged_attn.ops.decode_tiles import FP8_SPLIT_TILES, DecodeTiles, fp8_v_asm
+from mini_paged_attn.ops.decode_tiles import FP8_TILES, DecodeTiles, fp8_v_conversion
 
 SPLIT_TILES = DecodeTiles(block_n=32, num_warps=4, num_stages=5)
 # (group size, head size, splits, cache dtype)
@@ -38,13 +38,14 @@ def compile_split_kernel(fused: bool, group: int, head: int, splits: int,
     """The split decode kernel compiled for sm_90 (``triton.compile``'s result); an fp8 cache
     (``fp8e4nv``) takes its own tiles and fp16 dots, as the planner gives it."""
     fp8 = kv_dtype.startswith("fp8")
-    tiles = FP8_SPLIT_TILES if fp8 else SPLIT_TILES
+    tiles = FP8_TILES if fp8 else SPLIT_TILES
     padded = max(16, triton.next_power_of_2(head))
     constexprs = dict(
         GROUP_SIZE=group, HEAD_SIZE=head, HEAD_SIZE_PADDED=padded,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
         BLOCK_SIZE=16, SPLIT_KV=True, WRITE_LSE=True, DOT_PRECISION="tf32", K_SCALED=fp8,
-        V_SCALED=fp8, FP16_DOTS=fp8, FP8_V_ASM=fp8 and fp8_v_asm(tiles, padded), WINDOW=False,
+        V_SCALED=fp8, FP16_DOTS=fp8, FP8_V=fp8_v_conversion(head, padded, True) if fp8 else "cast",
+        WINDOW=False,
         SOFTCAP=False, HAS_SINKS=False, ORDERED=False,
         FUSED_MERGE=fused, MERGE_ROWS=merge_rows(group),
         MERGE_CHUNK=merge_chunk(group, padded, splits, tiles.num_warps))

@@ -1,10 +1,10 @@
-"""Decode over an fp8 cache (GPU): tile configs, and V converted by ``.to`` or by the opaque
-``e4m3_to_fp16`` (``FP8_V_ASM``), in one process.
+"""Decode over an fp8 cache (GPU): tile configs, and the kernel's ways of turning V into fp16
+(``FP8_V``), in one process.
 
-Converted by ``.to``, the compiler reads V from shared memory a byte at a time straight into
-the PV dot's operand layout (256 ``LDS.U8`` per thread and 128-token tile, see
-``decode_compile_check``); the opaque conversion reads 16-byte rows and transposes the fp16
-tile with ``ldmatrix``. Each row times one tile config (block_n / warps / stages) at the
+Converted by ``.to`` (``cast``), the compiler reads V from shared memory a byte at a time
+straight into the PV dot's operand layout (256 ``LDS.U8`` per thread and 128-token tile, see
+``decode_compile_check``); ``pairs`` reads V as int16 pairs of dims, which ``ldmatrix.trans``
+brings into the dot's layout, and converts them there. Each row times one tile config (block_n / warps / stages) at the
 shapes of ``bench_fp8`` (32 query / 8 KV heads, head_size 128, block_size 16, blocks in random
 order, bf16 queries) with L2 flushed: % of copy bandwidth over the bytes read (K/V at one byte),
 and the largest difference from the planned launch with ``.to``.
@@ -24,25 +24,29 @@ import torch
 from benchmarks.bench_attention import DecodeCase, make_inputs
 from benchmarks.common import environment, start_gpu_run, time_us
 from mini_paged_attn.ops import decode as decode_module
+from mini_paged_attn.ops import decode_tiles
 from mini_paged_attn.ops.checks import check_paged_decode_args
-from mini_paged_attn.ops.explain import DecodeTiles
+from mini_paged_attn.ops.explain import DecodeTiles, plan_decode
 from mini_paged_attn.ops.kv_quant import FP8_DTYPE
 
 # (batch, context, splits: None = planned)
-SHAPES = ((64, 4096, None), (256, 4096, None), (128, 16384, None), (32, 65536, None),
-          (32, 65536, 4), (8, 65536, None), (1, 16384, None))
+SHAPES = [(64, 4096, None), (256, 4096, None), (128, 16384, None), (32, 65536, None),
+          (32, 65536, 4), (8, 65536, None), (1, 16384, None)]
 TILES = (None, (128, 2, 3), (64, 2, 6), (64, 2, 8), (64, 2, 4), (64, 1, 4), (64, 1, 6),
          (32, 2, 8), (128, 4, 3))
 
 
+CONVERSIONS = ("cast", "pairs")
+
+
 @contextmanager
-def v_conversion(opaque: bool):
-    """Launches prepared inside take ``FP8_V_ASM=opaque`` whatever the plan says."""
+def v_conversion(mode: str):
+    """Launches prepared inside take ``FP8_V=mode`` whatever the plan says."""
     real = decode_module.PreparedLaunch
 
     def prepared(kernel, grid, args, constexprs, **kw):
-        if "FP8_V_ASM" in constexprs:
-            constexprs = {**constexprs, "FP8_V_ASM": opaque and constexprs["FP16_DOTS"]}
+        if "FP8_V" in constexprs and constexprs["FP16_DOTS"]:
+            constexprs = {**constexprs, "FP8_V": mode}
         return real(kernel, grid, args, constexprs, **kw)
     decode_module.PreparedLaunch = prepared
     try:
@@ -51,7 +55,8 @@ def v_conversion(opaque: bool):
         decode_module.PreparedLaunch = real
 
 
-def run_case(batch: int, context: int, splits, copy_gbps: float) -> list[dict]:
+def run_case(batch: int, context: int, splits, copy_gbps: float, conversions, tile_list
+             ) -> list[dict]:
     case = DecodeCase(batch, context)
     x = make_inputs(case, seed=batch + context)
     kc, vc = x.key_cache.to(FP8_DTYPE), x.value_cache.to(FP8_DTYPE)
@@ -60,11 +65,11 @@ def run_case(batch: int, context: int, splits, copy_gbps: float) -> list[dict]:
     nbytes = (case.kv_bytes // 2 + 2 * x.query.numel() * 2 + x.block_tables.numel() * 4)
     rows, ref = [], None
     label = f"{batch}x{context}" + (f"/{splits}" if splits else "")
-    for opaque in (False, True):
-        for tiles in TILES:
+    for mode in conversions:
+        for tiles in tile_list:
             forced = DecodeTiles(*tiles) if tiles else None
             out = torch.empty_like(x.query)
-            with v_conversion(opaque):
+            with v_conversion(mode):
                 def call(out=out, forced=forced):
                     decode_module.triton_paged_decode(*args, shapes, out=out, lse=None,
                                                       workspace=x.workspace, tiles=forced,
@@ -73,12 +78,12 @@ def run_case(batch: int, context: int, splits, copy_gbps: float) -> list[dict]:
                     call()
                     us = time_us(call)
                 except Exception as exc:  # a config the compiler refuses
-                    rows.append({"shape": label, "opaque": opaque,
+                    rows.append({"shape": label, "conversion": mode,
                                  "tiles": tiles, "error": str(exc).splitlines()[0][:80]})
                     continue
             if ref is None:
                 ref = out.float()
-            rows.append({"shape": label, "opaque": opaque, "tiles": tiles, "us": us,
+            rows.append({"shape": label, "conversion": mode, "tiles": tiles, "us": us,
                          "pct_copy": 100 * nbytes / (us * 1e-6) / 1e9 / copy_gbps,
                          "max_diff": float((out.float() - ref).abs().max())})
             print(json.dumps(rows[-1]), flush=True)
@@ -88,12 +93,29 @@ def run_case(batch: int, context: int, splits, copy_gbps: float) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
+    parser.add_argument("--conversions", nargs="+", choices=CONVERSIONS, default=CONVERSIONS)
+    parser.add_argument("--tiles", nargs="+", default=None, metavar="N/W/S",
+                        help="tile configs (block_n/warps/stages, or 'planned'); default all")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="BxC[/S]",
+                        help="batch x context [/ forced splits]; default the bench_fp8 set")
+    parser.add_argument("--fp8-tiles", default=None, metavar="N/W/S",
+                        help="plan unsplit fp8 launches with these tiles instead of FP8_TILES")
     args = parser.parse_args()
+    if args.shapes:
+        SHAPES[:] = [(int(b), int(c.split("/")[0]),
+                      int(c.split("/")[1]) if "/" in c else None)
+                     for b, c in (shape.split("x") for shape in args.shapes)]
+    if args.fp8_tiles:
+        decode_tiles.FP8_TILES = DecodeTiles(*(int(v) for v in args.fp8_tiles.split("/")))
+        plan_decode.cache_clear()
+    tile_list = TILES if args.tiles is None else tuple(
+        None if t == "planned" else tuple(int(v) for v in t.split("/")) for t in args.tiles)
     ceilings = start_gpu_run(args.out, "benchmarks.experiments.fp8_decode_tiles")
     env = environment()
     rows = []
     for batch, context, splits in SHAPES:
-        rows += run_case(batch, context, splits, ceilings.copy_gbps)
+        rows += run_case(batch, context, splits, ceilings.copy_gbps, args.conversions,
+                         tile_list)
         torch.cuda.empty_cache()
     (args.out / "fp8_decode_tiles.json").write_text(json.dumps(
         {"env": env, "copy_gbps": ceilings.copy_gbps, "rows": rows}, indent=1))
@@ -101,11 +123,11 @@ def main() -> None:
           "(us at 1x16k)")
     shapes = [f"{b}x{c}" + (f"/{n}" if n else "") for b, c, n in SHAPES]
     print(f"{'V':7}{'tiles':14}" + "".join(f"{s:>11}" for s in shapes))
-    for opaque in (False, True):
-        for tiles in TILES:
+    for mode in args.conversions:
+        for tiles in tile_list:
             cells = []
             for s in shapes:
-                r = next((r for r in rows if r["shape"] == s and r["opaque"] == opaque
+                r = next((r for r in rows if r["shape"] == s and r["conversion"] == mode
                           and r["tiles"] == tiles), {})
                 if "us" not in r:
                     cells.append(f"{'err':>11}")
@@ -114,8 +136,9 @@ def main() -> None:
                 else:
                     cells.append(f"{r['pct_copy']:11.1f}")
             name = "/".join(map(str, tiles)) if tiles else "planned"
-            print(f"{'asm' if opaque else '.to':7}{name:14}" + "".join(cells))
-    print("max |diff| vs planned .to:", max((r.get("max_diff", 0) for r in rows), default=0))
+            print(f"{mode:7}{name:14}" + "".join(cells))
+    print(f"max |diff| vs the first row ({args.conversions[0]}):",
+          max((r.get("max_diff", 0) for r in rows), default=0))
 
 
 if __name__ == "__main__":

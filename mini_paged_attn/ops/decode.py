@@ -33,7 +33,7 @@ import torch
 from .checks import PagedShapes
 from .decode_kernel import _paged_decode_kernel
 from .decode_merge import merge_chunk, merge_rows, prepare_merge
-from .decode_tiles import fp8_v_asm
+from .decode_tiles import fp8_v_conversion
 from .explain import MAX_SPLITS, DecodePlan, DecodeTiles, num_sms_of, plan_decode
 from .kv_quant import scale_pointers, scale_stride
 from .launch import PreparedLaunch, StreamScratch
@@ -207,8 +207,8 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         return None
     meta = dict(_constexprs(plan), K_SCALED=k_scale is not None, V_SCALED=v_scale is not None,
                 WINDOW=window_size[0] >= 0, SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
-                FP8_V_ASM=(plan.fp16_dots and device.type == "cuda"
-                           and fp8_v_asm(plan.tiles, plan.head_size_padded)),
+                FP8_V=fp8_v_conversion(plan.head_size, plan.head_size_padded,
+                                       device.type == "cuda") if plan.fp16_dots else "cast",
                 ORDERED=seq_order is not None)
     # Unused values still pass as arguments: the launch's argument list never changes shape.
     variant_args = (max(window_size[0], 0), softcap * LOG2E if softcap > 0 else 1.0)

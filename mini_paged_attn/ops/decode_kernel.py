@@ -15,13 +15,15 @@ pools over 2^31 elements work.
 An fp8 cache (:mod:`.kv_quant`) is read as fp8 (half the bytes) and converted right after the
 load (exact: every e4m3 value is an fp16 / bf16 value). With 16-bit queries the dots run in
 fp16 (``FP16_DOTS``): e4m3 -> fp16 is one instruction per pair on Hopper, e4m3 -> bf16 goes
-through fp16 and fp32, and that conversion alone held decode at ~68% of copy bandwidth (fp16
-dots, with the fp8 tiles of :data:`~.decode_tiles.FP8_TILES`: 89-95%). A bf16 query is
-rounded to fp16 for the dot (fp16 has more mantissa than bf16; values past fp16's range,
-|q| > 65504, would overflow: attention queries do not come near it); the softmax
-probabilities go to fp16 for the PV dot, accumulation stays float32. The program's KV head has one ``k_scale`` and one
-``v_scale``: the first is folded into the softmax scale, the second multiplies the normalised
-output, instead of scaling every loaded element.
+through fp16 and fp32, and that conversion alone held decode at ~68% of copy bandwidth. A
+bf16 query is rounded to fp16 for the dot (fp16 has more mantissa than bf16; values past
+fp16's range, |q| > 65504, would overflow: attention queries do not come near it); the
+softmax probabilities go to fp16 for the PV dot, accumulation stays float32. On a GPU, V is
+read as int16 pairs of dims (``FP8_V``), so that its tile reaches the PV dot the way a 16-bit
+one does (with the fp8 tiles of :data:`~.decode_tiles.FP8_TILES`: 93-96% of copy bandwidth).
+The program's KV head has one ``k_scale`` and one ``v_scale``: the first is folded into the
+softmax scale, the second multiplies the normalised output, instead of scaling every loaded
+element.
 
 Variants (:mod:`.variants`), each a constexpr switch so the default launch compiles as before:
 a left window starts each sequence's tiles at the one holding its first visible key (tiles and
@@ -59,14 +61,17 @@ def soft_cap(s, cap):
 
 
 @triton.jit
-def e4m3_to_fp16(x):
-    """e4m3 -> fp16 (exact), four values at a time by ``cvt.rn.f16x2.e4m3x2`` (sm_89+; compiled
-    GPUs only, the interpreter runs no PTX). Declared impure so that the compiler keeps it where
-    it stands instead of moving the tile's layout change in front of it."""
+def e4m3_pairs_to_fp16(x):
+    """The two e4m3 values packed in each int16 of ``x`` (an fp8 tile read two dims at a time)
+    as two fp16 tensors of x's shape: the low bytes' (even dims) and the high bytes' (odd
+    dims), exact. Per pair of elements one ``prmt`` gathers the bytes of each half and one
+    ``cvt.rn.f16x2.e4m3x2`` converts them (sm_89+; compiled GPUs only)."""
     return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-        "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+        "{ .reg .b32 lo, hi; .reg .b16 l0, l1, h0, h1; "
+        "prmt.b32 lo, $2, 0, 0x0020; prmt.b32 hi, $2, 0, 0x0031; "
+        "mov.b32 {l0, l1}, lo; mov.b32 {h0, h1}, hi; "
+        "cvt.rn.f16x2.e4m3x2 $0, l0; cvt.rn.f16x2.e4m3x2 $1, h0; }",
+        "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
 
 
 @triton.jit
@@ -88,7 +93,7 @@ def _paged_decode_kernel(
     K_SCALED: tl.constexpr, V_SCALED: tl.constexpr, FP16_DOTS: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-    FP8_V_ASM: tl.constexpr, ORDERED: tl.constexpr,
+    FP8_V: tl.constexpr, ORDERED: tl.constexpr,
 ):
     """Grid ``(num_kv_heads, num_splits, num_seqs)``: the KV heads of one sequence run side by
     side, so the token rows of a block (all heads' K and V) are read at about the same time.
@@ -104,7 +109,10 @@ def _paged_decode_kernel(
     SOFTCAP: scores (log2 units) become ``soft_cap(s, softcap_log2)``.
     HAS_SINKS: split 0 starts its online softmax at ``m = sink, l = 1`` (a key of value 0 and
     logit ``sinks[head]``), so the sink enters the merged denominator exactly once.
-    FP8_V_ASM (FP16_DOTS, compiled GPUs only): convert V with :func:`e4m3_to_fp16`.
+    FP8_V (FP16_DOTS): how an fp8 V tile becomes fp16: ``"cast"`` (``.to``) or ``"pairs"``
+    (read as int16 pairs of dims, converted by :func:`e4m3_pairs_to_fp16`, the PV dot split
+    into even and odd dims; needs HEAD_SIZE == HEAD_SIZE_PADDED; inline PTX, so compiled
+    GPUs only).
     ORDERED: grid row ``z`` serves sequence ``seq_order[z]`` (int32, a permutation of the
     batch): the hardware starts programs in grid order, so sequences ordered longest first
     leave the short ones to fill the launch's tail. Without ORDERED the pointer is never read.
@@ -157,7 +165,17 @@ def _paged_decode_kernel(
         sink = tl.load(sinks_ptr + heads, mask=row_valid, other=0.0) * 1.4426950408889634
         m_i = tl.where(split == 0, sink, m_i)                  # [BLOCK_H]
         l_i = tl.where(split == 0, 1.0, l_i)
-    acc = tl.zeros([BLOCK_H, HEAD_SIZE_PADDED], tl.float32)   # running sum of p * v
+    if FP8_V == "pairs":
+        # The running sums of p * v over the even and the odd dims: V is read as int16 pairs
+        # of dims, so its tile's 16-bit elements reach the PV dot's operand layout by
+        # ldmatrix.trans like a bf16 tile's (an 8-bit tile goes a byte at a time).
+        pairs = tl.arange(0, HEAD_SIZE_PADDED // 2)           # [HEAD_SIZE_PADDED // 2]
+        v_head_pairs = value_cache_ptr.to(tl.pointer_type(tl.int16)) + (
+            kv_head.to(tl.int64) * stride_v_head) // 2
+        acc_even = tl.zeros([BLOCK_H, HEAD_SIZE_PADDED // 2], tl.float32)
+        acc_odd = tl.zeros([BLOCK_H, HEAD_SIZE_PADDED // 2], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, HEAD_SIZE_PADDED], tl.float32)   # running sum of p * v
 
     # Masking every tile (not only the sequence's last) measured the same on an H100: the loop
     # is bound by memory, not by the mask arithmetic.
@@ -182,17 +200,15 @@ def _paged_decode_kernel(
         # Unused cache slots may hold NaN: load zeros there (p = 0 times NaN would leak).
         kv_valid = token_valid[:, None] & dim_valid[None, :]  # [BLOCK_N, HEAD_SIZE_PADDED]
         k = tl.load(k_head + k_rows[:, None] + dims[None, :], mask=kv_valid, other=0.0)
-        v = tl.load(v_head + v_rows[:, None] + dims[None, :], mask=kv_valid, other=0.0)
-        # k, v: [BLOCK_N, HEAD_SIZE_PADDED] in the dots' dtype (no-op unless the cache is fp8)
+        # k: [BLOCK_N, HEAD_SIZE_PADDED] in the dots' dtype (no-op unless the cache is fp8)
         k = k.to(q.dtype)
-        if FP8_V_ASM:
-            # Converted by ``.to``, V is read from shared memory one byte at a time straight
-            # into the PV dot's operand layout (its reduction axis, the tokens, is strided in
-            # the cache, and sm_90 has no 8-bit transposing ldmatrix). Opaque to the compiler,
-            # the conversion runs on 16-byte rows and only the fp16 tile is transposed.
-            v = e4m3_to_fp16(v)
+        if FP8_V == "pairs":
+            v_pairs = tl.load(v_head_pairs + (v_rows >> 1)[:, None] + pairs[None, :],
+                              mask=token_valid[:, None], other=0)
+            v_even, v_odd = e4m3_pairs_to_fp16(v_pairs)   # [BLOCK_N, HEAD_SIZE_PADDED // 2]
         else:
-            v = v.to(q.dtype)
+            v = tl.load(v_head + v_rows[:, None] + dims[None, :], mask=kv_valid, other=0.0)
+            v = v.to(q.dtype)          # v: [BLOCK_N, HEAD_SIZE_PADDED]
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP:
@@ -203,8 +219,19 @@ def _paged_decode_kernel(
         alpha = tl.exp2(m_i - m_new)                           # [BLOCK_H]
         p = tl.exp2(s - m_new[:, None])                        # [BLOCK_H, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if FP8_V == "pairs":
+            p = p.to(tl.float16)
+            acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even,
+                                                          input_precision=DOT_PRECISION)
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=DOT_PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                                input_precision=DOT_PRECISION)
         m_i = m_new
+
+    if FP8_V == "pairs":
+        # Dims back in order: [BLOCK_H, HEAD_SIZE_PADDED // 2, 2] -> dim 2j + (0 even, 1 odd)
+        acc = tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_H, HEAD_SIZE_PADDED])
 
     has_keys = l_i > 0.0                              # [BLOCK_H]; False: no tokens, no sink
     l_safe = tl.where(has_keys, l_i, 1.0)

@@ -48,9 +48,8 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool,
       block_size 1 takes 8 warps to share its per-token table lookups.
     - Split launches (small batches) are latency-bound: 32-token tiles with 5 stages keep two
       K/V tiles in flight behind the block-table loads (the table load takes a stage itself).
-    - An fp8 cache (``kv_dtype`` one byte): :data:`FP8_TILES`, split launches of small
-      batches :data:`FP8_SPLIT_TILES` (see :func:`~.explain.plan_decode` for the split
-      launches of larger ones).
+    - An fp8 cache (``kv_dtype`` one byte): :data:`FP8_TILES`, split or not (see
+      :func:`~.explain.plan_decode` for the split launches of larger batches).
     - Tiles never exceed :data:`MAX_BLOCK_N` tokens: small head sizes would otherwise get tiles
       of thousands of tokens, slow to compile and heavy in registers.
 
@@ -62,7 +61,7 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool,
     if not on_gpu:
         return DecodeTiles(block_n=16, num_warps=4, num_stages=1)
     if kv_dtype is not None and kv_dtype.itemsize == 1:
-        return FP8_SPLIT_TILES if split else FP8_TILES
+        return FP8_TILES
     # One token of K as the kernel holds it (head_size padded to a power of two >= 16).
     row_bytes = max(16, next_pow2(head_size)) * torch.finfo(dtype).bits // 8
     if split:
@@ -76,33 +75,27 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool,
                        num_warps=8 if block_size == 1 else 4, num_stages=3)
 
 
-def fp8_v_asm(tiles: DecodeTiles, head_size_padded: int) -> bool:
-    """Whether a launch over an fp8 cache with fp16 dots converts V with the kernel's opaque
-    ``e4m3_to_fp16`` (``FP8_V_ASM``): where each thread's share of the fp16 V tile fits in 32
-    registers (128 bytes).
+def fp8_v_conversion(head_size: int, head_size_padded: int, on_gpu: bool) -> str:
+    """How a launch over an fp8 cache with fp16 dots turns its V tiles into fp16 (the kernel's
+    ``FP8_V``): ``"pairs"`` on a GPU where the head size is its own padding (a power of two),
+    else ``"cast"`` (the interpreter runs no inline PTX).
 
-    Converted by ``.to``, the compiler reads V from shared memory a byte at a time (256
-    ``LDS.U8`` per thread at 128 tokens / 2 warps); the opaque conversion reads 16-byte rows
-    and transposes the fp16 tile with ``ldmatrix``, a third fewer instructions per tile, but
-    holds the fp16 tile in registers: at 128 tokens / 2 warps (256 bytes a thread) it spills.
-    H100, % of copy bandwidth over fp8 bytes at 64x4k / 256x4k / 128x16k: 64/2/6 90.9 / 93.4 /
-    93.3 opaque against 87.7 / 89.1 / 91.2 by ``.to``; 128/2/3 61.9 / 72.2 / 75.2 opaque
-    (spilling) against 89.5 / 92.8 / 94.0 (docs/performance-notes.md)."""
-    per_thread = tiles.block_n * head_size_padded * 2 // (32 * tiles.num_warps)
-    return per_thread <= 128
-
-
-FP8_TILES = DecodeTiles(block_n=128, num_warps=2, num_stages=3)
-"""Decode over an fp8 cache (H100, head_size 128, bf16 queries, fp16 dots), unsplit: 128-token
-tiles, 2 warps, 3 stages read 93-95% of copy bandwidth with 1024 programs or more (256x4k,
-128x16k) and 91% at 512, but 63% at 256: :func:`~.explain.plan_decode` splits such launches
-(32x64k in 4 splits: 94%). 64/2/6 read 88-92% at every size; the 16-bit rule's 128/4/3
-76-84%."""
-
-FP8_SPLIT_TILES = DecodeTiles(block_n=64, num_warps=2, num_stages=6)
-"""Split launches of small batches over an fp8 cache, which are bound by latency: 64/2/6 took
-26 us at 1 x 16k (bf16: 34 us), where 128/2/3 in 128 splits took 32 us."""
+    By ``.to`` the compiler reads an 8-bit V tile from shared memory a byte at a time into
+    the PV dot's operand layout (256 ``LDS.U8`` per thread at 128 tokens / 2 warps): the
+    dot's reduction axis, the tokens, is strided in the cache and sm_90 has no 8-bit
+    transposing ``ldmatrix``. Read as int16 pairs of dims, the tile takes the 16-bit path
+    (``ldmatrix.trans``) and is converted in the dot's layout, the PV dot split into even and
+    odd dims. H100, % of copy bandwidth over fp8 bytes at 64x4k / 256x4k / 128x16k / 8x64k:
+    94.1 / 95.4 / 96.2 / 93.7 against 88.9 / 92.8 / 93.8 / 84.5 by ``.to``
+    (docs/performance-notes.md, "fp8 V read as pairs of dims")."""
+    return "pairs" if on_gpu and head_size == head_size_padded else "cast"
 
 
-__all__ = ["DecodeTiles", "default_tiles", "fp8_v_asm", "FP8_SPLIT_TILES", "FP8_TILES",
-           "MAX_BLOCK_N"]
+FP8_TILES = DecodeTiles(block_n=64, num_warps=2, num_stages=6)
+"""Decode over an fp8 cache (H100, head_size 128, bf16 queries, fp16 dots, V read as pairs):
+64-token tiles, 2 warps, 6 stages, split or not. Unsplit they read 94-96% of copy bandwidth
+from 512 programs on, 96% at 32x64k split in 4; 128/2/3 read 93-96% from 1024 programs and
+0.4-1.3 points less below; the 16-bit rule's 128/4/3 78-94%."""
+
+
+__all__ = ["DecodeTiles", "default_tiles", "fp8_v_conversion", "FP8_TILES", "MAX_BLOCK_N"]

@@ -303,12 +303,12 @@ def test_scale_on_another_device_raises():
 
 @pytest.mark.parametrize("num_seqs", [1, 256])
 def test_fp8_cache_plans_its_own_tiles_and_fp16_dots(num_seqs):
-    from mini_paged_attn.ops.explain import FP8_SPLIT_TILES, FP8_TILES, plan_decode
+    from mini_paged_attn.ops.explain import FP8_TILES, plan_decode
 
     args = (num_seqs, 32, 8, 128, 16384, 16, torch.bfloat16, 132)
     fp8 = plan_decode(*args, kv_dtype=FP8_DTYPE)
     bf16 = plan_decode(*args)
-    assert fp8.tiles == (FP8_SPLIT_TILES if num_seqs == 1 else FP8_TILES) != bf16.tiles
+    assert fp8.tiles == FP8_TILES != bf16.tiles
     assert fp8.fp16_dots and not bf16.fp16_dots
     assert "float8_e4m3fn cache" in str(fp8)
     # fp32 queries over an fp8 cache keep fp32 dots (fp16 would round them).
@@ -316,12 +316,12 @@ def test_fp8_cache_plans_its_own_tiles_and_fp16_dots(num_seqs):
 
 
 @pytest.mark.parametrize("num_seqs, context, splits, reason", [
-    (32, 2048, 2, "fp8 short"),       # 16 tiles of 128 (the "fp8 programs" rule gave 4)
+    (32, 2048, 2, "fp8 short"),       # 32 tiles of 64 (the "fp8 programs" rule gave 4)
     (128, 2048, 2, "fp8 short"),      # enough programs, but short ones
     (256, 1000, 2, "fp8 short"),
     (256, 2049, 1, "enough programs"),
     (64, 4096, 1, "enough programs"),
-    (256, 128, 1, "enough programs"),  # one tile: nothing to split
+    (256, 64, 1, "enough programs"),   # one tile: nothing to split
 ])
 def test_fp8_launches_of_short_sequences_split_in_two(num_seqs, context, splits, reason):
     """Sequences of at most FP8_SHORT_TILES unsplit tiles split in exactly 2 (the unsplit
@@ -386,7 +386,7 @@ def test_explain_decode_checks_ordered():
     (32, 65536, 4),     # 256 programs: split toward 8 a SM
     (30, 4096, 4),
     (64, 4096, 1),      # 512: enough
-    (27, 128, 1),       # 216, but one tile each: nothing to split
+    (27, 64, 1),        # 216, but one tile each: nothing to split
     (256, 4096, 1),
 ])
 def test_fp8_launches_with_few_programs_per_sm_split(num_seqs, context, splits):
