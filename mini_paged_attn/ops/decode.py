@@ -207,8 +207,13 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         return None
     meta = dict(_constexprs(plan), K_SCALED=k_scale is not None, V_SCALED=v_scale is not None,
                 WINDOW=window_size[0] >= 0, SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
-                FP8_V=fp8_v_conversion(plan.head_size, plan.head_size_padded,
-                                       device.type == "cuda") if plan.fp16_dots else "cast",
+                FP8_V=fp8_v_conversion(
+                    plan.head_size, plan.head_size_padded, device.type == "cuda",
+                    # 16-byte aligned, as the launch cache keys it: a repeat never meets an
+                    # odd pointer.
+                    value_cache.data_ptr() % 16 == 0
+                    and all(s % 2 == 0 for s in value_cache.stride()[:3]))
+                if plan.fp16_dots else "cast",
                 ORDERED=seq_order is not None)
     # Unused values still pass as arguments: the launch's argument list never changes shape.
     variant_args = (max(window_size[0], 0), softcap * LOG2E if softcap > 0 else 1.0)

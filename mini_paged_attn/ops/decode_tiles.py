@@ -75,10 +75,12 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool,
                        num_warps=8 if block_size == 1 else 4, num_stages=3)
 
 
-def fp8_v_conversion(head_size: int, head_size_padded: int, on_gpu: bool) -> str:
+def fp8_v_conversion(head_size: int, head_size_padded: int, on_gpu: bool,
+                     even_layout: bool = True) -> str:
     """How a launch over an fp8 cache with fp16 dots turns its V tiles into fp16 (the kernel's
-    ``FP8_V``): ``"pairs"`` on a GPU where the head size is its own padding (a power of two),
-    else ``"cast"`` (the interpreter runs no inline PTX).
+    ``FP8_V``): ``"pairs"`` on a GPU where the head size is its own padding (a power of two)
+    and the value cache is laid out for int16 reads (``even_layout``: even strides, an aligned
+    pointer), else ``"cast"`` (the interpreter runs no inline PTX).
 
     By ``.to`` the compiler reads an 8-bit V tile from shared memory a byte at a time into
     the PV dot's operand layout (256 ``LDS.U8`` per thread at 128 tokens / 2 warps): the
@@ -88,7 +90,7 @@ def fp8_v_conversion(head_size: int, head_size_padded: int, on_gpu: bool) -> str
     odd dims. H100, % of copy bandwidth over fp8 bytes at 64x4k / 256x4k / 128x16k / 8x64k:
     94.1 / 95.4 / 96.2 / 93.7 against 88.9 / 92.8 / 93.8 / 84.5 by ``.to``
     (docs/performance-notes.md, "fp8 V read as pairs of dims")."""
-    return "pairs" if on_gpu and head_size == head_size_padded else "cast"
+    return "pairs" if on_gpu and even_layout and head_size == head_size_padded else "cast"
 
 
 FP8_TILES = DecodeTiles(block_n=64, num_warps=2, num_stages=6)

@@ -404,3 +404,12 @@ def test_fp8_launches_with_few_programs_per_sm_split(num_seqs, context, splits):
     forced = plan_decode(num_seqs, 32, 8, 128, context, 16, torch.bfloat16, 132, 1,
                          kv_dtype=FP8_DTYPE)
     assert (forced.num_splits, forced.tiles) == (1, FP8_TILES)
+
+
+def test_fp8_v_is_read_as_pairs_only_where_it_can_be():
+    """int16 pairs of dims need inline PTX (a GPU), an unpadded head size and an even layout."""
+    from mini_paged_attn.ops.decode_tiles import fp8_v_conversion
+    assert fp8_v_conversion(128, 128, True) == "pairs"
+    assert fp8_v_conversion(128, 128, False) == "cast"          # the interpreter
+    assert fp8_v_conversion(80, 128, True) == "cast"            # padded head size
+    assert fp8_v_conversion(64, 64, True, even_layout=False) == "cast"
