@@ -36,7 +36,7 @@ from .decode_merge import merge_chunk, merge_rows, prepare_merge
 from .decode_tiles import fp8_v_conversion
 from .explain import MAX_SPLITS, DecodePlan, DecodeTiles, num_sms_of, plan_decode
 from .kv_quant import scale_pointers, scale_stride
-from .launch import PreparedLaunch, StreamScratch
+from .launch import ALIGNMENT, PreparedLaunch, StreamScratch
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
                     plan.head_size, plan.head_size_padded, device.type == "cuda",
                     # 16-byte aligned, as the launch cache keys it: a repeat never meets an
                     # odd pointer.
-                    value_cache.data_ptr() % 16 == 0
+                    value_cache.data_ptr() % ALIGNMENT == 0
                     and all(s % 2 == 0 for s in value_cache.stride()[:3]))
                 if plan.fp16_dots else "cast",
                 ORDERED=seq_order is not None)

@@ -98,9 +98,16 @@ def tma_usable(k: torch.Tensor, v: torch.Tensor, block_n: int) -> bool:
         return False
     return (head_size >= 16 and head_size == next_pow2(head_size) and block_n <= 256
             and k.shape[0] > 0 and all(
-                t.dtype in (torch.float16, torch.bfloat16) and t.stride(2) == 1
-                and t.stride(1) == head_size and t.stride(0) * t.element_size() % 16 == 0
-                and t.data_ptr() % 16 == 0 for t in (k, v)))
+                t.dtype in (torch.float16, torch.bfloat16) and _descriptor_rows(t, head_size)
+                for t in (k, v)))
+
+
+def _descriptor_rows(t: torch.Tensor, head_size: int) -> bool:
+    """Whether ``t`` (``[..., rows, heads, head_size]``) reads as 2-D tensor-descriptor rows of
+    ``heads * head_size`` elements: each row's heads adjacent, and the base and the row stride
+    16-byte aligned (what TMA requires)."""
+    return (t.stride(-1) == 1 and t.stride(-2) == head_size
+            and t.stride(-3) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0)
 
 
 HOPPER_MIN_AVG_Q_LEN = 128
@@ -131,12 +138,9 @@ def hopper_prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             or not hopper_prefill_runs_on(q.device, q.shape[2], q.dtype, block_size)):
         return False
     for t in (q, out, k, v):
-        row = t.stride(-3)
-        if not (t.dtype == q.dtype and t.shape[0] > 0 and t.stride(-1) == 1
-                and t.stride(-2) == 128 and row * t.element_size() % 16 == 0
-                and t.data_ptr() % 16 == 0):
+        if not (t.dtype == q.dtype and t.shape[0] > 0 and _descriptor_rows(t, 128)):
             return False
-        if t.dim() == 4 and t.stride(0) != t.shape[1] * row:    # blocks end to end
+        if t.dim() == 4 and t.stride(0) != t.shape[1] * t.stride(1):    # blocks end to end
             return False
     return True
 
