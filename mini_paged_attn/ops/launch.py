@@ -210,6 +210,10 @@ class PreparedLaunch:
             self._descriptors.append((len(flat), descriptor_sources[j], encoded))
             flat.extend(encoded.expand(arg.base.data_ptr()))
         self._tail = tuple(flat)
+        # A repeat's whole tail kept by its descriptors' pointers: one lookup per launch.
+        self._descriptor_pointers = operator.itemgetter(
+            *(index for _, index, _ in self._descriptors)) if self._descriptors else None
+        self._tails: dict = {}
 
     def __call__(self, tensors: Sequence[torch.Tensor | int]) -> bool:
         """Launch with ``tensors`` in place of the prepared launch's tensor arguments, in their
@@ -239,13 +243,20 @@ class PreparedLaunch:
 
     def _tail_for(self, ptrs: Sequence[int]) -> tuple:
         """The non-tensor arguments of a repeat over ``ptrs``: the prepared ones, with each
-        tensor descriptor's expansion for its tensor's pointer."""
+        tensor descriptor's expansion for its tensor's pointer (kept per combination of
+        those pointers; a new combination encodes only the pointers not seen before)."""
         if not self._descriptors:
             return self._tail
-        tail = list(self._tail)
-        for start, index, encoded in self._descriptors:
-            tail[start:start + encoded.width] = encoded.expand(ptrs[index])
-        return tuple(tail)
+        key = self._descriptor_pointers(ptrs)
+        tail = self._tails.get(key)
+        if tail is None:
+            if len(self._tails) >= _EncodedDescriptor.MAX_POINTERS:
+                self._tails.clear()
+            tail = list(self._tail)
+            for start, index, encoded in self._descriptors:
+                tail[start:start + encoded.width] = encoded.expand(ptrs[index])
+            tail = self._tails[key] = tuple(tail)
+        return tail
 
 
 class LaunchCache:

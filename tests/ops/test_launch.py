@@ -93,6 +93,29 @@ def test_tensor_descriptors_follow_the_tensor_argument_named_for_them():
     assert not bound(()).ready       # a descriptor nobody named: never repeated
 
 
+def test_repeat_tails_are_kept_per_combination_of_descriptor_pointers():
+    """Two descriptors: a repeat over pointers seen together before reuses that tail; a new
+    combination expands each descriptor for its own pointer (the one over k follows k, the
+    one over v follows v) and keeps the result."""
+    from types import SimpleNamespace
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from mini_paged_attn.ops.launch import PreparedLaunch
+    x = torch.zeros(4, 8)
+    kernel = SimpleNamespace(arg_names=["q", "k", "v", "k_desc", "v_desc"])
+    launch = object.__new__(PreparedLaunch)
+    launch.ready = True
+    descs = [TensorDescriptor(x, [4, 8], [8, 1], [2, 8]) for _ in range(2)]
+    launch._bind_arguments(kernel, (x, x, x, *descs), {}, 3, (1, 2), None)
+    first = launch._tail_for([100, 200, 300])
+    assert launch._tail_for([999, 200, 300]) is first      # q is no descriptor's source
+    mixed = launch._tail_for([100, 200, 400])
+    assert mixed is not first and mixed[:10] == first[:10]
+    assert [mixed[0].data_ptr(), mixed[10].data_ptr()] == [200, 400]
+    assert launch._tail_for([100, 200, 400]) is mixed
+
+
 def test_descriptors_are_encoded_once_per_pointer(monkeypatch):
     """The encoding is a function of the pointer alone: kept per pointer, bounded."""
     from triton.tools.tensor_descriptor import TensorDescriptor
