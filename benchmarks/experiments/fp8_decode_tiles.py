@@ -55,6 +55,11 @@ def v_conversion(mode: str):
         decode_module.PreparedLaunch = real
 
 
+def resources(kernel) -> dict:
+    """A compiled kernel's registers a thread and shared memory a program."""
+    return {"registers": kernel.n_regs, "shared_kb": round(kernel.metadata.shared / 1024, 1)}
+
+
 def run_case(batch: int, context: int, splits, copy_gbps: float, conversions, tile_list
              ) -> list[dict]:
     case = DecodeCase(batch, context)
@@ -71,11 +76,11 @@ def run_case(batch: int, context: int, splits, copy_gbps: float, conversions, ti
             out = torch.empty_like(x.query)
             with v_conversion(mode):
                 def call(out=out, forced=forced):
-                    decode_module.triton_paged_decode(*args, shapes, out=out, lse=None,
-                                                      workspace=x.workspace, tiles=forced,
-                                                      num_splits=splits)
+                    return decode_module.triton_paged_decode(
+                        *args, shapes, out=out, lse=None, workspace=x.workspace, tiles=forced,
+                        num_splits=splits)
                 try:
-                    call()
+                    run = call()
                     us = time_us(call)
                 except Exception as exc:  # a config the compiler refuses
                     rows.append({"shape": label, "conversion": mode,
@@ -85,7 +90,8 @@ def run_case(batch: int, context: int, splits, copy_gbps: float, conversions, ti
                 ref = out.float()
             rows.append({"shape": label, "conversion": mode, "tiles": tiles, "us": us,
                          "pct_copy": 100 * nbytes / (us * 1e-6) / 1e9 / copy_gbps,
-                         "max_diff": float((out.float() - ref).abs().max())})
+                         "max_diff": float((out.float() - ref).abs().max()),
+                         **resources(run.decode.kernel)})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -94,8 +100,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     parser.add_argument("--conversions", nargs="+", choices=CONVERSIONS, default=CONVERSIONS)
-    parser.add_argument("--tiles", nargs="+", default=None, metavar="N/W/S",
-                        help="tile configs (block_n/warps/stages, or 'planned'); default all")
+    parser.add_argument("--tiles", nargs="+", default=None, metavar="N/W/S[/R]",
+                        help="tile configs (block_n/warps/stages[/maxnreg], or 'planned'); "
+                             "default all")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="BxC[/S]",
                         help="batch x context [/ forced splits]; default the bench_fp8 set")
     parser.add_argument("--fp8-tiles", default=None, metavar="N/W/S",
@@ -136,7 +143,10 @@ def main() -> None:
                 else:
                     cells.append(f"{r['pct_copy']:11.1f}")
             name = "/".join(map(str, tiles)) if tiles else "planned"
-            print(f"{mode:7}{name:14}" + "".join(cells))
+            used = next((r for r in rows if r["conversion"] == mode and r["tiles"] == tiles
+                         and "registers" in r), {})
+            print(f"{mode:7}{name:14}" + "".join(cells)
+                  + f"   {used.get('registers', '?')} regs, {used.get('shared_kb', '?')} KB")
     print(f"max |diff| vs the first row ({args.conversions[0]}):",
           max((r.get("max_diff", 0) for r in rows), default=0))
 

@@ -306,6 +306,7 @@ def _constexprs(plan: DecodePlan) -> dict:
         MERGE_CHUNK=merge_chunk(plan.group_size, plan.head_size_padded, plan.num_splits,
                                 plan.tiles.num_warps) if plan.fused_merge else 1,
         num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
+        **({} if plan.tiles.maxnreg is None else {"maxnreg": plan.tiles.maxnreg}),
     )
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.args import next_pow2
+from ..core.args import is_int, next_pow2
 from .checks import check_launch_config
 
 MAX_BLOCK_N = 256
@@ -25,14 +25,19 @@ class DecodeTiles:
     block_n: KV tokens per tile, a power of two >= 16 (independent of the cache's block_size).
     num_warps, num_stages: Triton launch options; ``num_stages`` is the software-pipelining
         depth, i.e. how many K/V tiles are in flight while one is being used.
+    maxnreg: None, or the registers a thread may use (32..255; Triton's ``maxnreg``), which
+        lets more programs share an SM. Neither it nor ``num_stages`` changes the result.
     """
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    maxnreg: int | None = None
 
     def __post_init__(self) -> None:
         check_launch_config(self, ("block_n",), max_stages=12)
+        if self.maxnreg is not None and not (is_int(self.maxnreg) and 32 <= self.maxnreg <= 255):
+            raise ValueError(f"maxnreg: expected None or an int in 32..255, got {self.maxnreg!r}")
 
 
 def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool, *,
@@ -40,7 +45,8 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool,
     """Tiles for a head size, dtype and cache block size, and whether the launch splits the KV.
 
     They never depend on the batch itself, so that a sequence's result with ``num_splits=1``
-    does not depend on which batch it is in.
+    does not depend on which batch it is in (the fp8 plan picks registers and stages by the
+    batch, :func:`fp8_occupancy_tiles`, which leave the result as it is).
 
     - Unsplit launches (enough sequences to fill the GPU) read K in 32 KB tiles (128 tokens at
       head_size 128 in 16-bit; 4 warps, 3 stages): two programs per SM with large loads read
@@ -97,7 +103,38 @@ FP8_TILES = DecodeTiles(block_n=64, num_warps=2, num_stages=6)
 """Decode over an fp8 cache (H100, head_size 128, bf16 queries, fp16 dots, V read as pairs):
 64-token tiles, 2 warps, 6 stages, split or not. Unsplit they read 94-96% of copy bandwidth
 from 512 programs on, 96% at 32x64k split in 4; 128/2/3 read 93-96% from 1024 programs and
-0.4-1.3 points less below; the 16-bit rule's 128/4/3 78-94%."""
+0.4-1.3 points less below; the 16-bit rule's 128/4/3 78-94%. Compiled for sm_90 a program
+takes 186 registers a thread and 38.5 KB of shared memory: 4 run at once on an SM."""
+
+FP8_OCCUPANCY = (
+    (FP8_TILES, 4),
+    (DecodeTiles(block_n=64, num_warps=2, num_stages=6, maxnreg=168), 5),
+    (DecodeTiles(block_n=64, num_warps=2, num_stages=4, maxnreg=168), 6),
+    (DecodeTiles(block_n=64, num_warps=2, num_stages=3, maxnreg=128), 8),
+)
+""":data:`FP8_TILES` and the same tiles with fewer registers or stages, each with the
+programs that run at once on an SM (sm_90: 4 with 186 registers a thread and 38.5 KB of
+shared memory; 5 at 168 registers; 6 at 168 registers and 4 stages, 22 KB; 8 at 128
+registers and 3 stages). Registers and stages change how many programs share an SM, never a
+result (the same tiles sum the same products in the same order)."""
 
 
-__all__ = ["DecodeTiles", "default_tiles", "fp8_v_conversion", "FP8_TILES", "MAX_BLOCK_N"]
+def fp8_occupancy_tiles(programs: int, num_sms: int) -> DecodeTiles:
+    """The :data:`FP8_OCCUPANCY` tiles whose last wave of ``programs`` is fullest (the first
+    of equals, so the default where no other does better).
+
+    An fp8 program reads its tiles more slowly than an SM's share of the bandwidth, so an SM
+    that runs out of programs before the others idles its share: on an H100 at 4k tokens
+    with :data:`FP8_TILES` (4 programs an SM, 528 slots), 80 sequences x 8 KV heads (640
+    programs, 1.2 waves) read 78% of copy bandwidth and 96 (768, 1.45 waves) 88%, against
+    94-95% where the programs fill their last wave. 5 an SM (one wave of 640) read 93% and 6
+    (one of 768) 96% (docs/performance-notes.md, "fp8 decode across batch sizes")."""
+    def fill(entry: tuple[DecodeTiles, int]) -> float:
+        slots = entry[1] * num_sms
+        waves = -(-programs // slots)
+        return programs / (waves * slots) if programs > 0 else 0.0
+    return max(FP8_OCCUPANCY, key=fill)[0]
+
+
+__all__ = ["DecodeTiles", "default_tiles", "fp8_occupancy_tiles", "fp8_v_conversion",
+           "FP8_OCCUPANCY", "FP8_TILES", "MAX_BLOCK_N"]

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from ..core.args import cdiv, check_bool, is_int, next_pow2, non_negative_int, positive_int
-from .decode_tiles import FP8_TILES, MAX_BLOCK_N, DecodeTiles, default_tiles
+from .decode_tiles import (FP8_OCCUPANCY, FP8_TILES, MAX_BLOCK_N, DecodeTiles,
+                           default_tiles, fp8_occupancy_tiles)
 from .heuristics import num_splits_heuristic
 from .kv_quant import FP8_DTYPE
 from .variants import check_window
@@ -226,7 +227,8 @@ class DecodePlan:
             + (f", window of {self.window_left + 1} keys" if self.window_left >= 0 else ""),
             f"  kernel:   {self.kernel}",
             f"  tiles:    {g} q heads padded to {self.block_h} rows x {t.block_n} kv tokens x "
-            f"{self.head_size_padded} dims; {t.num_warps} warps, {t.num_stages} stages",
+            f"{self.head_size_padded} dims; {t.num_warps} warps, {t.num_stages} stages"
+            + (f", at most {t.maxnreg} registers a thread" if t.maxnreg is not None else ""),
             f"  programs: {self.programs} = {seqs} x {self.num_kv_heads} kv heads"
             f" x {self.num_splits} split{'s' if self.num_splits != 1 else ''}, on "
             f"{self.wave_slots} slots ({self.num_sms} SMs x {PROGRAMS_PER_SM})"
@@ -261,6 +263,12 @@ class DecodePlan:
                         f"{cdiv(self.heuristic_kv_tiles, self.heuristic_splits)})")
             why += f"; {self.efficiency:.0%} of the last wave"
         lines.append(f"  why:      {why}")
+        occupancy = dict((tiles, n) for tiles, n in FP8_OCCUPANCY).get(self.tiles)
+        if self.fp16_dots and occupancy is not None:
+            lines.append(
+                f"  fp8:      {occupancy} programs an SM (registers and stages chosen so that "
+                f"the last wave is fullest: "
+                f"{wave_efficiency(self.programs, occupancy * self.num_sms):.0%})")
         return "\n".join(lines)
 
 
@@ -289,6 +297,7 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
     units = num_seqs * num_kv_heads
     slots = num_sms * PROGRAMS_PER_SM
     chosen = n_tiles = None
+    tiles_given = tiles is not None
     if num_splits is not None:
         splits, reason = num_splits, "forced"
     else:
@@ -323,6 +332,11 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
                     reason = "fp8 programs"
             if splits > 1:
                 tiles, n_tiles = unsplit, fp8_tiles
+    if (not tiles_given and on_gpu and kv_dtype is not None and kv_dtype.itemsize == 1
+            and dtype in (torch.float16, torch.bfloat16) and head_size == 128):
+        # The fp8 tiles with the registers and stages that fill the last wave best (counted
+        # at head_size 128).
+        tiles = fp8_occupancy_tiles(max(units, 1) * splits, num_sms)
     tiles = tiles or default_tiles(head_size, dtype, on_gpu, splits > 1, block_size=block_size,
                                    kv_dtype=kv_dtype)
     return DecodePlan(num_seqs, num_q_heads, num_kv_heads, head_size, block_size, dtype,

@@ -144,6 +144,7 @@ class PreparedLaunch:
     def __init__(self, jit_fn, grid: tuple[int, ...], args: Sequence, kwargs: dict,
                  descriptor_sources: Sequence[int] = ()) -> None:
         compiled = jit_fn[grid](*args, **kwargs)
+        self.kernel = compiled   # the compiled kernel (its registers, shared memory)
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         num_tensors = _leading_tensors(args)
         self.ready = (compiled is not None and hasattr(compiled, "packed_metadata")

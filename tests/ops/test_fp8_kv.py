@@ -353,13 +353,16 @@ def test_fp8_short_sequences_taken_longest_first(num_seqs, splits, reason):
     """A launch that takes its sequences longest first keeps short fp8 programs whole from
     FP8_ORDERED_UNSPLIT programs a SM, splits them in two between FP8_SPLIT_BELOW and that,
     and below FP8_SPLIT_BELOW splits as unordered launches of long sequences do."""
+    from mini_paged_attn.ops.decode_tiles import fp8_occupancy_tiles
     from mini_paged_attn.ops.explain import (FP8_ORDERED_UNSPLIT, FP8_SPLIT_BELOW, FP8_TILES,
                                              explain_decode, plan_decode)
 
     assert FP8_SPLIT_BELOW * 132 <= 8 * 64 and 8 * 98 < FP8_ORDERED_UNSPLIT * 132 <= 8 * 99
     plan = plan_decode(num_seqs, 16, 8, 128, 2048, 16, torch.bfloat16, 132,
                        kv_dtype=FP8_DTYPE, ordered=True)
-    assert (plan.num_splits, plan.tiles, plan.split_reason) == (splits, FP8_TILES, reason)
+    assert (plan.num_splits, plan.tiles.block_n, plan.split_reason) == (
+        splits, FP8_TILES.block_n, reason)
+    assert plan.tiles == fp8_occupancy_tiles(plan.programs, 132)
     assert plan.ordered
     # The same batch unordered still splits in two.
     assert plan_decode(num_seqs, 16, 8, 128, 2048, 16, torch.bfloat16, 132,
@@ -404,6 +407,46 @@ def test_fp8_launches_with_few_programs_per_sm_split(num_seqs, context, splits):
     forced = plan_decode(num_seqs, 32, 8, 128, context, 16, torch.bfloat16, 132, 1,
                          kv_dtype=FP8_DTYPE)
     assert (forced.num_splits, forced.tiles) == (1, FP8_TILES)
+
+
+@pytest.mark.parametrize("programs, per_sm", [
+    (0, 4), (100, 4), (512, 4),     # one wave: the default's, fullest
+    (640, 5),                       # 1.2 waves of 4 an SM; one full wave of 5
+    (768, 6),                       # 1.45 waves of 4; one of 6
+    (1280, 5),                      # 2.4 waves of 4; 1.9 of 5
+    (2048, 4),                      # 3.9 waves of 4 (and of 8: the first of equals)
+])
+def test_fp8_occupancy_fills_the_last_wave(programs, per_sm):
+    """Among tiles that compute the same result, the fp8 plan takes the registers and stages
+    whose programs fill their last wave best."""
+    from mini_paged_attn.ops.decode_tiles import FP8_OCCUPANCY, FP8_TILES, fp8_occupancy_tiles
+    chosen = fp8_occupancy_tiles(programs, 132)
+    assert dict((tiles, n) for tiles, n in FP8_OCCUPANCY)[chosen] == per_sm
+    assert FP8_OCCUPANCY[0] == (FP8_TILES, 4)
+    assert {(t.block_n, t.num_warps) for t, _ in FP8_OCCUPANCY} == {(64, 2)}
+
+
+def test_fp8_plan_takes_the_occupancy_variant_only_where_measured():
+    """80 sequences x 8 KV heads plan 5 programs an SM (and say so); 16-bit caches, fp32
+    queries, other head sizes and forced tiles keep their tiles."""
+    from mini_paged_attn.ops.explain import FP8_TILES, DecodeTiles, plan_decode
+    args = (80, 32, 8, 128, 4096, 16, torch.bfloat16, 132)
+    plan = plan_decode(*args, kv_dtype=FP8_DTYPE)
+    assert (plan.tiles.maxnreg, plan.num_splits) == (168, 1)
+    assert "5 programs an SM" in str(plan) and "at most 168 registers" in str(plan)
+    assert plan_decode(*args).tiles.maxnreg is None
+    assert plan_decode(*args[:6], torch.float32, 132, kv_dtype=FP8_DTYPE).tiles == FP8_TILES
+    assert plan_decode(80, 32, 8, 64, 4096, 16, torch.bfloat16, 132,
+                       kv_dtype=FP8_DTYPE).tiles == FP8_TILES
+    forced = DecodeTiles(64, 2, 6)
+    assert plan_decode(*args, tiles=forced, kv_dtype=FP8_DTYPE).tiles is forced
+
+
+@pytest.mark.parametrize("maxnreg", [16, 256, 128.0, True])
+def test_decode_tiles_check_maxnreg(maxnreg):
+    from mini_paged_attn.ops.explain import DecodeTiles
+    with pytest.raises(ValueError, match="^maxnreg: expected None or an int in 32..255"):
+        DecodeTiles(64, 2, 6, maxnreg=maxnreg)
 
 
 def test_fp8_v_is_read_as_pairs_only_where_it_can_be():

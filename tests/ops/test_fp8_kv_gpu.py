@@ -85,6 +85,39 @@ def test_decode_longest_first_equals_batch_order(num_splits):
     _assert_decode_close(batch, ks, vs, ordered, ordered_lse)
 
 
+def test_occupancy_variants_give_the_same_bits():
+    """The fp8 tiles with fewer registers or stages (FP8_OCCUPANCY) move how many programs
+    share an SM, never a result; so a sequence decodes to the same bits alone and inside a
+    batch whose size picks another variant (80 sequences x 8 KV heads: 168 registers)."""
+    from mini_paged_attn.ops.checks import check_paged_decode_args
+    from mini_paged_attn.ops.decode import triton_paged_decode
+    from mini_paged_attn.ops.decode_tiles import FP8_OCCUPANCY, FP8_TILES, fp8_occupancy_tiles
+
+    lens = [(37 * i) % 1500 + 1 for i in range(80)]
+    batch, ks, vs = _decode_batch(lens, seed=17)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if sms == 132:      # H100 / H200: the batch plans another variant than a sequence alone
+        assert fp8_occupancy_tiles(80 * 8, sms) != fp8_occupancy_tiles(8, sms) == FP8_TILES
+    args = batch.decode_args
+    outs = []
+    for tiles, _ in FP8_OCCUPANCY:
+        out = torch.full_like(batch.query, float("nan"))
+        lse = torch.full(batch.query.shape[:2], float("nan"), device=DEVICE)
+        shapes = check_paged_decode_args(*args, None, out)
+        triton_paged_decode(*args, shapes, out=out, lse=lse, num_splits=1, tiles=tiles,
+                            k_scale=ks, v_scale=vs)
+        outs.append((out, lse))
+    for out, lse in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+    _assert_decode_close(batch, ks, vs, *outs[0])
+    batched, _ = _decode(batch, ks, vs, num_splits=1)
+    q, kc, vc, bt, cl = args
+    for i in (0, 41, 79):
+        alone = paged_decode(q[i:i + 1], kc, vc, bt[i:i + 1], cl[i:i + 1], num_splits=1,
+                             k_scale=ks, v_scale=vs)
+        assert torch.equal(alone, batched[i:i + 1])
+
+
 @pytest.mark.parametrize("block_size, hq, hkv", [(1, 32, 8), (32, 32, 32), (64, 32, 1),
                                                  (24, 40, 8)])
 def test_decode_block_sizes_and_groups(block_size, hq, hkv):
