@@ -58,15 +58,19 @@ FlashAttention counts (two thread blocks per SM). Our unsplit programs at head_s
 the heuristic's choices were tuned (measured) with this count."""
 
 FP8_PROGRAMS_PER_SM = 8
-"""Programs per SM an fp8 launch with :data:`~.decode_tiles.FP8_TILES` needs to read HBM at
-full speed (H100: 93-95% of copy bandwidth from 1024 programs on, 63% at 256). A launch with
-enough programs for the 16-bit rule but fewer than :data:`FP8_SPLIT_BELOW` per SM splits to
-about this many (keeping those tiles); smaller batches split as 16-bit ones do."""
+"""Programs per SM that a launch of short sequences over an fp8 cache, taken longest first,
+splits toward when it has enough programs for the 16-bit rule but fewer than
+:data:`FP8_SPLIT_BELOW` per SM (keeping the unsplit tiles); smaller batches split as 16-bit
+ones do."""
 
 FP8_SPLIT_BELOW = 3.2
-"""Programs per SM under which an fp8 launch that the 16-bit rule leaves unsplit splits
-anyway: 32x64k (256 programs, 1.9 a SM) in 4 splits read 94% against 63% unsplit; 64x4k (512,
-3.9 a SM) unsplit 91%, in 2 splits 86%."""
+"""Programs per SM under which a launch of short sequences (:data:`FP8_SHORT_TILES`) over an
+fp8 cache, taken longest first, splits toward :data:`FP8_PROGRAMS_PER_SM` (see
+:data:`FP8_ORDERED_UNSPLIT`). Longer sequences stay unsplit wherever the 16-bit rule leaves
+them so: with the fp8 tiles of :data:`~.decode_tiles.FP8_TILES` (V read as pairs), H100, %
+of copy bandwidth unsplit against the split toward 8 a SM that this rule once made for them
+too: 30 / 32 / 48 x 4k 87.1 / 90.1 / 92.3 against 81.8 / 82.7 / 83.0, 50 x 8k 95.8 against
+87.2, 27 / 32 x 64k 93.1 / 97.0 against 88.3 / 96.2; 40 x 16k 91.0 against 92.5."""
 
 FP8_SHORT_TILES = 32
 """An fp8 launch with enough programs for the 16-bit rule (which leaves it unsplit) splits in
@@ -239,9 +243,9 @@ class DecodePlan:
         if self.split_reason == "forced":
             why = f"num_splits={self.num_splits} was forced"
         elif self.split_reason == "fp8 programs":
-            why = (f"{self.units} programs over an fp8 cache are under {FP8_SPLIT_BELOW} per "
-                   f"SM: split toward {FP8_PROGRAMS_PER_SM} per SM, what its tiles need to "
-                   "read at full speed")
+            why = (f"{self.units} programs of short sequences over an fp8 cache, taken "
+                   f"longest first, are under {FP8_SPLIT_BELOW} per SM: split toward "
+                   f"{FP8_PROGRAMS_PER_SM} per SM")
         elif self.split_reason == "fp8 short":
             why = (f"over an fp8 cache, sequences of at most {FP8_SHORT_TILES} tiles "
                    f"({self.max_context_len} tokens) split in 2 (shorter programs even out "
@@ -313,8 +317,9 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
             splits = balance_splits(splits, max(units, 1), slots, n_tiles, cap)
         elif (reason == "enough programs" and kv_dtype is not None and kv_dtype.itemsize == 1
               and on_gpu and tiles is None):
-            # fp8 tiles need more programs than 16-bit ones to read at full speed, and short
-            # programs split evenly. Either split keeps the unsplit launch's tiles.
+            # Short fp8 programs start and end unevenly: split them in two, or (taken
+            # longest first, few a SM) toward FP8_PROGRAMS_PER_SM. Either split keeps the
+            # unsplit launch's tiles.
             unsplit = default_tiles(head_size, dtype, on_gpu, False, block_size=block_size,
                                     kv_dtype=kv_dtype)
             fp8_tiles = max(1, window_kv_tiles(max_context_len, unsplit.block_n, window_left))
@@ -325,7 +330,7 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
                                    < FP8_ORDERED_UNSPLIT * num_sms)
             if short:
                 chosen, splits, reason = 2, 2, "fp8 short"
-            elif units < FP8_SPLIT_BELOW * num_sms:
+            elif units < FP8_SPLIT_BELOW * num_sms and fp8_tiles <= FP8_SHORT_TILES:
                 chosen = splits = min(fp8_tiles, cap,
                                       max(1, round(FP8_PROGRAMS_PER_SM * num_sms / units)))
                 if splits > 1:

@@ -81,8 +81,7 @@ def test_16_bit_caches_of_enough_sequences_capture_the_full_table_only(tiny_mode
 def test_fp8_graphs_over_narrow_tables_decode_like_eager_steps(tiny_model_factory):
     """Greedy decode replaying the narrow-table graphs gives the eager engine's tokens. 64
     sequences (512 programs, 3.9 a SM) taken longest first: short ones split in two, long ones
-    not, so the bucket has a 2k table of its own (at 32, under FP8_SPLIT_BELOW a SM, every
-    width splits alike)."""
+    not, so the bucket has a 2k table of its own."""
     model_dir = tiny_model_factory("llama", **HEADS)
     prompts = [[(7 * i + j) % 250 + 1 for j in range(5 + 3 * i)] for i in range(64)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -352,7 +352,7 @@ def test_fp8_launches_of_short_sequences_split_in_two(num_seqs, context, splits,
 def test_fp8_short_sequences_taken_longest_first(num_seqs, splits, reason):
     """A launch that takes its sequences longest first keeps short fp8 programs whole from
     FP8_ORDERED_UNSPLIT programs a SM, splits them in two between FP8_SPLIT_BELOW and that,
-    and below FP8_SPLIT_BELOW splits as unordered launches of long sequences do."""
+    and below FP8_SPLIT_BELOW splits toward FP8_PROGRAMS_PER_SM."""
     from mini_paged_attn.ops.decode_tiles import fp8_occupancy_tiles
     from mini_paged_attn.ops.explain import (FP8_ORDERED_UNSPLIT, FP8_SPLIT_BELOW, FP8_TILES,
                                              explain_decode, plan_decode)
@@ -385,28 +385,29 @@ def test_explain_decode_checks_ordered():
         explain_decode(8, 16, 8, 128, 2048, ordered=1)
 
 
-@pytest.mark.parametrize("num_seqs, context, splits", [
-    (32, 65536, 4),     # 256 programs: split toward 8 a SM
-    (30, 4096, 4),
-    (64, 4096, 1),      # 512: enough
-    (27, 64, 1),        # 216, but one tile each: nothing to split
-    (256, 4096, 1),
+@pytest.mark.parametrize("num_seqs, context, ordered, splits", [
+    (32, 65536, False, 1),    # 256 programs, 1.9 a SM: long sequences stay whole
+    (30, 4096, True, 1),
+    (48, 4096, False, 1),
+    (27, 64, False, 1),       # 216, one tile each: nothing to split
+    (32, 2048, True, 4),      # short ones, longest first: toward 8 a SM
 ])
-def test_fp8_launches_with_few_programs_per_sm_split(num_seqs, context, splits):
-    """fp8 tiles need about 8 programs a SM: launches the 16-bit rule leaves unsplit with fewer
-    than 3.2 a SM split toward that, with the unsplit tiles; a forced num_splits=1 keeps the
-    same tiles whatever the batch."""
-    from mini_paged_attn.ops.explain import FP8_TILES, plan_decode
+def test_fp8_launches_with_few_programs_per_sm(num_seqs, context, ordered, splits):
+    """Below FP8_SPLIT_BELOW programs a SM, only short sequences taken longest first split
+    (toward FP8_PROGRAMS_PER_SM); longer ones stay whole where the 16-bit rule leaves them
+    so. A forced num_splits=1 keeps the 64-token tiles."""
+    from mini_paged_attn.ops.explain import FP8_SPLIT_BELOW, FP8_TILES, plan_decode
 
+    assert num_seqs * 8 < FP8_SPLIT_BELOW * 132
     plan = plan_decode(num_seqs, 32, 8, 128, context, 16, torch.bfloat16, 132,
-                       kv_dtype=FP8_DTYPE)
-    assert (plan.num_splits, plan.tiles) == (splits, FP8_TILES)
+                       kv_dtype=FP8_DTYPE, ordered=ordered)
+    assert (plan.num_splits, plan.tiles.block_n) == (splits, FP8_TILES.block_n)
     assert (plan.split_reason == "fp8 programs") == (splits > 1)
     if splits > 1:
-        assert "fp8 cache are under" in str(plan)
+        assert "taken longest first, are under" in str(plan)
     forced = plan_decode(num_seqs, 32, 8, 128, context, 16, torch.bfloat16, 132, 1,
                          kv_dtype=FP8_DTYPE)
-    assert (forced.num_splits, forced.tiles) == (1, FP8_TILES)
+    assert (forced.num_splits, forced.tiles.block_n) == (1, FP8_TILES.block_n)
 
 
 @pytest.mark.parametrize("programs, per_sm", [
