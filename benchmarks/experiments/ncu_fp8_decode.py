@@ -9,7 +9,7 @@ waves and DRAM throughput (rows in ``experiments/results/ncu_fp8_decode_h100.txt
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
 
@@ -35,4 +35,7 @@ def main(shapes: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["64x4096", "96x4096", "256x4096"])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("shapes", nargs="*", default=["64x4096", "96x4096", "256x4096"],
+                        metavar="BxC", help="batch x context (default: %(default)s)")
+    main(parser.parse_args().shapes)
