@@ -105,15 +105,18 @@ def main() -> None:
                              "default all")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="BxC[/S]",
                         help="batch x context [/ forced splits]; default the bench_fp8 set")
-    parser.add_argument("--fp8-tiles", default=None, metavar="N/W/S",
-                        help="plan unsplit fp8 launches with these tiles instead of FP8_TILES")
+    parser.add_argument("--fp8-tiles", default=None, metavar="N/W/S[/R]",
+                        help="plan fp8 launches with these tiles instead of FP8_TILES and "
+                             "its occupancy variants")
     args = parser.parse_args()
     if args.shapes:
         SHAPES[:] = [(int(b), int(c.split("/")[0]),
                       int(c.split("/")[1]) if "/" in c else None)
                      for b, c in (shape.split("x") for shape in args.shapes)]
     if args.fp8_tiles:
-        decode_tiles.FP8_TILES = DecodeTiles(*(int(v) for v in args.fp8_tiles.split("/")))
+        # The plan's fp8 tiles, and its only occupancy choice.
+        tiles = DecodeTiles(*(int(v) for v in args.fp8_tiles.split("/")))
+        decode_tiles.FP8_TILES, decode_tiles.FP8_OCCUPANCY = tiles, ((tiles, 4),)
         plan_decode.cache_clear()
     tile_list = TILES if args.tiles is None else tuple(
         None if t == "planned" else tuple(int(v) for v in t.split("/")) for t in args.tiles)

@@ -7,12 +7,13 @@ measurements (docs/performance-notes.md, "The kernel's tiles").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..core.args import is_int, next_pow2
 from .checks import check_launch_config
+from .heuristics import wave_efficiency
 
 MAX_BLOCK_N = 256
 """The longest KV tile a planned launch uses (the longest measured: head_size 64, 16-bit)."""
@@ -108,9 +109,9 @@ takes 186 registers a thread and 38.5 KB of shared memory: 4 run at once on an S
 
 FP8_OCCUPANCY = (
     (FP8_TILES, 4),
-    (DecodeTiles(block_n=64, num_warps=2, num_stages=6, maxnreg=168), 5),
-    (DecodeTiles(block_n=64, num_warps=2, num_stages=4, maxnreg=168), 6),
-    (DecodeTiles(block_n=64, num_warps=2, num_stages=3, maxnreg=128), 8),
+    (replace(FP8_TILES, maxnreg=168), 5),
+    (replace(FP8_TILES, num_stages=4, maxnreg=168), 6),
+    (replace(FP8_TILES, num_stages=3, maxnreg=128), 8),
 )
 """:data:`FP8_TILES` and the same tiles with fewer registers or stages, each with the
 programs that run at once on an SM (sm_90: 4 with 186 registers a thread and 38.5 KB of
@@ -129,11 +130,9 @@ def fp8_occupancy_tiles(programs: int, num_sms: int) -> DecodeTiles:
     programs, 1.2 waves) read 78% of copy bandwidth and 96 (768, 1.45 waves) 88%, against
     94-95% where the programs fill their last wave. 5 an SM (one wave of 640) read 93% and 6
     (one of 768) 96% (docs/performance-notes.md, "fp8 decode across batch sizes")."""
-    def fill(entry: tuple[DecodeTiles, int]) -> float:
-        slots = entry[1] * num_sms
-        waves = -(-programs // slots)
-        return programs / (waves * slots) if programs > 0 else 0.0
-    return max(FP8_OCCUPANCY, key=fill)[0]
+    tiles, _ = max(FP8_OCCUPANCY, key=lambda entry: wave_efficiency(programs,
+                                                                    entry[1] * num_sms))
+    return tiles
 
 
 __all__ = ["DecodeTiles", "default_tiles", "fp8_occupancy_tiles", "fp8_v_conversion",

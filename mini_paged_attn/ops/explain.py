@@ -26,7 +26,6 @@ The tiles themselves (:class:`~.decode_tiles.DecodeTiles`, chosen by
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +33,7 @@ import torch
 from ..core.args import cdiv, check_bool, is_int, next_pow2, non_negative_int, positive_int
 from .decode_tiles import (FP8_OCCUPANCY, FP8_TILES, MAX_BLOCK_N, DecodeTiles,
                            default_tiles, fp8_occupancy_tiles)
-from .heuristics import num_splits_heuristic
+from .heuristics import num_splits_heuristic, wave_efficiency
 from .kv_quant import FP8_DTYPE
 from .variants import check_window
 
@@ -126,12 +125,6 @@ def balance_splits(splits: int, units: int, wave_slots: int, num_tiles: int,
     shortest = min(cdiv(num_tiles, s) for s in candidates)
     return next(s for s in candidates
                 if cdiv(num_tiles, s) <= shortest * (1 + BALANCE_TOLERANCE))
-
-
-def wave_efficiency(programs: int, wave_slots: int) -> float:
-    """Fraction of the last wave's slots that do work: ``w / ceil(w)``, ``w = programs/slots``."""
-    waves = programs / wave_slots
-    return waves / math.ceil(waves) if programs > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -267,7 +260,7 @@ class DecodePlan:
                         f"{cdiv(self.heuristic_kv_tiles, self.heuristic_splits)})")
             why += f"; {self.efficiency:.0%} of the last wave"
         lines.append(f"  why:      {why}")
-        occupancy = dict((tiles, n) for tiles, n in FP8_OCCUPANCY).get(self.tiles)
+        occupancy = dict(FP8_OCCUPANCY).get(self.tiles)
         if self.fp16_dots and occupancy is not None:
             lines.append(
                 f"  fp8:      {occupancy} programs an SM (registers and stages chosen so that "

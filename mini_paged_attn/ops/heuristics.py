@@ -35,6 +35,12 @@ def _c_int(name: str, value: object) -> int:
     return v
 
 
+def wave_efficiency(programs: int, wave_slots: int) -> float:
+    """Fraction of the last wave's slots that do work: ``w / ceil(w)``, ``w = programs/slots``."""
+    waves = programs / wave_slots
+    return waves / math.ceil(waves) if programs > 0 else 0.0
+
+
 def num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: int,
                          max_splits: int) -> int:
     """FlashAttention's ``num_splits_heuristic``: the number of KV splits for a decode launch.

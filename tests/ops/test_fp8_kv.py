@@ -422,7 +422,7 @@ def test_fp8_occupancy_fills_the_last_wave(programs, per_sm):
     whose programs fill their last wave best."""
     from mini_paged_attn.ops.decode_tiles import FP8_OCCUPANCY, FP8_TILES, fp8_occupancy_tiles
     chosen = fp8_occupancy_tiles(programs, 132)
-    assert dict((tiles, n) for tiles, n in FP8_OCCUPANCY)[chosen] == per_sm
+    assert dict(FP8_OCCUPANCY)[chosen] == per_sm
     assert FP8_OCCUPANCY[0] == (FP8_TILES, 4)
     assert {(t.block_n, t.num_warps) for t, _ in FP8_OCCUPANCY} == {(64, 2)}
 
