@@ -46,7 +46,7 @@ def compile_split_kernel(fused: bool, group: int, head: int, splits: int,
         BLOCK_SIZE=16, SPLIT_KV=True, WRITE_LSE=True, DOT_PRECISION="tf32", K_SCALED=fp8,
         V_SCALED=fp8, FP16_DOTS=fp8, FP8_V=fp8_v_conversion(head, padded, True) if fp8 else "cast",
         WINDOW=False,
-        SOFTCAP=False, HAS_SINKS=False, ORDERED=False,
+        SOFTCAP=False, HAS_SINKS=False, ORDERED=False, PDL=True,
         FUSED_MERGE=fused, MERGE_ROWS=merge_rows(group),
         MERGE_CHUNK=merge_chunk(group, padded, splits, tiles.num_warps))
     pointers = dict(key_cache_ptr="*" + kv_dtype, value_cache_ptr="*" + kv_dtype,

@@ -37,6 +37,7 @@ from .decode_tiles import fp8_v_conversion
 from .explain import MAX_SPLITS, DecodePlan, DecodeTiles, num_sms_of, plan_decode
 from .kv_quant import scale_pointers, scale_stride
 from .launch import ALIGNMENT, PreparedLaunch, StreamScratch
+from .pdl import pdl_options
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +215,7 @@ def triton_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
                     value_cache.data_ptr() % ALIGNMENT == 0
                     and all(s % 2 == 0 for s in value_cache.stride()[:3]))
                 if plan.fp16_dots else "cast",
-                ORDERED=seq_order is not None)
+                ORDERED=seq_order is not None, **pdl_options(device))
     # Unused values still pass as arguments: the launch's argument list never changes shape.
     variant_args = (max(window_size[0], 0), softcap * LOG2E if softcap > 0 else 1.0)
     sinks_arg = sinks if sinks is not None else query  # never read without HAS_SINKS

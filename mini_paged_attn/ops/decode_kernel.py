@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from .decode_merge import merge_group_splits
+from .pdl import wait_for_previous
 
 
 @triton.jit
@@ -93,7 +94,7 @@ def _paged_decode_kernel(
     K_SCALED: tl.constexpr, V_SCALED: tl.constexpr, FP16_DOTS: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-    FP8_V: tl.constexpr, ORDERED: tl.constexpr,
+    FP8_V: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(num_kv_heads, num_splits, num_seqs)``: the KV heads of one sequence run side by
     side, so the token rows of a block (all heads' K and V) are read at about the same time.
@@ -120,7 +121,9 @@ def _paged_decode_kernel(
     the partials into ``merged_out`` (the query's dtype, strides ``stride_mo_*``) and, with
     WRITE_LSE, ``merged_lse``; ``counters`` is int32 ``[num_seqs, num_kv_heads]``, zero
     before the launch and after it. Without FUSED_MERGE these three pointers are never read.
+    PDL: launched as a programmatic dependent launch (see :mod:`.pdl`).
     """
+    wait_for_previous(PDL)
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2)

@@ -6,7 +6,8 @@ Every kernel reproduces the rounding of the torch reference in :mod:`.fused` (st
 float32; where the reference rounds an intermediate to the model dtype, the kernel rounds it
 too), so results agree to the last bit up to the order of the float32 sum and the hardware's
 rsqrt/exp. Arguments are validated by the public functions in :mod:`.fused`; launches read
-nothing on the host (CUDA-graph capturable).
+nothing on the host (CUDA-graph capturable). Each kernel's ``PDL`` makes it a programmatic
+dependent launch on sm_90+ (see :mod:`.pdl`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .fused import KVWrite
 from .kv_quant import is_fp8, scale_pointers, scale_stride
 from .kv_write import store_kv_rows
 from .launch import launch
+from .pdl import wait_for_previous
 
 
 def _num_warps(block: int) -> int:
@@ -30,10 +32,11 @@ def _num_warps(block: int) -> int:
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, heads,
     stride_x_token, stride_x_head, stride_res, stride_res_out, eps,
-    DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(rows,)``; row ``i`` is head ``i % heads`` of token ``i // heads``. The output is
     contiguous ``[rows, DIM]``; with a residual, ``heads == 1``."""
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     token = row // heads
     head = row % heads
@@ -124,11 +127,12 @@ def _rotary_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     HEADS_PADDED: tl.constexpr, HALF_PADDED: tl.constexpr, NORM: tl.constexpr,
     STORE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANTIZE: tl.constexpr,
-    K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
+    K_SCALED: tl.constexpr, V_SCALED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(num_tokens,)``: one program (norms and) rotates every q and k head of its
     token. With ``STORE_KV`` it also writes the rotated k and the token's v into the paged
     caches at its slot, as ``store_kv`` would (QUANTIZE / K_SCALED / V_SCALED: see there)."""
+    wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF_PADDED)
@@ -208,8 +212,9 @@ def triton_apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out,
-                         INTER: tl.constexpr, BLOCK: tl.constexpr):
+                         INTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Grid ``(n, cdiv(INTER, BLOCK))``: ``out[i, j] = silu(x[i, j]) * x[i, INTER + j]``."""
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER

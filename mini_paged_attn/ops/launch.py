@@ -30,6 +30,8 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from .pdl import pdl_options
+
 logger = logging.getLogger(__name__)
 
 ALIGNMENT = 16
@@ -338,11 +340,13 @@ def launch(jit_fn, grid: tuple[int, ...], args: Sequence, kwargs: dict) -> None:
     earlier launch at this call had the same grid, tensor dtypes and devices and non-tensor
     arguments (tensors first in ``args``; a kernel's launch sites pass the same kinds of
     values each time). The key is built from the arguments alone, so ops with few checks
-    (the fused layers) need no key of their own."""
+    (the fused layers) need no key of their own. A kernel declaring a ``PDL`` constexpr gets
+    it and ``launch_pdl`` from :func:`~.pdl.pdl_options` for the first tensor's device (part
+    of the key), so its repeats pay nothing for them."""
     num_tensors = _leading_tensors(args)
     tensors = args[:num_tensors]
     if not tensors or not tensors[0].is_cuda:     # the interpreter: nothing to reuse
-        jit_fn[grid](*args, **kwargs)
+        jit_fn[grid](*args, **_with_pdl(jit_fn, tensors, kwargs))
         return
     key = [jit_fn, grid, tuple(args[num_tensors:]), tuple(kwargs.items())]
     for t in tensors:
@@ -351,7 +355,14 @@ def launch(jit_fn, grid: tuple[int, ...], args: Sequence, kwargs: dict) -> None:
     prepared = _LAUNCHES.get(key)
     if prepared is not None and prepared(tensors):
         return
-    _LAUNCHES.put(key, PreparedLaunch(jit_fn, grid, args, kwargs))
+    _LAUNCHES.put(key, PreparedLaunch(jit_fn, grid, args, _with_pdl(jit_fn, tensors, kwargs)))
+
+
+def _with_pdl(jit_fn, tensors: Sequence[torch.Tensor], kwargs: dict) -> dict:
+    if "PDL" not in getattr(jit_fn, "arg_names", ()):
+        return kwargs
+    device = tensors[0].device if tensors else torch.device("cpu")
+    return {**kwargs, **pdl_options(device)}
 
 
 __all__ = ["ALIGNMENT", "LaunchCache", "PreparedLaunch", "StreamScratch", "launch"]

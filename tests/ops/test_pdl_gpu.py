@@ -1,0 +1,120 @@
+"""Programmatic dependent launches on a GPU: a chain of the library's kernels and cuBLAS
+GEMMs, each reading what the one before it wrote, gives the same bits launched as dependents
+(sm_90+) as launched plainly, eagerly and replayed from a CUDA graph.
+
+Run: ``pytest -m gpu tests/ops/test_pdl_gpu.py`` on a CUDA machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mini_paged_attn.ops import dispatch, launch, pdl
+from mini_paged_attn.ops.dispatch import paged_decode
+from mini_paged_attn.ops.fused import KVWrite, apply_rotary, rms_norm, silu_and_mul
+
+pytestmark = pytest.mark.gpu
+
+HIDDEN, Q_HEADS, KV_HEADS, HEAD, INTER, BLOCK = 256, 8, 2, 64, 512, 16
+
+
+def _layers(seed: int, num_layers: int = 6):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def weight(*shape):
+        return (torch.randn(*shape, device="cuda", generator=gen) / shape[-1] ** 0.5).bfloat16()
+    qkv = (Q_HEADS + 2 * KV_HEADS) * HEAD
+    return [dict(norm=1 + weight(HIDDEN) / 8, qkv=weight(qkv, HIDDEN),
+                 o=weight(HIDDEN, Q_HEADS * HEAD), gate_up=weight(2 * INTER, HIDDEN),
+                 down=weight(HIDDEN, INTER)) for _ in range(num_layers)]
+
+
+def _step(x, layers, caches, positions, cos_sin, slots, tables, lens):
+    """A decoder step: per layer RMSNorm, GEMM, rotary writing the new K/V, paged decode over
+    them, GEMM, RMSNorm with the residual, GEMM, SiLU-and-mul, GEMM."""
+    residual = None
+    n = x.shape[0]
+    for layer, (key_cache, value_cache) in zip(layers, caches):
+        if residual is None:
+            x, residual = rms_norm(x, layer["norm"], 1e-6), x
+        else:
+            x, residual = rms_norm(x, layer["norm"], 1e-6, residual=residual)
+        q, k, v = (x @ layer["qkv"].T).split(
+            [Q_HEADS * HEAD, KV_HEADS * HEAD, KV_HEADS * HEAD], dim=-1)
+        q, _ = apply_rotary(q.view(n, Q_HEADS, HEAD), k.view(n, KV_HEADS, HEAD), positions,
+                            cos_sin, store=KVWrite(v.view(n, KV_HEADS, HEAD), key_cache,
+                                                   value_cache, slots))
+        attn = paged_decode(q, key_cache, value_cache, tables, lens)
+        x = attn.view(n, -1) @ layer["o"].T
+        x, residual = rms_norm(x, layer["norm"], 1e-6, residual=residual)
+        x = silu_and_mul(x @ layer["gate_up"].T) @ layer["down"].T
+    return x + residual
+
+
+def _run(seed: int, graph: bool):
+    """The step's output and the caches it wrote, over fresh inputs of ``seed``."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lens_list = [1, BLOCK - 1, BLOCK, BLOCK + 1, 300, 999, 64, 2]
+    n = len(lens_list)
+    blocks = sum(-(-length // BLOCK) for length in lens_list)
+    layers = _layers(seed)
+    caches = [tuple(torch.randn(blocks, BLOCK, KV_HEADS, HEAD, device="cuda", generator=gen)
+                    .bfloat16() for _ in range(2)) for _ in layers]
+    order = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32)
+    width = max(-(-length // BLOCK) for length in lens_list)
+    tables = torch.zeros(n, width, dtype=torch.int32, device="cuda")
+    start = 0
+    for i, length in enumerate(lens_list):
+        used = -(-length // BLOCK)
+        tables[i, :used] = order[start:start + used]
+        start += used
+    lens = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
+    positions = (lens - 1).long()
+    slots = (tables.gather(1, (positions // BLOCK)[:, None])[:, 0].long() * BLOCK
+             + positions % BLOCK)
+    angles = torch.arange(1024, device="cuda")[:, None] * torch.rand(
+        HEAD // 2, device="cuda", generator=gen)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).bfloat16()
+    x = torch.randn(n, HIDDEN, device="cuda", generator=gen).bfloat16()
+    args = (x, layers, caches, positions, cos_sin, slots, tables, lens)
+    if not graph:
+        return _step(*args), caches
+    _step(*args)                   # compiles and prepares every launch outside the capture
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        out = _step(*args)
+    for _ in range(3):             # each replay rewrites the same slots with the same values
+        cuda_graph.replay()
+    torch.cuda.synchronize()
+    return out.clone(), caches
+
+
+def _plain(monkeypatch):
+    monkeypatch.setattr(pdl, "pdl_supported", lambda device_index: False)
+    launch._LAUNCHES.clear()
+    dispatch._DECODE_RUNS.clear()
+
+
+def test_dependent_launches_are_on_from_sm90():
+    capable = torch.cuda.get_device_capability()[0] >= 9
+    assert pdl.pdl_options(torch.device("cuda")) == {"PDL": capable, "launch_pdl": capable}
+    launch._LAUNCHES.clear()
+    x = torch.randn(4, HIDDEN, device="cuda").bfloat16()
+    rms_norm(x, torch.ones(HIDDEN, device="cuda").bfloat16(), 1e-6)
+    kernels = [entry.kernel for entry in launch._LAUNCHES._entries.values()]
+    assert [k.metadata.launch_pdl for k in kernels] == [capable]
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_dependent_chain_gives_the_bits_of_plain_launches(monkeypatch, graph):
+    dependent, dependent_caches = _run(seed=7, graph=graph)
+    with monkeypatch.context() as patch:
+        _plain(patch)
+        plain, plain_caches = _run(seed=7, graph=graph)
+    launch._LAUNCHES.clear()
+    dispatch._DECODE_RUNS.clear()
+    assert torch.isfinite(plain.float()).all()
+    assert torch.equal(dependent, plain)
+    for (k1, v1), (k2, v2) in zip(dependent_caches, plain_caches):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
