@@ -123,10 +123,23 @@ def unordered_decode(stack: ExitStack, llm) -> None:
         graphs.capture()
 
 
+def plain_launches(stack: ExitStack, llm) -> None:
+    """The library's kernels launched plainly instead of as programmatic dependent launches
+    (the launch caches emptied, the decode graphs planned and captured again)."""
+    from mini_paged_attn.ops import launch, pdl
+
+    def relaunch():
+        launch._LAUNCHES.clear()
+        _replan(llm)
+    stack.callback(relaunch)
+    stack.enter_context(patched(pdl, "pdl_supported", lambda device_index: False))
+    relaunch()
+
+
 VARIANTS = {"current": lambda stack, llm: None, "eager_sampling": eager_sampling,
             "float32_logits": float32_logits, "store_kv_launch": store_kv_launch,
             "fp8_short_unsplit": fp8_short_unsplit, "fp8_unordered_plan": fp8_unordered_plan,
-            "unordered_decode": unordered_decode}
+            "unordered_decode": unordered_decode, "plain_launches": plain_launches}
 
 
 def main() -> None:
@@ -145,6 +158,10 @@ def main() -> None:
                          enable_prefix_caching=False)
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
         timed_generate(llm, prompts, params)                                     # warm-up
+        for name in args.variants:    # each variant's own kernels compiled before timing
+            with ExitStack() as stack:
+                VARIANTS[name](stack, llm)
+                timed_generate(llm, prompts[:32], params[:32])
         for _ in range(args.rounds):
             for name in args.variants:
                 with ExitStack() as stack:
