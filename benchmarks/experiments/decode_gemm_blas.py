@@ -1,0 +1,84 @@
+"""Qwen3-0.6B's projections at decode sizes through torch's two BLAS routes (GPU):
+``torch.backends.cuda.preferred_blas_library`` "cublas" against "cublaslt", each timed as a
+CUDA graph of 28 calls over 28 weights (so L2 holds none of them), and the kernels one call
+launches (split-K adds a reduction kernel).
+
+    python -m benchmarks.experiments.decode_gemm_blas [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.common import environment, start_gpu_run
+
+PROJ = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
+ROWS = (1, 16, 64, 128, 256)
+LIBRARIES = ("cublas", "cublaslt")
+
+
+def graph_us(n: int, k: int, rows: int) -> float:
+    """Median us per call of a replayed graph of 28 ``F.linear`` over 28 ``[n, k]`` weights."""
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(28)]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):            # warm-up off the capture stream
+        for w in weights:
+            F.linear(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            F.linear(x, w)
+    times = []
+    for _ in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / 28)
+    return sorted(times[5:])[len(times[5:]) // 2]
+
+
+def kernels(n: int, k: int, rows: int) -> list[str]:
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    F.linear(x, w)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        F.linear(x, w)
+        torch.cuda.synchronize()
+    return [e.name[:48] for e in prof.events() if e.device_type.name == "CUDA"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench_out"))
+    ceilings = start_gpu_run(parser.parse_args().out, "benchmarks.experiments.decode_gemm_blas")
+    before = torch.backends.cuda.preferred_blas_library()
+    print(f"{environment()['device']}; copy {ceilings.copy_gbps:.0f} GB/s; us per call")
+    print(f"{'proj':8} {'rows':>4} {'floor':>6} " + " ".join(f"{lib:>9}" for lib in LIBRARIES)
+          + "  kernels (cublas)")
+    try:
+        for name, (n, k) in PROJ.items():
+            for rows in ROWS:
+                cells = []
+                for lib in LIBRARIES:
+                    torch.backends.cuda.preferred_blas_library(lib)
+                    cells.append(graph_us(n, k, rows))
+                torch.backends.cuda.preferred_blas_library("cublas")
+                floor = n * k * 2 / ceilings.copy_gbps / 1e3
+                print(f"{name:8} {rows:4d} {floor:6.2f} " + " ".join(f"{c:9.2f}" for c in cells)
+                      + "  " + ", ".join(kernels(n, k, rows)), flush=True)
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+if __name__ == "__main__":
+    main()
