@@ -30,8 +30,6 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from .pdl import pdl_options
-
 logger = logging.getLogger(__name__)
 
 ALIGNMENT = 16
@@ -359,8 +357,12 @@ def launch(jit_fn, grid: tuple[int, ...], args: Sequence, kwargs: dict) -> None:
 
 
 def _with_pdl(jit_fn, tensors: Sequence[torch.Tensor], kwargs: dict) -> dict:
+    """``kwargs`` plus ``PDL`` and ``launch_pdl`` (:func:`~.pdl.pdl_options` for the first
+    tensor's device) when ``jit_fn`` declares a ``PDL`` argument; else ``kwargs`` itself."""
     if "PDL" not in getattr(jit_fn, "arg_names", ()):
         return kwargs
+    # Here, not at the top: importing this module must not need Triton (an optional extra).
+    from .pdl import pdl_options
     device = tensors[0].device if tensors else torch.device("cpu")
     return {**kwargs, **pdl_options(device)}
 

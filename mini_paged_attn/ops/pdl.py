@@ -6,8 +6,9 @@ A decode step is ~250 short kernels, and between two plain launches the GPU drai
 kernel before it starts the next one's programs, under CUDA graphs too. Launched as
 dependents, the library's kernels of a decode step (RMSNorm, rotary, SiLU-and-mul, paged
 decode) overlap their start with the end of the kernel before them. cuBLAS launches its GEMMs
-plainly, so most boundaries gain little: workload (a) of ``bench_engine`` ran 0.2-0.4% faster
-on an H100 and 1-4% on an H200 (docs/performance-notes.md, "Programmatic dependent launch").
+plainly, so most boundaries gain little: workload (a) of ``bench_engine`` ran 0.3% faster on
+an H100 and 1.2% (bf16 cache) / 2.5% (fp8) on an H200, on average over alternated runs
+(docs/performance-notes.md, "Programmatic dependent launch").
 
 A kernel taking part declares ``PDL: tl.constexpr`` and calls :func:`wait_for_previous`
 first, before any load or store; it is launched with ``PDL`` and ``launch_pdl`` set from
@@ -23,7 +24,13 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAS_GRID_DEPENDENCY_CONTROL = True
+except ImportError:   # Triton before 3.3: no griddepcontrol, every launch stays plain
+    gdc_launch_dependents = gdc_wait = None
+    HAS_GRID_DEPENDENCY_CONTROL = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,7 +41,11 @@ def pdl_supported(device_index: int) -> bool:
 
 def pdl_options(device: torch.device) -> dict:
     """A launch's ``PDL`` constexpr and ``launch_pdl`` option on ``device``: both True on a
-    CUDA device of sm_90 or later, else False (CPU and the interpreter included)."""
+    CUDA device of sm_90 or later, else False (a Triton without griddepcontrol: ``PDL``
+    False and no ``launch_pdl``). CPU tensors (the Triton interpreter's) get False; like
+    the fp8 kernels' inline PTX, PDL assumes CUDA tensors are launched compiled."""
+    if not HAS_GRID_DEPENDENCY_CONTROL:
+        return {"PDL": False}        # nor a launch_pdl option, which such a Triton rejects
     pdl = device.type == "cuda" and pdl_supported(
         device.index if device.index is not None else torch.cuda.current_device())
     return {"PDL": pdl, "launch_pdl": pdl}
@@ -50,4 +61,4 @@ def wait_for_previous(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-__all__ = ["pdl_options", "pdl_supported", "wait_for_previous"]
+__all__ = ["HAS_GRID_DEPENDENCY_CONTROL", "pdl_options", "pdl_supported", "wait_for_previous"]

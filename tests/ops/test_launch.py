@@ -139,20 +139,3 @@ def test_descriptors_are_encoded_once_per_pointer(monkeypatch):
     encoded.expand(200)
     assert encoded_for[3:] == [400, 200]
 
-
-def test_kernels_declaring_pdl_get_it_off_on_cpu():
-    from mini_paged_attn.ops.launch import launch
-    from mini_paged_attn.ops.pdl import pdl_options
-    assert pdl_options(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
-    calls = []
-
-    class Kernel:
-        def __init__(self, arg_names):
-            self.arg_names = arg_names
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append(kwargs)
-    t = torch.zeros(2)
-    launch(Kernel(["x_ptr", "BLOCK", "PDL"]), (1,), (t,), {"BLOCK": 4})
-    launch(Kernel(["x_ptr", "BLOCK"]), (1,), (t,), {"BLOCK": 4})
-    assert calls == [{"BLOCK": 4, "PDL": False, "launch_pdl": False}, {"BLOCK": 4}]

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from mini_paged_attn.ops import dispatch, launch, pdl
+from mini_paged_attn.ops.decode import workspace_size
 from mini_paged_attn.ops.dispatch import paged_decode
+from mini_paged_attn.ops.explain import MAX_SPLITS
 from mini_paged_attn.ops.fused import KVWrite, apply_rotary, rms_norm, silu_and_mul
 
 pytestmark = pytest.mark.gpu
@@ -30,9 +32,11 @@ def _layers(seed: int, num_layers: int = 6):
                  down=weight(HIDDEN, INTER)) for _ in range(num_layers)]
 
 
-def _step(x, layers, caches, positions, cos_sin, slots, tables, lens):
+def _step(x, layers, caches, positions, cos_sin, slots, tables, lens, workspace):
     """A decoder step: per layer RMSNorm, GEMM, rotary writing the new K/V, paged decode over
-    them, GEMM, RMSNorm with the residual, GEMM, SiLU-and-mul, GEMM."""
+    them, GEMM, RMSNorm with the residual, GEMM, SiLU-and-mul, GEMM. With a ``workspace`` the
+    split decode merges in a kernel of its own (a plain launch), as in the engine's graphs;
+    without, inside the decode kernel."""
     residual = None
     n = x.shape[0]
     for layer, (key_cache, value_cache) in zip(layers, caches):
@@ -45,14 +49,15 @@ def _step(x, layers, caches, positions, cos_sin, slots, tables, lens):
         q, _ = apply_rotary(q.view(n, Q_HEADS, HEAD), k.view(n, KV_HEADS, HEAD), positions,
                             cos_sin, store=KVWrite(v.view(n, KV_HEADS, HEAD), key_cache,
                                                    value_cache, slots))
-        attn = paged_decode(q, key_cache, value_cache, tables, lens)
+        attn = paged_decode(q, key_cache, value_cache, tables, lens,
+                            **({} if workspace is None else {"workspace": workspace}))
         x = attn.view(n, -1) @ layer["o"].T
         x, residual = rms_norm(x, layer["norm"], 1e-6, residual=residual)
         x = silu_and_mul(x @ layer["gate_up"].T) @ layer["down"].T
     return x + residual
 
 
-def _run(seed: int, graph: bool):
+def _run(seed: int, graph: bool, workspace: bool):
     """The step's output and the caches it wrote, over fresh inputs of ``seed``."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     lens_list = [1, BLOCK - 1, BLOCK, BLOCK + 1, 300, 999, 64, 2]
@@ -77,7 +82,9 @@ def _run(seed: int, graph: bool):
         HEAD // 2, device="cuda", generator=gen)
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).bfloat16()
     x = torch.randn(n, HIDDEN, device="cuda", generator=gen).bfloat16()
-    args = (x, layers, caches, positions, cos_sin, slots, tables, lens)
+    ws = (torch.empty(workspace_size(n, Q_HEADS, HEAD, MAX_SPLITS), device="cuda")
+          if workspace else None)
+    args = (x, layers, caches, positions, cos_sin, slots, tables, lens, ws)
     if not graph:
         return _step(*args), caches
     _step(*args)                   # compiles and prepares every launch outside the capture
@@ -106,12 +113,13 @@ def test_dependent_launches_are_on_from_sm90():
     assert [k.metadata.launch_pdl for k in kernels] == [capable]
 
 
+@pytest.mark.parametrize("workspace", [False, True], ids=["fused_merge", "workspace"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_dependent_chain_gives_the_bits_of_plain_launches(monkeypatch, graph):
-    dependent, dependent_caches = _run(seed=7, graph=graph)
+def test_dependent_chain_gives_the_bits_of_plain_launches(monkeypatch, graph, workspace):
+    dependent, dependent_caches = _run(seed=7, graph=graph, workspace=workspace)
     with monkeypatch.context() as patch:
         _plain(patch)
-        plain, plain_caches = _run(seed=7, graph=graph)
+        plain, plain_caches = _run(seed=7, graph=graph, workspace=workspace)
     launch._LAUNCHES.clear()
     dispatch._DECODE_RUNS.clear()
     assert torch.isfinite(plain.float()).all()
