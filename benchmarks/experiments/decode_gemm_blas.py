@@ -1,7 +1,8 @@
 """Qwen3-0.6B's projections at decode sizes through torch's two BLAS routes (GPU):
-``torch.backends.cuda.preferred_blas_library`` "cublas" against "cublaslt", each timed as a
-CUDA graph of 28 calls over 28 weights (so L2 holds none of them), and the kernels one call
-launches (split-K adds a reduction kernel).
+``torch.backends.cuda.preferred_blas_library`` "cublas" against "cublaslt", and the cublas
+route with PyTorch's TunableOp choosing among the BLAS libraries' algorithms by timing
+("tuned"), each timed as a CUDA graph of 28 calls over 28 weights (so L2 holds none of them),
+and the kernels one call launches (split-K adds a reduction kernel).
 
     python -m benchmarks.experiments.decode_gemm_blas [--out DIR]
 """
@@ -13,13 +14,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.cuda import tunable
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import environment, start_gpu_run
 
 PROJ = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
 ROWS = (1, 16, 64, 128, 256)
-LIBRARIES = ("cublas", "cublaslt")
+LIBRARIES = ("cublas", "cublaslt", "tuned")
 
 
 def graph_us(n: int, k: int, rows: int) -> float:
@@ -60,7 +62,9 @@ def kernels(n: int, k: int, rows: int) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
-    ceilings = start_gpu_run(parser.parse_args().out, "benchmarks.experiments.decode_gemm_blas")
+    out = parser.parse_args().out
+    ceilings = start_gpu_run(out, "benchmarks.experiments.decode_gemm_blas")
+    tunable.set_filename(str(out / "tunableop_results.csv"))
     before = torch.backends.cuda.preferred_blas_library()
     print(f"{environment()['device']}; copy {ceilings.copy_gbps:.0f} GB/s; us per call")
     print(f"{'proj':8} {'rows':>4} {'floor':>6} " + " ".join(f"{lib:>9}" for lib in LIBRARIES)
@@ -70,13 +74,22 @@ def main() -> None:
             for rows in ROWS:
                 cells = []
                 for lib in LIBRARIES:
-                    torch.backends.cuda.preferred_blas_library(lib)
+                    torch.backends.cuda.preferred_blas_library(
+                        "cublas" if lib == "tuned" else lib)
+                    tunable.enable(lib == "tuned")    # tunes at the warm-up, off the capture
+                    tunable.tuning_enable(lib == "tuned")
                     cells.append(graph_us(n, k, rows))
+                tunable.enable(False)
                 torch.backends.cuda.preferred_blas_library("cublas")
                 floor = n * k * 2 / ceilings.copy_gbps / 1e3
                 print(f"{name:8} {rows:4d} {floor:6.2f} " + " ".join(f"{c:9.2f}" for c in cells)
                       + "  " + ", ".join(kernels(n, k, rows)), flush=True)
+                tunable.enable(True)
+                tunable.tuning_enable(True)
+                print(f"{'':39}tuned: " + ", ".join(kernels(n, k, rows)), flush=True)
+                tunable.enable(False)
     finally:
+        tunable.enable(False)
         torch.backends.cuda.preferred_blas_library(before)
 
 
