@@ -44,7 +44,8 @@ def test_a_triton_without_grid_dependency_control_gets_no_launch_option(monkeypa
 
 
 # Compiled for sm_90 without a GPU, outside the interpreter (under it @triton.jit kernels
-# cannot be compiled): the PTX of each kernel, with and without PDL.
+# cannot be compiled): the PTX of each kernel, with and without PDL, and once more with the
+# griddepcontrol functions gone (sm_89: a new compile, not a cached one).
 _COMPILE = r"""
 import triton
 from triton.backends.compiler import GPUTarget
@@ -66,6 +67,14 @@ for name, (fn, signature, constexprs) in CASES.items():
         sig = dict(signature, **{k: "constexpr" for k in consts})
         kernel = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32))
         open(f"{OUT}/{name}_{flag}.ptx", "w").write(kernel.asm["ptx"])
+# As with a Triton that has no griddepcontrol: the kernels still compile without PDL.
+from mini_paged_attn.ops import pdl
+pdl.gdc_wait = pdl.gdc_launch_dependents = None
+fn, signature, constexprs = CASES["silu"]
+consts = dict(constexprs, PDL=False)
+kernel = triton.compile(ASTSource(fn, dict(signature, **{k: "constexpr" for k in consts}),
+                                  consts), target=GPUTarget("cuda", 89, 32))
+open(f"{OUT}/silu_no_gdc.ptx", "w").write(kernel.asm["ptx"])
 """
 
 
@@ -88,3 +97,8 @@ def test_a_pdl_kernel_waits_before_it_touches_memory(sm90_ptx, name):
     first_access = min(ptx.index(op) for op in ("ld.global", "st.global") if op in ptx)
     assert wait < trigger < first_access
     assert "griddepcontrol" not in sm90_ptx[f"{name}_False"]
+
+
+def test_kernels_compile_without_grid_dependency_control(sm90_ptx):
+    assert "ld.global" in sm90_ptx["silu_no_gdc"]
+    assert "griddepcontrol" not in sm90_ptx["silu_no_gdc"]
