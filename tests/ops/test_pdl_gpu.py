@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.cuda_graphs import capture
+from helpers.paged_batch import make_decode_batch
 from mini_paged_attn.ops import dispatch, launch, pdl
 from mini_paged_attn.ops.decode import workspace_size
 from mini_paged_attn.ops.dispatch import paged_decode
@@ -32,14 +34,15 @@ def _layers(seed: int, num_layers: int = 6):
                  down=weight(HIDDEN, INTER)) for _ in range(num_layers)]
 
 
-def _step(x, layers, caches, positions, cos_sin, slots, tables, lens, workspace):
+def _step(x, layers, caches, positions, cos_sin, lens, workspace):
     """A decoder step: per layer RMSNorm, GEMM, rotary writing the new K/V, paged decode over
-    them, GEMM, RMSNorm with the residual, GEMM, SiLU-and-mul, GEMM. With a ``workspace`` the
-    split decode merges in a kernel of its own (a plain launch), as in the engine's graphs;
-    without, inside the decode kernel."""
+    them, GEMM, RMSNorm with the residual, GEMM, SiLU-and-mul, GEMM. ``caches``: per layer
+    ``(key_cache, value_cache, block_tables, slots)``. With a ``workspace`` the split decode
+    merges in a kernel of its own (a plain launch), as in the engine's graphs; without,
+    inside the decode kernel."""
     residual = None
     n = x.shape[0]
-    for layer, (key_cache, value_cache) in zip(layers, caches):
+    for layer, (key_cache, value_cache, tables, slots) in zip(layers, caches):
         if residual is None:
             x, residual = rms_norm(x, layer["norm"], 1e-6), x
         else:
@@ -62,39 +65,32 @@ def _run(seed: int, graph: bool, workspace: bool):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     lens_list = [1, BLOCK - 1, BLOCK, BLOCK + 1, 300, 999, 64, 2]
     n = len(lens_list)
-    blocks = sum(-(-length // BLOCK) for length in lens_list)
     layers = _layers(seed)
-    caches = [tuple(torch.randn(blocks, BLOCK, KV_HEADS, HEAD, device="cuda", generator=gen)
-                    .bfloat16() for _ in range(2)) for _ in layers]
-    order = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32)
-    width = max(-(-length // BLOCK) for length in lens_list)
-    tables = torch.zeros(n, width, dtype=torch.int32, device="cuda")
-    start = 0
-    for i, length in enumerate(lens_list):
-        used = -(-length // BLOCK)
-        tables[i, :used] = order[start:start + used]
-        start += used
-    lens = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
+    # Each layer's caches (unused slots NaN) over shuffled blocks, as the ops' tests build them.
+    batches = [make_decode_batch(lens_list, num_q_heads=Q_HEADS, num_kv_heads=KV_HEADS,
+                                 head_size=HEAD, block_size=BLOCK, dtype=torch.bfloat16,
+                                 seed=seed + i, pool_layout=True, device="cuda")
+               for i in range(len(layers))]
+    lens = batches[0].context_lens
     positions = (lens - 1).long()
-    slots = (tables.gather(1, (positions // BLOCK)[:, None])[:, 0].long() * BLOCK
-             + positions % BLOCK)
+    caches = [(b.key_cache, b.value_cache, b.block_tables,
+               b.block_tables.gather(1, (positions // BLOCK)[:, None])[:, 0].long() * BLOCK
+               + positions % BLOCK) for b in batches]
     angles = torch.arange(1024, device="cuda")[:, None] * torch.rand(
         HEAD // 2, device="cuda", generator=gen)
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).bfloat16()
     x = torch.randn(n, HIDDEN, device="cuda", generator=gen).bfloat16()
     ws = (torch.empty(workspace_size(n, Q_HEADS, HEAD, MAX_SPLITS), device="cuda")
           if workspace else None)
-    args = (x, layers, caches, positions, cos_sin, slots, tables, lens, ws)
+    args = (x, layers, caches, positions, cos_sin, lens, ws)
+    written = [(b.key_cache, b.value_cache) for b in batches]
     if not graph:
-        return _step(*args), caches
-    _step(*args)                   # compiles and prepares every launch outside the capture
-    cuda_graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(cuda_graph):
-        out = _step(*args)
+        return _step(*args), written
+    cuda_graph, out = capture(lambda: _step(*args))
     for _ in range(3):             # each replay rewrites the same slots with the same values
         cuda_graph.replay()
     torch.cuda.synchronize()
-    return out.clone(), caches
+    return out.clone(), written
 
 
 def _plain(monkeypatch):
@@ -124,5 +120,6 @@ def test_dependent_chain_gives_the_bits_of_plain_launches(monkeypatch, graph, wo
     dispatch._DECODE_RUNS.clear()
     assert torch.isfinite(plain.float()).all()
     assert torch.equal(dependent, plain)
-    for (k1, v1), (k2, v2) in zip(dependent_caches, plain_caches):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    for dependent_cache, plain_cache in zip(dependent_caches, plain_caches):
+        for a, b in zip(dependent_cache, plain_cache):     # bits: unused slots hold NaN
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
