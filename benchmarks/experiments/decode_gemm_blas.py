@@ -18,34 +18,17 @@ from torch.cuda import tunable
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import environment, start_gpu_run
+from benchmarks.experiments.decode_gemm import BATCHES, LAYERS, SHAPES, graph_us
 
-PROJ = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
-ROWS = (1, 16, 64, 128, 256)
 LIBRARIES = ("cublas", "cublaslt", "tuned")
 
 
-def graph_us(n: int, k: int, rows: int) -> float:
-    """Median us per call of a replayed graph of 28 ``F.linear`` over 28 ``[n, k]`` weights."""
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(28)]
+def linear_graph_us(n: int, k: int, rows: int) -> float:
+    """Median us per call of a graph of ``LAYERS`` ``F.linear`` over as many ``[n, k]``
+    weights."""
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):            # warm-up off the capture stream
-        for w in weights:
-            F.linear(x, w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            F.linear(x, w)
-    times = []
-    for _ in range(25):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / 28)
-    return sorted(times[5:])[len(times[5:]) // 2]
+    return graph_us([lambda w=w: F.linear(x, w) for w in weights])
 
 
 def kernels(n: int, k: int, rows: int) -> list[str]:
@@ -70,15 +53,15 @@ def main() -> None:
     print(f"{'proj':8} {'rows':>4} {'floor':>6} " + " ".join(f"{lib:>9}" for lib in LIBRARIES)
           + "  kernels (cublas)")
     try:
-        for name, (n, k) in PROJ.items():
-            for rows in ROWS:
+        for name, (n, k) in SHAPES.items():
+            for rows in BATCHES:
                 cells = []
                 for lib in LIBRARIES:
                     torch.backends.cuda.preferred_blas_library(
                         "cublas" if lib == "tuned" else lib)
                     tunable.enable(lib == "tuned")    # tunes at the warm-up, off the capture
                     tunable.tuning_enable(lib == "tuned")
-                    cells.append(graph_us(n, k, rows))
+                    cells.append(linear_graph_us(n, k, rows))
                 tunable.enable(False)
                 torch.backends.cuda.preferred_blas_library("cublas")
                 floor = n * k * 2 / ceilings.copy_gbps / 1e3
