@@ -18,6 +18,9 @@
   writing the new K/V into the paged cache, :class:`KVWrite`), :func:`silu_and_mul`: the
   decoder's elementwise ops (``fused.py``, kernels in ``fused_triton.py``), one Triton launch
   each on CUDA.
+- :func:`linear`: ``x @ W^T + b`` (optionally with SwiGLU's ``silu(gate) * up``), a Triton
+  kernel launched as a programmatic dependent at decode sizes, cuBLAS above (``projection.py``,
+  kernel in ``projection_triton.py``).
 - :func:`sample_tokens`: temperature sampling of one token per logits row (``sample.py``), one
   pass over the logits on CUDA (``sample_triton.py``).
 """
@@ -26,6 +29,7 @@ from .dispatch import paged_decode, paged_prefill, resolve_backend, store_kv
 from .explain import explain_decode
 from .fused import KVWrite, apply_rotary, rms_norm, silu_and_mul
 from .heuristics import num_splits_heuristic
+from .projection import SplitKWorkspace, linear
 from .merge import merge_attention_states
 from .moe import fused_moe
 from .sample import sample_tokens
@@ -34,4 +38,4 @@ from .varlen import flash_attn_varlen_func
 __all__ = ["paged_decode", "paged_prefill", "store_kv", "flash_attn_varlen_func",
            "merge_attention_states", "num_splits_heuristic", "explain_decode",
            "resolve_backend", "rms_norm", "apply_rotary", "KVWrite", "silu_and_mul",
-           "fused_moe", "sample_tokens"]
+           "fused_moe", "sample_tokens", "linear", "SplitKWorkspace"]
