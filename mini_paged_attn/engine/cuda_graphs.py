@@ -21,6 +21,7 @@ import time
 import torch
 
 from ..models.attention import Attention, AttentionMetadata
+from ..ops.projection import SplitKWorkspace
 from .input_batch import InputBuilder, StepInputs, batch_buckets, smallest_bucket
 
 logger = logging.getLogger(__name__)
@@ -36,15 +37,18 @@ class DecodeGraphs:
         max_batch: the largest bucket (``max_num_seqs``).
         backend: the attention backend ("triton" on CUDA).
         decode_workspace: float32 split-KV scratch shared by all graphs, or None.
+        linear_workspace: the projections' split-K scratch (``ops.linear``), or None.
     """
 
     def __init__(self, model, kv_caches, inputs: InputBuilder, *, max_batch: int, backend: str,
-                 decode_workspace: torch.Tensor | None) -> None:
+                 decode_workspace: torch.Tensor | None,
+                 linear_workspace: SplitKWorkspace | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.inputs = inputs
         self.backend = backend
         self.workspace = decode_workspace
+        self.linear_workspace = linear_workspace
         self.buckets = batch_buckets(max_batch)
         device = model.device
         self.block_tables = torch.zeros(max_batch, inputs.max_blocks_per_seq, dtype=torch.int32,
@@ -128,7 +132,8 @@ class DecodeGraphs:
                 step = self._step(b, width)
                 ids, pos = step.input_ids, step.positions
                 meta = AttentionMetadata.for_step(step, decode_only=True, backend=self.backend,
-                                                  decode_workspace=self.workspace)
+                                                  decode_workspace=self.workspace,
+                                                  linear_workspace=self.linear_workspace)
                 self.model(ids, pos, self.kv_caches, meta)     # warm-up: compiles the kernels
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):

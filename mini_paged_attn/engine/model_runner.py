@@ -30,6 +30,7 @@ from ..models.attention import AttentionMetadata
 from ..models.config import ModelConfig
 from ..ops.dispatch import resolve_backend
 from ..ops.kv_quant import kv_cache_torch_dtype
+from ..ops.projection import SplitKWorkspace
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .input_batch import InputBuilder, batch_buckets, dummy_inputs, table_width
@@ -87,6 +88,8 @@ class ModelRunner:
             size = workspace_size(config.max_num_seqs, self.layout.num_q_heads,
                                   model_config.head_size, WORKSPACE_SPLITS_PER_SEQ)
             self.workspace = torch.empty(size, dtype=torch.float32, device=device)
+        # The projections' split-K scratch (ops.linear), shared by eager steps and graphs.
+        self.linear_workspace = SplitKWorkspace(device) if device.type == "cuda" else None
 
         self.num_blocks = config.num_kv_blocks or auto_num_blocks(self, max_model_len)
         # The one KV cache: pool, block tables, copy-on-write (the scheduler allocates through
@@ -112,7 +115,8 @@ class ModelRunner:
         if device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(model, self.kv_caches, self.inputs,
                                        max_batch=config.max_num_seqs, backend=self.backend,
-                                       decode_workspace=self.workspace)
+                                       decode_workspace=self.workspace,
+                                       linear_workspace=self.linear_workspace)
             self.graphs.capture()
             if peers is not None:       # also at garbage collection, before NCCL closes
                 peers.track_graphs(self.graphs)
@@ -123,7 +127,8 @@ class ModelRunner:
                 self.prefill_graphs = PrefillGraphs(
                     model, self.kv_caches, self.inputs,
                     max_tokens=min(config.max_num_batched_tokens, max_model_len),
-                    backend=self.backend, contiguous=self.kv_dtype == model.dtype)
+                    backend=self.backend, contiguous=self.kv_dtype == model.dtype,
+                    linear_workspace=self.linear_workspace)
                 self.prefill_graphs.capture(self.graphs.pool)
         if device.type == "cuda":
             # After the capture, so that the caching allocator holds the blocks eager steps
@@ -187,7 +192,8 @@ class ModelRunner:
         step = dummy_inputs(q_lens, self.table_width, self.device, no_prefix=no_prefix,
                             ordered=decode_only and self.backend == "triton")
         meta = AttentionMetadata.for_step(step, decode_only=decode_only, backend=self.backend,
-                                          decode_workspace=self.workspace)
+                                          decode_workspace=self.workspace,
+                                          linear_workspace=self.linear_workspace)
         return self.model(step.input_ids, step.positions, kv_caches, meta)
 
     # ---- one step -----------------------------------------------------------------------------
@@ -310,7 +316,8 @@ class ModelRunner:
             hidden = self.prefill_graphs.replay(prompt_bucket, step.input_ids.shape[0])
         else:
             meta = AttentionMetadata.for_step(step, decode_only=decode_only,
-                                              backend=self.backend, decode_workspace=self.workspace)
+                                              backend=self.backend, decode_workspace=self.workspace,
+                                              linear_workspace=self.linear_workspace)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
         if prompt_rows is not None:
             self._prompt_device = compute_prompt_logprobs(self.model, hidden, prompt_rows)

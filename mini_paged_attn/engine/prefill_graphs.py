@@ -37,6 +37,7 @@ import torch
 
 from ..core.scheduler import SchedulerOutput
 from ..models.attention import AttentionMetadata
+from ..ops.projection import SplitKWorkspace
 from .input_batch import InputBuilder, smallest_bucket
 
 logger = logging.getLogger(__name__)
@@ -83,12 +84,14 @@ class PrefillGraphs:
     """
 
     def __init__(self, model, kv_caches, inputs: InputBuilder, *, max_tokens: int,
-                 backend: str, contiguous: bool = True) -> None:
+                 backend: str, contiguous: bool = True,
+                 linear_workspace: SplitKWorkspace | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.inputs = inputs
         self.backend = backend
         self.contiguous = contiguous
+        self.linear_workspace = linear_workspace
         self.buckets = prefill_buckets(max_tokens)
         # Never read (whole prompts attend without the block tables); a meta needs one.
         self._tables = torch.zeros(2, 1, dtype=torch.int32, device=model.device)
@@ -118,7 +121,7 @@ class PrefillGraphs:
             cu_seqlens_q=inputs.region("cu_seqlens_q", 3),
             context_lens=inputs.region("context_lens", 2), block_tables=tables,
             max_seqlen_q=bucket, decode_only=False, no_prefix=not key.paged,
-            backend=self.backend)
+            backend=self.backend, linear_workspace=self.linear_workspace)
 
     def keys(self) -> list[PromptGraph]:
         """The graphs to capture, largest bucket first."""

@@ -25,11 +25,12 @@ from ..distributed.group import TPGroup
 from ..distributed.sharding import ShardLayout
 from ..core.args import check_bool
 from ..ops.fused import KVWrite, apply_rotary
+from ..ops.projection import SplitKWorkspace, linear
 from ..ops.checks import check_seq_order
 from ..ops.variants import check_softcap, check_window
 from .config import ModelConfig
 from .layers import RMSNorm
-from .parallel_layers import RowParallelLinear
+from .parallel_layers import RowParallelLinear, projection_backend
 
 KVCache = tuple[torch.Tensor, torch.Tensor]   # (key_cache, value_cache) of one layer
 
@@ -74,6 +75,8 @@ class AttentionMetadata:
         seq_order: decode only: None or int32 ``[num_seqs]``, a permutation of the rows (the
             longest contexts first), the order the decode kernel's grid takes them in
             (``ops.paged_decode``'s ``seq_order``); results do not depend on it.
+        linear_workspace: None or the split-K scratch of the layers' projections
+            (``ops.linear``), shared by every step on the engine's stream.
     """
     slot_mapping: torch.Tensor
     cu_seqlens_q: torch.Tensor
@@ -86,6 +89,7 @@ class AttentionMetadata:
     num_splits: int | None = None
     decode_workspace: torch.Tensor | None = None
     seq_order: torch.Tensor | None = None
+    linear_workspace: SplitKWorkspace | None = None
 
     def __post_init__(self):
         # Shapes and dtypes only: reading values would sync the host with the device.
@@ -118,10 +122,15 @@ class AttentionMetadata:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
         check_bool("no_prefix", self.no_prefix)
+        if self.linear_workspace is not None and not isinstance(self.linear_workspace,
+                                                                SplitKWorkspace):
+            raise ValueError("linear_workspace: expected None or an ops.SplitKWorkspace, "
+                             f"got {type(self.linear_workspace).__name__}")
 
     @classmethod
     def for_step(cls, step: StepArrays, *, decode_only: bool, backend: str,
-                 decode_workspace: torch.Tensor | None = None) -> AttentionMetadata:
+                 decode_workspace: torch.Tensor | None = None,
+                 linear_workspace: SplitKWorkspace | None = None) -> AttentionMetadata:
         """The metadata of a step whose arrays ``step`` holds. ``decode_workspace`` is passed
         on for a decode-only step only (prefill does not use it)."""
         return cls(slot_mapping=step.slot_mapping, cu_seqlens_q=step.cu_seqlens_q,
@@ -129,7 +138,13 @@ class AttentionMetadata:
                    max_seqlen_q=step.max_seqlen_q, decode_only=decode_only,
                    no_prefix=step.no_prefix, backend=backend,
                    decode_workspace=decode_workspace if decode_only else None,
-                   seq_order=step.seq_order if decode_only else None)
+                   seq_order=step.seq_order if decode_only else None,
+                   linear_workspace=linear_workspace)
+
+    @property
+    def projection_args(self) -> dict:
+        """``ops.linear``'s ``backend`` and ``workspace`` for this step's projections."""
+        return dict(backend=projection_backend(self.backend), workspace=self.linear_workspace)
 
     @property
     def num_seqs(self) -> int:
@@ -243,9 +258,7 @@ class Attention(nn.Module):
         cos_sin_cache: ``RotaryEmbedding.cos_sin_cache`` ``[max_positions, head_size]``
         -> ``[num_tokens, hidden_size]``, hidden's dtype."""
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden).view(num_tokens, self.num_q_heads + 2 * self.num_kv_heads,
-                                         self.head_size)
-        q, k, v = qkv.split([self.num_q_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        q, k, v = self.project_qkv(hidden, meta)
         # Qwen3's per-head q/k norms run inside the rotary kernel (on the strided qkv views).
         qk_norm = (None if self.q_norm is None else
                    (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps))
@@ -254,4 +267,14 @@ class Attention(nn.Module):
                             store=KVWrite(v, *kv_cache, meta.slot_mapping))
         out = attend(q, k, v, kv_cache, meta, self.scale, window_size=self.window_size,
                      softcap=self.softcap, sinks=self.sinks)
-        return self.o_proj(out.view(num_tokens, self.num_q_heads * self.head_size))
+        return self.o_proj(out.view(num_tokens, self.num_q_heads * self.head_size),
+                           **meta.projection_args)
+
+    def project_qkv(self, hidden: torch.Tensor, meta: AttentionMetadata
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden ``[num_tokens, hidden_size]`` -> views (q, k, v) of the fused projection,
+        ``[num_tokens, heads, head_size]`` each (this rank's heads)."""
+        qkv = linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias, **meta.projection_args)
+        qkv = qkv.view(hidden.shape[0], self.num_q_heads + 2 * self.num_kv_heads,
+                       self.head_size)
+        return qkv.split([self.num_q_heads, self.num_kv_heads, self.num_kv_heads], dim=1)

@@ -72,16 +72,15 @@ class GemmaAttention(Attention):
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """As :meth:`Attention.forward`: hidden ``[num_tokens, hidden_size]`` -> same shape."""
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden).view(num_tokens, self.num_q_heads + 2 * self.num_kv_heads,
-                                         self.head_size)
-        q, k, v = qkv.split([self.num_q_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        q, k, v = self.project_qkv(hidden, meta)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, positions, cos_sin_cache, backend=meta.backend,
                             store=KVWrite(v, *kv_cache, meta.slot_mapping))
         out = attend(q, k, v, kv_cache, meta, self.scale, window_size=self.window_size,
                      softcap=self.softcap)
-        return self.o_proj(out.view(num_tokens, self.num_q_heads * self.head_size))
+        return self.o_proj(out.view(num_tokens, self.num_q_heads * self.head_size),
+                           **meta.projection_args)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -117,7 +116,8 @@ class GemmaDecoderLayer(nn.Module):
         hidden = self.post_attention_layernorm(
             self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-        return self.post_feedforward_layernorm(self.mlp(hidden, backend=meta.backend)), residual
+        mlp_out = self.mlp(hidden, backend=meta.backend, workspace=meta.linear_workspace)
+        return self.post_feedforward_layernorm(mlp_out), residual
 
     def checkpoint_shards(self, prefix: str, parts: CheckpointParts) -> dict[str, Shard]:
         """This layer's checkpoint tensors (``prefix`` is ``model.layers.{i}.``)."""

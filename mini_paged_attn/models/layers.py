@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.group import TPGroup
-from ..ops.fused import rms_norm, rotate_half_reference, silu_and_mul
+from ..ops.fused import rms_norm, rotate_half_reference
+from ..ops.projection import SplitKWorkspace, linear
 from .rope import RopeConfig, rope_inv_freq, rope_table  # noqa: F401  (re-exported)
-from .parallel_layers import RowParallelLinear
+from .parallel_layers import RowParallelLinear, projection_backend
 
 
 class RMSNorm(nn.Module):
@@ -115,9 +116,17 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size * tp.world_size, hidden_size,
                                            bias=bias, tp=tp, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-        """x: ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``, same dtype."""
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, *, backend: str = "auto",
+                workspace: SplitKWorkspace | None = None) -> torch.Tensor:
+        """x: ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``, same dtype.
+        ``backend``: the step's attention backend (see ``projection_backend``);
+        ``workspace``: the projections' split-K scratch (``ops.linear``). SwiGLU's product
+        is computed inside the gate/up projection (``linear(..., activation="silu")``)."""
+        args = dict(backend=projection_backend(backend), workspace=workspace)
         if self.act == "silu":
-            return self.down_proj(silu_and_mul(gate_up, backend=backend))
-        return self.down_proj(gelu_tanh_and_mul(gate_up))
+            hidden = linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias,
+                            activation="silu", **args)
+        else:
+            hidden = gelu_tanh_and_mul(linear(x, self.gate_up_proj.weight,
+                                              self.gate_up_proj.bias, **args))
+        return self.down_proj(hidden, **args)

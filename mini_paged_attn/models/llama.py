@@ -103,7 +103,7 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual, backend=backend)
         hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual, backend=backend)
-        return self.mlp(hidden, backend=backend), residual
+        return self.mlp(hidden, backend=backend, workspace=meta.linear_workspace), residual
 
 
 class CausalLM(nn.Module):

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.group import TPGroup
+from ..ops.projection import SplitKWorkspace
 from ..ops.moe import fused_moe
 from .checkpoint import Shard
 from .moe_config import MoeConfig
@@ -124,8 +125,11 @@ class SparseMoeBlock(nn.Module):
             nn.init.normal_(self.w13, std=h ** -0.5)
             nn.init.normal_(self.w2, std=(inter * tp.world_size) ** -0.5)
 
-    def forward(self, x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-        """x: ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``, same dtype."""
+    def forward(self, x: torch.Tensor, *, backend: str = "auto",
+                workspace: SplitKWorkspace | None = None) -> torch.Tensor:
+        """x: ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``, same dtype.
+        ``workspace`` (a dense MLP's split-K scratch) is not used: the experts run
+        ``ops.fused_moe``."""
         weights, ids = route(F.linear(x, self.router.weight, self.router.bias), self.moe)
         w2_bias = self.w2_bias if self.tp.rank == 0 else None
         out = fused_moe(x, self.w13, self.w2, weights, ids, activation=self.moe.activation,

@@ -13,6 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.group import TPGroup
+from ..ops.projection import SplitKWorkspace, linear
+
+
+def projection_backend(backend: str) -> str:
+    """The ``ops.linear`` backend of a step run with attention backend ``backend``: "torch"
+    stays "torch"; otherwise "auto", so prompts keep cuBLAS and only decode-sized inputs take
+    the Triton kernel (``ops.linear``), whatever the attention kernels are."""
+    return "torch" if backend == "torch" else "auto"
 
 
 class RowParallelLinear(nn.Linear):
@@ -28,11 +36,13 @@ class RowParallelLinear(nn.Linear):
                          device=device)
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: ``[num_tokens, in_features / world_size]`` -> ``[num_tokens, out_features]``."""
+    def forward(self, x: torch.Tensor, *, backend: str = "auto",
+                workspace: SplitKWorkspace | None = None) -> torch.Tensor:
+        """x: ``[num_tokens, in_features / world_size]`` -> ``[num_tokens, out_features]``;
+        ``backend`` and ``workspace`` as in ``ops.linear``."""
         if self.tp.world_size == 1:
-            return super().forward(x)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias, workspace=workspace, backend=backend)
+        out = self.tp.all_reduce(linear(x, self.weight, workspace=workspace, backend=backend))
         return out if self.bias is None else out + self.bias
 
 
@@ -81,4 +91,4 @@ def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
     return logits.to(dtype)
 
 
-__all__ = ["RowParallelLinear", "VocabParallelEmbedding", "parallel_logits"]
+__all__ = ["RowParallelLinear", "VocabParallelEmbedding", "parallel_logits", "projection_backend"]
