@@ -147,11 +147,28 @@ def plain_launches(stack: ExitStack, llm) -> None:
     relaunch()
 
 
+def cublas_projections(stack: ExitStack, llm) -> None:
+    """Every projection by cuBLAS and SwiGLU's product by a kernel of its own, as before
+    ``ops.linear`` took decode-sized inputs (the decode and prompt graphs are captured again
+    on entry and on exit)."""
+    from mini_paged_attn.ops import projection
+    runner = llm.engine.runner
+
+    def recapture():
+        runner.graphs.capture()
+        if runner.prefill_graphs is not None:
+            runner.prefill_graphs.capture(runner.graphs.pool)
+    stack.callback(recapture)
+    stack.enter_context(patched(projection, "MAX_TRITON_ROWS", 0))
+    recapture()
+
+
 VARIANTS = {"current": lambda stack, llm: None, "eager_sampling": eager_sampling,
             "float32_logits": float32_logits, "store_kv_launch": store_kv_launch,
             "fp8_short_unsplit": fp8_short_unsplit, "fp8_unordered_plan": fp8_unordered_plan,
             "fp8_ordered_unsplit_wide": fp8_ordered_unsplit_wide,
-            "unordered_decode": unordered_decode, "plain_launches": plain_launches}
+            "unordered_decode": unordered_decode, "plain_launches": plain_launches,
+            "cublas_projections": cublas_projections}
 
 
 def main() -> None:
