@@ -3,8 +3,9 @@
 Qwen3-0.6B's projections (qkv, o, gate_up with SwiGLU's product, down) at 1-256 rows, each
 in a CUDA graph of 28 calls over 28 weights (as 28 layers: the weights never sit in L2), us
 per call: cuBLAS (``F.linear``, and for gate_up the SiLU-and-mul kernel after it), the op's
-plan (:func:`~mini_paged_attn.ops.linear.plan_linear`), and the best of a small sweep of
-other tiles and splits (how far the plan is from it). Then a layer's chain (RMSNorm, qkv,
+plan (:func:`~mini_paged_attn.ops.projection.plan_linear`), and the best of a small sweep of
+other tiles and splits (how far the plan is from it; only those whose partial sums fit the
+sweep's own, larger workspace). Then a layer's chain (RMSNorm, qkv,
 rotary writing K/V, o, RMSNorm with the residual, gate_up, down; no attention) x 28 in one
 graph, us per layer, both ways.
 
@@ -36,18 +37,23 @@ ROWS = (1, 16, 32, 64, 128, 192, 256)
 HIDDEN, Q_HEADS, KV_HEADS, HEAD = 1024, 16, 8, 128
 
 
-def _alternatives(plan, in_features):
-    """Plans around ``plan``: other splits and row tiles."""
+def _alternatives(plan, rows, out_features, in_features, gated, sweep):
+    """Plans around ``plan``: other splits and row tiles, those whose partial sums fit the
+    workspace ``sweep``."""
     for split in (1, 2, 4):
         if in_features % (split * plan.block_k) or in_features // split < plan.block_k:
             continue
         for block_m in {plan.block_m, min(128, 2 * plan.block_m)}:
+            need = (split * -(-out_features // plan.block_n) * plan.block_n
+                    * -(-rows // block_m) * block_m * (2 if gated else 1))
+            if split > 1 and need > sweep.partials.numel():
+                continue
             yield dataclasses.replace(plan, split_k=split, block_m=block_m,
                                       stages=plan.stages if block_m <= 64 else 3,
                                       num_warps=8 if block_m >= 128 else plan.num_warps)
 
 
-def projections(workspace, copy_gbps: float) -> list[dict]:
+def projections(workspace, sweep, copy_gbps: float) -> list[dict]:
     rows_out = []
     for name, (n, k, gated) in SHAPES.items():
         weights = [torch.randn(2 * n if gated else n, k, device="cuda").bfloat16() * 0.02
@@ -62,8 +68,8 @@ def projections(workspace, copy_gbps: float) -> list[dict]:
                              for w in weights])
             plan = plan_linear(rows, n, k, gated=gated, workspace=workspace)
             best = min((graph_us([lambda w=w, p=p: triton_linear(
-                x, w, None, gated, p, workspace.partials, workspace.counters)
-                for w in weights]), p) for p in _alternatives(plan, k))
+                x, w, None, gated, p, sweep.partials, sweep.counters)
+                for w in weights]), p) for p in _alternatives(plan, rows, n, k, gated, sweep))
             floor = weights[0].numel() * 2 / (copy_gbps * 1e3)
             row = dict(proj=name, rows=rows, floor_us=floor, cublas_us=cublas, ops_linear_us=ours,
                        plan=dataclasses.asdict(plan), best_us=best[0],
@@ -131,11 +137,12 @@ def main() -> None:
     ceilings = start_gpu_run(args.out, "decode_linear")
     torch.manual_seed(0)
     workspace = SplitKWorkspace("cuda")
+    sweep = SplitKWorkspace("cuda", partials=8 << 20, counters=1 << 14)   # any split fits
     env = environment()
     print(f"{env['device']}, torch {env['torch']}, triton {env['triton']}, copy "
           f"{ceilings.copy_gbps:.0f} GB/s; us per call (graph of {LAYERS})")
     result = dict(environment=env, copy_gbps=ceilings.copy_gbps,
-                  projections=projections(workspace, ceilings.copy_gbps),
+                  projections=projections(workspace, sweep, ceilings.copy_gbps),
                   layers=chains(workspace))
     Path(args.out, "decode_linear.json").write_text(json.dumps(result, indent=1))
 

@@ -81,6 +81,7 @@ class PrefillGraphs:
         backend: the attention backend ("triton" on CUDA).
         contiguous: capture the contiguous family too (fresh prompts over a cache in the
             model's dtype); else fresh prompts take the paged family.
+        linear_workspace: the projections' split-K scratch (``ops.linear``), or None.
     """
 
     def __init__(self, model, kv_caches, inputs: InputBuilder, *, max_tokens: int,

@@ -18,8 +18,9 @@ from ..ops.projection import SplitKWorkspace, linear
 
 def projection_backend(backend: str) -> str:
     """The ``ops.linear`` backend of a step run with attention backend ``backend``: "torch"
-    stays "torch"; otherwise "auto", so prompts keep cuBLAS and only decode-sized inputs take
-    the Triton kernel (``ops.linear``), whatever the attention kernels are."""
+    stays "torch"; otherwise "auto", so only decode-sized inputs (at most 256 rows) take the
+    Triton kernel and larger ones keep cuBLAS (``ops.linear``), whatever the attention
+    kernels are."""
     return "torch" if backend == "torch" else "auto"
 
 

@@ -5,9 +5,11 @@ on CUDA) or the Triton kernel of :mod:`.projection_triton`. ``backend="auto"`` t
 kernel for CUDA fp16/bf16 inputs of at most :data:`MAX_TRITON_ROWS` rows, a decode step's
 sizes: launched as a programmatic dependent, like the decoder's other kernels, it starts
 while the kernel before it ends, and a decoder layer's chain runs 7-22% faster than with
-cuBLAS at 1-256 rows on an H100 (``benchmarks/experiments/decode_linear.py``). Larger inputs
-(prompts) go to cuBLAS, whose GEMMs are the faster ones there. ``"triton"`` runs the kernel
-at any size (tests, comparisons).
+cuBLAS at 1-256 rows on an H100 (``benchmarks/experiments/decode_linear.py``). It does so on
+sm_90+ only, where dependent launches exist (without them cuBLAS was as fast), and not while
+autograd records (the kernel has no backward). Larger inputs (most prompt steps) go to
+cuBLAS, whose GEMMs are the faster ones there. ``"triton"`` runs the kernel at any size on
+any device (tests, comparisons).
 
 Split-K (the reduction over K shared by several programs) needs a
 :class:`SplitKWorkspace`: float32 partial sums and int32 counters that start at 0 and are
@@ -21,10 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from ..core.args import arg_error, cdiv, next_pow2
+from ..core.args import arg_error, cdiv, next_pow2, positive_int
 from .backend import resolve_backend
 from .checks import FLOAT_DTYPES, check_last_dim_contiguous, check_tensor
 from .fused import silu_and_mul
@@ -36,7 +40,24 @@ batch by default); above it cuBLAS is faster."""
 ACTIVATIONS = (None, "silu")
 
 SHARED_MEMORY_BUDGET = 200 * 1024
-"""Bytes of shared memory the kernel's pipeline stages may take (sm_90 has 227 KB a block)."""
+"""Bytes of shared memory the kernel's pipeline stages may take at most (sm_90 gives a block
+227 KB); less on devices that give less (:func:`shared_memory_budget`)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_shared_memory(device_index: int) -> int:
+    props = torch.cuda.get_device_properties(device_index)
+    return getattr(props, "shared_memory_per_block_optin", 99 * 1024)
+
+
+def shared_memory_budget(device: torch.device) -> int:
+    """Bytes of shared memory a launch's pipeline may take on ``device``:
+    :data:`SHARED_MEMORY_BUDGET`, or less where a block gets less (4 KB kept for Triton's own
+    scratch); the interpreter (CPU) gets the full budget."""
+    if device.type != "cuda":
+        return SHARED_MEMORY_BUDGET
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return min(SHARED_MEMORY_BUDGET, _cuda_shared_memory(index) - 4096)
 
 
 @dataclass(frozen=True)
@@ -66,12 +87,15 @@ class SplitKWorkspace:
     Args:
         device: where the projections run.
         partials: float32 elements for partial sums (a launch needs ``split_k *
-            out_features * padded rows``, twice that gated).
+            cdiv(out_features, block_n) * block_n * cdiv(rows, block_m) * block_m``, twice
+            that gated; :func:`plan_linear` splits less where they would not fit).
         counters: int32 tickets, one per output tile of a launch.
     """
 
     def __init__(self, device: torch.device | str, *, partials: int = 1 << 20,
                  counters: int = 4096) -> None:
+        partials = positive_int("partials", partials)
+        counters = positive_int("counters", counters)
         self.partials = torch.empty(partials, dtype=torch.float32, device=device)
         self.counters = torch.zeros(counters, dtype=torch.int32, device=device)
 
@@ -81,7 +105,8 @@ class SplitKWorkspace:
 
 
 def plan_linear(rows: int, out_features: int, in_features: int, *, gated: bool = False,
-                workspace: SplitKWorkspace | None = None, itemsize: int = 2) -> LinearPlan:
+                workspace: SplitKWorkspace | None = None, itemsize: int = 2,
+                shared_memory: int = SHARED_MEMORY_BUDGET) -> LinearPlan:
     """The Triton kernel's tiles for ``rows x in_features -> out_features`` (measured on an
     H100 at Qwen3-0.6B's projections, ``benchmarks/experiments/decode_linear.py``).
 
@@ -89,8 +114,9 @@ def plan_linear(rows: int, out_features: int, in_features: int, *, gated: bool =
     layers, whose weight would otherwise be read from L2 by four row tiles). K is split only
     with a workspace, and only while a layer has few output tiles: until 64 programs share
     the weight at up to 16 rows, 32 beyond (partial sums cost more with more rows), keeping
-    each split at least two steps of K. ``itemsize``: bytes per element of x and the weight
-    (the pipeline's depth is bounded by shared memory)."""
+    each split at least two steps of K. ``itemsize``: bytes per element of x and the weight;
+    ``shared_memory``: bytes the pipeline's stages may take (see
+    :func:`shared_memory_budget`), which bound its depth."""
     block_n, block_k = 64, min(128, max(16, next_pow2(in_features)))
     n_tiles = cdiv(out_features, block_n)
     block_m = min(max(16, next_pow2(rows)), 64)
@@ -110,10 +136,19 @@ def plan_linear(rows: int, out_features: int, in_features: int, *, gated: bool =
     # As deep a pipeline as the shared memory holds (each stage: the weight tiles and x's).
     stage_bytes = ((2 if gated else 1) * block_n + block_m) * block_k * itemsize
     stages = 4 if block_m <= 64 else 3
-    while stages > 1 and stages * stage_bytes > SHARED_MEMORY_BUDGET:
+    while stages > 1 and stages * stage_bytes > shared_memory:
         stages -= 1
     return LinearPlan(block_n=block_n, block_m=block_m, block_k=block_k, split_k=split,
                       stages=stages, num_warps=8 if block_m >= 128 or gated else 4)
+
+
+def _auto_takes_triton(x: torch.Tensor, records_grad: bool) -> bool:
+    """``backend="auto"``'s rule for a CUDA call (see the module's docstring)."""
+    if x.shape[0] > MAX_TRITON_ROWS or x.dtype == torch.float32 or records_grad:
+        return False
+    from .pdl import pdl_supported
+    return pdl_supported(x.device.index if x.device.index is not None
+                         else torch.cuda.current_device())
 
 
 def _check_device(name: str, value, device: torch.device) -> None:
@@ -138,17 +173,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x @ weight^T + bias``, or with ``activation="silu"`` SwiGLU's ``silu(gate) * up``.
 
     Args:
-        x: float ``[n, in_features]``, last dim contiguous.
+        x: float ``[n, in_features]``, last dim contiguous (any row stride).
         weight: ``[out_features, in_features]`` in x's dtype, last dim contiguous; with
             ``activation="silu"``, ``[2 * I, in_features]``: the gate rows, then the up rows
             (``GatedMLP``'s ``gate_up_proj``).
-        bias: None or ``[weight.shape[0]]`` in x's dtype.
+        bias: None or contiguous ``[weight.shape[0]]`` in x's dtype.
         activation: None, or "silu" for the gated product.
         workspace: a :class:`SplitKWorkspace` on x's device, letting the Triton kernel split
             K (see :func:`plan_linear`); None: every launch unsplit.
         backend: "auto" (the Triton kernel for CUDA fp16/bf16 with at most
-            :data:`MAX_TRITON_ROWS` rows, else ``F.linear``) | "torch" (``F.linear``) |
-            "triton" (the kernel at any size).
+            :data:`MAX_TRITON_ROWS` rows on sm_90+, outside autograd; else ``F.linear``) |
+            "torch" (``F.linear``) | "triton" (the kernel at any size; it has no backward,
+            so a ValueError while autograd records through x, weight or bias).
 
     Returns:
         ``[n, out_features]`` (``[n, I]`` gated) in x's dtype.
@@ -156,6 +192,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,))
     _check_device("weight", weight, x.device)
+    check_last_dim_contiguous("x", x)
+    check_last_dim_contiguous("weight", weight)
     if weight.shape[1] != x.shape[1]:
         raise arg_error("weight", f"[out_features, {x.shape[1]}] (x's in_features)",
                         tuple(weight.shape))
@@ -167,6 +205,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,))
         _check_device("bias", bias, x.device)
+        check_last_dim_contiguous("bias", bias)
         if bias.shape[0] != weight.shape[0]:
             raise arg_error("bias", f"shape ({weight.shape[0]},)", tuple(bias.shape))
     if workspace is not None:
@@ -174,26 +213,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             raise arg_error("workspace", "None or a SplitKWorkspace", type(workspace).__name__)
         _check_device("workspace", workspace, x.device)
     chosen = resolve_backend(backend, x.device)
-    if chosen == "triton" and backend == "auto" and (
-            x.shape[0] > MAX_TRITON_ROWS or x.dtype == torch.float32):
+    records_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias))
+    if backend == "triton" and records_grad:
+        raise arg_error("backend", "'auto' or 'torch' while autograd records (the Triton "
+                        "kernel has no backward)", repr(backend))
+    if chosen == "triton" and backend == "auto" and not _auto_takes_triton(x, records_grad):
         chosen = "torch"
-    if chosen == "torch":
+    if chosen == "torch" or x.shape[1] == 0:
         y = F.linear(x, weight, bias)
         if activation is None:
             return y
         # The reference's arithmetic; on CUDA (a prompt's rows) one Triton launch.
         return silu_and_mul(y, backend="torch" if backend == "torch" else "auto")
-    check_last_dim_contiguous("x", x)
-    check_last_dim_contiguous("weight", weight)
     from .projection_triton import triton_linear
     gated = activation is not None
     out_features = weight.shape[0] // (2 if gated else 1)
     plan = plan_linear(x.shape[0], out_features, x.shape[1], gated=gated, workspace=workspace,
-                       itemsize=x.element_size())
+                       itemsize=x.element_size(), shared_memory=shared_memory_budget(x.device))
     split = plan.split_k > 1
     return triton_linear(x, weight, bias, gated, plan, workspace.partials if split else None,
                          workspace.counters if split else None)
 
 
 __all__ = ["MAX_TRITON_ROWS", "LinearPlan", "SplitKWorkspace", "linear", "linear_reference",
-           "plan_linear"]
+           "plan_linear", "shared_memory_budget"]

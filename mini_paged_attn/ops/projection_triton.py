@@ -12,8 +12,9 @@ all of them in split order, so results do not depend on which program finishes l
 
 ``GATED``: the weight is ``[2 * N, K]``, SwiGLU's gate rows then up rows (``GatedMLP``'s
 ``gate_up_proj``), and the kernel returns ``silu(gate) * up`` with the rounding of the
-reference (each projection rounded to the dtype, the SiLU rounded, then the product), so
-the ``[rows, 2 * N]`` intermediate is never written.
+reference (each projection rounded to the dtype, the SiLU rounded, then the product), and
+the ``[rows, 2 * N]`` intermediate is never written. (The order of the roundings is the
+reference's; the hardware's exp and division may still move a result by an ulp.)
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _sum_splits(acc_a, acc_b, part_ptr, counter_ptr, tile, num_tiles, split,
     0). Unsplit: the sums themselves, ``is_last`` True."""
     if SPLIT_K == 1:
         return acc_a, acc_b, True
-    offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]  # [BLOCK_N, BLOCK_M]
     TILE: tl.constexpr = BLOCK_N * BLOCK_M * (2 if PAIRED else 1)
     mine = part_ptr + (split * num_tiles + tile).to(tl.int64) * TILE
     tl.store(mine + offs, acc_a)
@@ -73,7 +74,7 @@ def _sum_splits(acc_a, acc_b, part_ptr, counter_ptr, tile, num_tiles, split,
         acc_b = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         for s in range(SPLIT_K):
             part = part_ptr + (s * num_tiles + tile).to(tl.int64) * TILE
-            acc_a += tl.load(part + offs, cache_modifier=".cg")
+            acc_a += tl.load(part + offs, cache_modifier=".cg")          # [BLOCK_N, BLOCK_M]
             if PAIRED:
                 acc_b += tl.load(part + BLOCK_N * BLOCK_M + offs, cache_modifier=".cg")
         tl.store(counter_ptr + tile, 0)
@@ -128,19 +129,22 @@ def _linear_kernel(
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   gated: bool, plan, partials: torch.Tensor | None,
                   counters: torch.Tensor | None) -> torch.Tensor:
-    """x ``[M, K]``, weight ``[N, K]`` (``[2 * N, K]`` gated), both last dim contiguous, bias
-    None or ``[N]`` (``[2 * N]``) -> new ``[M, N]`` in x's dtype, launched by ``plan`` (a
-    checked :class:`~.projection.LinearPlan`); ``partials`` / ``counters`` hold its split-K
-    scratch when ``plan.split_k > 1`` (checked by the caller)."""
+    """x ``[M, K]`` (K > 0), weight ``[N, K]`` (``[2 * N, K]`` gated), both last dim
+    contiguous, bias None or contiguous ``[N]`` (``[2 * N]``) -> new ``[M, N]`` in x's
+    dtype, launched by ``plan`` (:func:`~.projection.plan_linear`'s, whose split fits
+    ``partials`` / ``counters``, the split-K scratch, None when unsplit)."""
     rows, in_features = x.shape
     out_features = weight.shape[0] // (2 if gated else 1)
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     if rows == 0 or out_features == 0:
         return out
-    if in_features == 0:
-        return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
     grid = (triton.cdiv(out_features, plan.block_n), triton.cdiv(rows, plan.block_m),
             plan.split_k)
+    if plan.split_k > 1:
+        tiles = grid[0] * grid[1]
+        assert tiles <= counters.numel() and (
+            plan.split_k * tiles * plan.block_n * plan.block_m * (2 if gated else 1)
+            <= partials.numel()), "the plan's split does not fit its scratch"
     # Stand-ins for pointers a launch never reads keep the tensors first (see .launch).
     launch(_linear_kernel, grid, (
         x, weight, bias if bias is not None else x, out,

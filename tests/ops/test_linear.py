@@ -69,6 +69,11 @@ def test_empty_inputs():
     assert linear(x, torch.randn(64, 128), backend="triton").shape == (0, 64)
     out = linear(torch.randn(4, 0), torch.randn(64, 0), torch.ones(64), backend="triton")
     assert torch.equal(out, torch.ones(4, 64))
+    # No K: the gated product of the bias halves alone.
+    bias = torch.randn(128, generator=torch.Generator().manual_seed(1))
+    out = linear(torch.randn(3, 0), torch.randn(128, 0), bias, activation="silu",
+                 backend="triton")
+    torch.testing.assert_close(out, (F.silu(bias[:64]) * bias[64:]).expand(3, 64))
 
 
 def test_auto_and_torch_run_f_linear_on_cpu():
@@ -111,8 +116,15 @@ def test_plan_fits_the_workspace():
     (lambda x, w: linear(x, w, activation="gelu"), "activation: expected one of"),
     (lambda x, w: linear(x, w[:63], activation="silu"), "weight: expected an even number"),
     (lambda x, w: linear(x, w, torch.zeros(3)), r"bias: expected shape \(64,\)"),
+    (lambda x, w: linear(x, w, torch.zeros(128)[::2]), "bias: expected .*contiguous"),
+    (lambda x, w: linear(x, torch.randn(32, 64).t()), "weight: expected .*contiguous"),
+    (lambda x, w: linear(x.t().contiguous().t(), w, backend="torch"),
+     "x: expected .*contiguous"),
+    (lambda x, w: SplitKWorkspace("cpu", partials=0), "partials: expected a positive int"),
+    (lambda x, w: SplitKWorkspace("cpu", counters=2.5), "counters: expected a positive int"),
     (lambda x, w: linear(x, w, workspace=torch.zeros(8)), "workspace: expected None or a"),
     (lambda x, w: linear(x, w, backend="cuda"), "backend: expected one of"),
+    (lambda x, w: linear(x, w.requires_grad_(), backend="triton"), "backend: expected 'auto'"),
 ])
 def test_bad_arguments_raise(call, match):
     x, w = torch.randn(4, 32), torch.randn(64, 32)

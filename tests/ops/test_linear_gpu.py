@@ -91,3 +91,16 @@ def test_graph_replays_give_the_eager_bits():
         assert torch.isfinite(eager.float()).all()
         assert torch.equal(out, eager)
     assert not workspace.counters.any()
+
+
+def test_auto_leaves_autograd_to_torch():
+    # The kernel has no backward: while autograd records, "auto" takes F.linear.
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(4, 1024, device="cuda", generator=gen).bfloat16()
+    weight = _weight(1024, 1024, gen).requires_grad_()
+    out = linear(x, weight)
+    assert out.grad_fn is not None
+    out.float().sum().backward()
+    assert weight.grad is not None
+    with torch.no_grad():
+        assert torch.equal(linear(x, weight), linear(x, weight, backend="triton"))
