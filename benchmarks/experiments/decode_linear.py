@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +76,8 @@ def projections(workspace, sweep, copy_gbps: float) -> list[dict]:
                        plan=dataclasses.asdict(plan), best_us=best[0],
                        best=dataclasses.asdict(best[1]))
             rows_out.append(row)
-            print(f"{name:8} {rows:4d}  floor {floor:5.2f}  cublas {cublas:6.2f}  ops.linear {ours:6.2f} "
+            print(f"{name:8} {rows:4d}  floor {floor:5.2f}  cublas {cublas:6.2f}  "
+                  f"ops.linear {ours:6.2f} "
                   f"(split {plan.split_k}, block_m {plan.block_m})  best {best[0]:6.2f} "
                   f"(split {best[1].split_k}, block_m {best[1].block_m}, "
                   f"stages {best[1].stages})", flush=True)
@@ -119,12 +121,8 @@ def chains(workspace) -> list[dict]:
     print("us per layer   rows  cublas  ops.linear")
     for rows in ROWS:
         ours = layer_chain(rows, workspace, layers, cos_sin)
-        limit = projection.MAX_TRITON_ROWS
-        projection.MAX_TRITON_ROWS = 0         # every projection by cuBLAS
-        try:
+        with mock.patch.object(projection, "MAX_TRITON_ROWS", 0):   # every projection by cuBLAS
             cublas = layer_chain(rows, workspace, layers, cos_sin)
-        finally:
-            projection.MAX_TRITON_ROWS = limit
         out.append(dict(rows=rows, cublas_us=cublas, ops_linear_us=ours))
         print(f"               {rows:4d}  {cublas:6.2f}  {ours:6.2f}", flush=True)
     return out

@@ -58,8 +58,9 @@ def check_launch_config(config: object, tile_names: tuple[str, ...], max_stages:
 
 
 def check_tensor(name: str, t: object, *, ndim: int, dtypes: tuple[torch.dtype, ...],
-                 device: torch.device | None = None) -> torch.Tensor:
-    """Check rank, dtype and device of one tensor argument; return it."""
+                 device: torch.device | None = None, device_of: str = "the query") -> torch.Tensor:
+    """Check rank, dtype and device of one tensor argument; return it. ``device_of`` names
+    the argument whose device ``device`` is, for the message."""
     if not isinstance(t, torch.Tensor):
         raise arg_error(name, "a torch.Tensor", type(t).__name__)
     if t.dim() != ndim:
@@ -67,7 +68,7 @@ def check_tensor(name: str, t: object, *, ndim: int, dtypes: tuple[torch.dtype, 
     if t.dtype not in dtypes:
         raise arg_error(name, "dtype " + " or ".join(str(d) for d in dtypes), _describe(t))
     if device is not None and t.device != device:
-        raise arg_error(name, f"a tensor on {device} (the query's device)", _describe(t))
+        raise arg_error(name, f"a tensor on {device} ({device_of}'s device)", _describe(t))
     return t
 
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..core.args import arg_error, cdiv, next_pow2, positive_int
 from .backend import resolve_backend
 from .checks import FLOAT_DTYPES, check_last_dim_contiguous, check_tensor
-from .fused import silu_and_mul
+from .fused import silu_and_mul, silu_and_mul_reference
 
 MAX_TRITON_ROWS = 256
 """The most rows ``backend="auto"`` sends to the Triton kernel (the engine's largest decode
@@ -117,6 +117,16 @@ def plan_linear(rows: int, out_features: int, in_features: int, *, gated: bool =
     each split at least two steps of K. ``itemsize``: bytes per element of x and the weight;
     ``shared_memory``: bytes the pipeline's stages may take (see
     :func:`shared_memory_budget`), which bound its depth."""
+    room = (None if workspace is None
+            else (workspace.partials.numel(), workspace.counters.numel()))
+    return _plan(rows, out_features, in_features, gated, room, itemsize, shared_memory)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(rows: int, out_features: int, in_features: int, gated: bool,
+          room: tuple[int, int] | None, itemsize: int, shared_memory: int) -> LinearPlan:
+    """:func:`plan_linear` from sizes alone (``room``: the workspace's partials and counters,
+    None without one), cached: eager steps ask again for every layer."""
     block_n, block_k = 64, min(128, max(16, next_pow2(in_features)))
     n_tiles = cdiv(out_features, block_n)
     block_m = min(max(16, next_pow2(rows)), 64)
@@ -124,14 +134,13 @@ def plan_linear(rows: int, out_features: int, in_features: int, *, gated: bool =
         block_m = 128
     m_tiles = cdiv(rows, block_m)
     split = 1
-    if workspace is not None:
+    if room is not None:
         target = 64 if rows <= 16 else 32
         while (n_tiles * split < target and in_features % (2 * split * block_k) == 0
                and in_features // (2 * split) >= 2 * block_k):
             split *= 2
         per_split = n_tiles * m_tiles * block_n * block_m * (2 if gated else 1)
-        while split > 1 and (split * per_split > workspace.partials.numel()
-                             or n_tiles * m_tiles > workspace.counters.numel()):
+        while split > 1 and (split * per_split > room[0] or n_tiles * m_tiles > room[1]):
             split //= 2
     # As deep a pipeline as the shared memory holds (each stage: the weight tiles and x's).
     stage_bytes = ((2 if gated else 1) * block_n + block_m) * block_k * itemsize
@@ -151,20 +160,12 @@ def _auto_takes_triton(x: torch.Tensor, records_grad: bool) -> bool:
                          else torch.cuda.current_device())
 
 
-def _check_device(name: str, value, device: torch.device) -> None:
-    if value.device != device:
-        raise arg_error(name, f"one on {device} (x's device)", f"one on {value.device}")
-
-
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      activation: str | None = None) -> torch.Tensor:
     """``F.linear``; with ``activation="silu"``, ``silu(gate) * up`` of its two halves (each
     rounded to the dtype first, as ``F.linear`` then ``F.silu`` and the product do)."""
     y = F.linear(x, weight, bias)
-    if activation is None:
-        return y
-    gate, up = y.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return y if activation is None else silu_and_mul_reference(y)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -190,8 +191,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         ``[n, out_features]`` (``[n, I]`` gated) in x's dtype.
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,))
-    _check_device("weight", weight, x.device)
+    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=x.device, device_of="x")
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("weight", weight)
     if weight.shape[1] != x.shape[1]:
@@ -203,15 +203,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise arg_error("weight", "an even number of rows (gate and up halves)",
                         tuple(weight.shape))
     if bias is not None:
-        check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,))
-        _check_device("bias", bias, x.device)
+        check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,), device=x.device, device_of="x")
         check_last_dim_contiguous("bias", bias)
         if bias.shape[0] != weight.shape[0]:
             raise arg_error("bias", f"shape ({weight.shape[0]},)", tuple(bias.shape))
     if workspace is not None:
         if not isinstance(workspace, SplitKWorkspace):
             raise arg_error("workspace", "None or a SplitKWorkspace", type(workspace).__name__)
-        _check_device("workspace", workspace, x.device)
+        if workspace.device != x.device:
+            raise arg_error("workspace", f"one on {x.device} (x's device)",
+                            f"one on {workspace.device}")
     chosen = resolve_backend(backend, x.device)
     records_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias))
