@@ -56,7 +56,14 @@ class StructuredOutputsParams:
                 raise ValueError("structured_outputs.json: expected a JSON schema object, got "
                                  f"{type(schema).__name__}")
             # Key order kept: properties are generated in the order the schema lists them.
-            text = _json.dumps(schema, ensure_ascii=False)
+            try:
+                text = _json.dumps(schema, ensure_ascii=False, allow_nan=False)
+            except (TypeError, ValueError, RecursionError) as exc:
+                # Huge integers (the server keeps them unparsed), NaN, nesting Python's encoder
+                # cannot follow: none of them is JSON a schema compiler can read.
+                raise ValueError("structured_outputs.json: expected a JSON schema of plain JSON "
+                                 f"values, got one the JSON encoder refuses ({exc})"[:300]) \
+                    from None
         elif kind == "json_object":
             if value is not True:
                 raise ValueError(f"structured_outputs.json_object: expected True, got {value!r}")

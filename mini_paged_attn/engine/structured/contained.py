@@ -1,0 +1,81 @@
+"""Running llguidance's compiler where its failures stay contained.
+
+llguidance compiles recursively in native code, and a Rust panic reaches Python as pyo3's
+``PanicException``, a ``BaseException`` that ``except Exception`` lets through. :func:`run_native`
+calls a function on a fresh thread with a stack far larger than the bounds of
+:class:`~.limits.GrammarLimits` let a compile use, waits for it at most the limits' timeout, and
+turns whatever it raises into a ``ValueError`` naming the field (a panic is logged with an error
+id, which the message carries).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from typing import TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# threading.stack_size() applies to every thread started after it: set and restored around
+# our own thread's start, one start at a time.
+_STACK_SIZE_LOCK = threading.Lock()
+
+
+class _Outcome:
+    """What the compile thread produced (written by it, read after join)."""
+
+    __slots__ = ("value", "error")
+
+    def __init__(self) -> None:
+        self.value = None
+        self.error: BaseException | None = None
+
+
+def run_native(fn: Callable[[], T], *, where: str, stack_bytes: int, timeout_s: float) -> T:
+    """``fn()`` on a thread with a ``stack_bytes`` stack; its result.
+
+    Raises:
+        ValueError: ``where: ...``: ``fn`` raised a ValueError (its message, the field
+            prefix added if missing), panicked or raised anything else (logged with an error
+            id), or did not finish within ``timeout_s`` (it goes on in the background, its
+            result dropped: a native call cannot be interrupted).
+    """
+    outcome = _Outcome()
+
+    def body() -> None:
+        try:
+            outcome.value = fn()
+        except BaseException as exc:   # pyo3's PanicException is a BaseException
+            outcome.error = exc
+
+    thread = threading.Thread(target=body, name="grammar-compile", daemon=True)
+    with _STACK_SIZE_LOCK:
+        before = threading.stack_size(stack_bytes)
+        try:
+            thread.start()
+        finally:
+            threading.stack_size(before)
+    thread.join(timeout_s)
+    if thread.is_alive():
+        logger.warning("%s: compiling took over %s s; refused (the compile goes on in the "
+                       "background)", where, timeout_s)
+        raise ValueError(f"{where}: compiling it took over {timeout_s} s (the server's "
+                         "budget); simplify the constraint")
+    error = outcome.error
+    if error is None:
+        return outcome.value
+    if isinstance(error, ValueError):
+        message = str(error)
+        raise ValueError(message if message.startswith(where) else f"{where}: {message}") \
+            from None
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("%s: the grammar compiler failed (error id %s)", where, error_id,
+                 exc_info=(type(error), error, error.__traceback__))
+    raise ValueError(f"{where}: the grammar compiler could not compile this constraint "
+                     f"({type(error).__name__}; error id {error_id})") from None
+
+
+__all__ = ["run_native"]
