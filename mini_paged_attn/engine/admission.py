@@ -3,7 +3,7 @@ the server's engine-process client (which runs them without an engine at hand)."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.sliding_window import check_sliding_window, min_blocks_to_run
@@ -21,6 +21,10 @@ class Admission:
         sequence advances).
     max_num_seqs: ``n`` samples run side by side, so ``n`` may not exceed it.
     sliding_window: the model's window when every layer has one, else None.
+    grammar: the engine's ``GrammarCompiler`` (None: no structured outputs check here). The
+        checks above never compile; a frontend compiles a request's constraint with it on a
+        worker thread before admitting the request (the server's request workers), so the
+        engine's stepping thread only copies the cached template.
     """
 
     vocab_size: int
@@ -29,6 +33,7 @@ class Admission:
     block_size: int
     max_num_seqs: int
     sliding_window: int | None = None
+    grammar: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sliding_window", check_sliding_window(self.sliding_window))
@@ -77,7 +82,27 @@ class Admission:
             if bad is not None:
                 raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary "
                                  f"[0, {self.vocab_size})")
+        check_min_tokens(params.structured_outputs, params.min_tokens)
         if params.n > self.max_num_seqs:
             raise ValueError(f"params.n: expected <= max_num_seqs={self.max_num_seqs}, "
                              f"got {params.n}")
         return params, text, ids
+
+
+def check_min_tokens(structured: Any, min_tokens: int, param: str = "min_tokens") -> None:
+    """Refuse ``min_tokens`` that a constraint's output must end before.
+
+    Every token a grammar allows adds at least one byte, and the end-of-sequence token is
+    banned until ``min_tokens`` tokens are out: a constraint whose longest output has fewer
+    bytes than ``min_tokens`` can only end that sample with "error". That is known without
+    tokenizing for ``choice`` (its longest entry); for other constraints the sample ends with
+    "error" when it happens.
+
+    Raises:
+        ValueError: ``param: ...``, naming the constraint's longest output.
+    """
+    longest = None if structured is None else structured.max_output_bytes
+    if longest is not None and min_tokens > longest:
+        raise ValueError(f"{param}: expected at most {longest} with this structured_outputs "
+                         f"{structured.kind} (its longest output is {longest} bytes, and each "
+                         f"token is at least one), got {min_tokens}")

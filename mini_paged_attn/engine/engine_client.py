@@ -91,7 +91,8 @@ class ClientBookkeeping:
 
     def __init__(self, tokenizer: Any, admission: Any) -> None:
         self.tokenizer = tokenizer
-        self._admission = admission
+        # The engine's limits (its ``grammar`` compiles constraints before admission).
+        self.admission = self._admission = admission
         self._lock = threading.Lock()
         self._live: dict[str, Any] = {}
         self._handler: OutputHandler | None = None

@@ -152,7 +152,8 @@ class LLM:
             constraint, mode = tool_constraint(
                 tools, tool_choice, parser=parser, parallel_tool_calls=parallel_tool_calls,
                 constrained_by=("sampling_params.structured_outputs"
-                                if params.structured_outputs is not None else None))
+                                if params.structured_outputs is not None else None),
+                compiler=self.engine.structured.compiler)
             if constraint is not None:
                 params = dataclasses.replace(params, structured_outputs=constraint)
             out_params.append(params)

@@ -73,14 +73,14 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
             self.kv_manager)
         self.output_processor = OutputProcessor(tokenizer)
-        self.admission = Admission(model_config.vocab_size, max_len, self.kv_manager.num_blocks,
-                                   config.block_size, config.max_num_seqs,
-                                   self.kv_manager.sliding_window)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
         # Grammar matchers of structured outputs (llguidance is imported on first use).
-        self.structured = StructuredOutputs(
-            GrammarCompiler(getattr(tokenizer, "hf", None), model_config.vocab_size,
-                            sorted(self.eos_token_ids)), self.runner.device)
+        compiler = GrammarCompiler(getattr(tokenizer, "hf", None), model_config.vocab_size,
+                                   sorted(self.eos_token_ids))
+        self.structured = StructuredOutputs(compiler, self.runner.device)
+        self.admission = Admission(model_config.vocab_size, max_len, self.kv_manager.num_blocks,
+                                   config.block_size, config.max_num_seqs,
+                                   self.kv_manager.sliding_window, grammar=compiler)
         self._num_structured = 0      # live requests with structured outputs (stepping thread)
         # Live requests whose steps may need their tokens at once (n > 1, prompt logprobs).
         self._num_sync_only = 0

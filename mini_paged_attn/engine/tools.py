@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .structured import INSTALL_HINT, StructuredOutputsParams, check_grammar
+from .structured import INSTALL_HINT, GrammarCompiler, StructuredOutputsParams, check_grammar
 from .tool_calls import PARSERS, ToolCallMode
 
 # OpenAI's rule for function names.
@@ -37,12 +37,20 @@ class ToolArgumentError(ValueError):
         self.param = param
 
 
-def checked_constraint(make: Callable[[], StructuredOutputsParams],
-                       param: str) -> StructuredOutputsParams:
-    """``make()``, checked to compile; :class:`ToolArgumentError` naming ``param`` if not."""
+def checked_constraint(make: Callable[[], StructuredOutputsParams], param: str,
+                       compiler: GrammarCompiler | None = None) -> StructuredOutputsParams:
+    """``make()``, checked to compile; :class:`ToolArgumentError` naming ``param`` if not.
+
+    ``compiler``: the engine's; the constraint is then compiled for good (within the limits
+    and budget, into its cache), so admitting the request costs the engine only a copy. None:
+    checked without a tokenizer (:func:`check_grammar`).
+    """
     try:
         params = make()
-        check_grammar(params)
+        if compiler is not None:
+            compiler.compile(params)
+        else:
+            check_grammar(params)
     except ValueError as exc:
         message = str(exc)
         if INSTALL_HINT in message:
@@ -85,7 +93,7 @@ def tool_functions(tools: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]
 
 def tool_constraint(tools: Sequence[dict[str, Any]] | None, tool_choice: str | dict | None, *,
                     parser: str, parallel_tool_calls: bool = True,
-                    constrained_by: str | None = None
+                    constrained_by: str | None = None, compiler: GrammarCompiler | None = None
                     ) -> tuple[StructuredOutputsParams | None, ToolCallMode | None]:
     """The constraint ``tool_choice`` puts on the output and how its calls are read.
 
@@ -97,6 +105,8 @@ def tool_constraint(tools: Sequence[dict[str, Any]] | None, tool_choice: str | d
         parallel_tool_calls: False: "required" allows one call only.
         constrained_by: the name of a constraint the request already has (it cannot be
             combined with "required" or a named function), or None.
+        compiler: the engine's grammar compiler, to compile the constraint for good (see
+            :func:`checked_constraint`), or None.
 
     Returns:
         ``(constraint or None, mode or None)``; mode None: no tool calls are read back.
@@ -127,29 +137,78 @@ def tool_constraint(tools: Sequence[dict[str, Any]] | None, tool_choice: str | d
         raise ToolArgumentError("tool_choice", "a required or named tool call cannot be "
                                 f"combined with {constrained_by}")
     if tool_choice == "required":
-        return _required(functions, parallel_tool_calls), ToolCallMode("required")
+        return _required(functions, parallel_tool_calls, compiler), ToolCallMode("required")
     if name not in functions:
         raise ToolArgumentError("tool_choice", f"no function named {name[:80]!r} in tools "
                                 f"(there are {', '.join(sorted(functions))})")
     index = list(functions).index(name)
     return checked_constraint(lambda: StructuredOutputsParams(json=functions[name]),
-                              f"tools[{index}].function.parameters"), \
+                              f"tools[{index}].function.parameters", compiler), \
         ToolCallMode("named", function=name)
 
 
-def _required(functions: dict[str, dict[str, Any]], parallel: bool) -> StructuredOutputsParams:
-    """A JSON list of calls, each of one of ``functions`` with valid arguments."""
+def _required(functions: dict[str, dict[str, Any]], parallel: bool,
+              compiler: GrammarCompiler | None) -> StructuredOutputsParams:
+    """A JSON list of calls, each of one of ``functions`` with valid arguments.
+
+    Each function's schema moves to the combined schema's ``$defs`` (as ``f<i>``, its own
+    ``$defs`` / ``definitions`` beside it as ``f<i>.<name>``), its local ``$ref``s rewritten to
+    match, so pydantic-style schemas resolve inside the list as they do alone."""
     for i, schema in enumerate(functions.values()):
-        # Checked one by one first, so a bad schema is named by its own index.
+        # Checked one by one first, so a bad schema is named by its own index (and the
+        # combined one is known to be within the limits' depth before it is rewritten).
         checked_constraint(lambda: StructuredOutputsParams(json=schema),
                            f"tools[{i}].function.parameters")
+    defs: dict[str, Any] = {}
+    for i, schema in enumerate(functions.values()):
+        defs.update(_hoisted(schema, f"f{i}"))
     calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-        {"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+        {"type": "object", "properties": {"name": {"const": name},
+                                          "arguments": {"$ref": f"#/$defs/f{i}"}},
          "required": ["name", "arguments"], "additionalProperties": False}
-        for name, schema in functions.items()]}}
+        for i, name in enumerate(functions)]}, "$defs": defs}
     if not parallel:
         calls["maxItems"] = 1
-    return checked_constraint(lambda: StructuredOutputsParams(json=calls), "tools")
+    return checked_constraint(lambda: StructuredOutputsParams(json=calls), "tools", compiler)
+
+
+def _hoisted(schema: dict[str, Any], name: str) -> dict[str, Any]:
+    """``{name: schema without its definitions, f"{name}.{d}": each definition}``, every local
+    ``$ref`` rewritten to point into the combined schema's ``$defs``."""
+    own = {}
+    for key in ("$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            own.update({d: (key, value) for d, value in schema[key].items()})
+
+    def target(ref: str) -> str:
+        if not ref.startswith("#"):
+            return ref
+        for key in ("$defs", "definitions"):
+            prefix = f"#/{key}/"
+            if ref.startswith(prefix):
+                head, _, rest = ref[len(prefix):].partition("/")
+                if head in own:
+                    return f"#/$defs/{_escape(f'{name}.{head}')}" + (f"/{rest}" if rest else "")
+        return f"#/$defs/{_escape(name)}{ref[1:]}"
+
+    def rewrite(value: Any) -> Any:
+        # Depth is within the limits' max_schema_depth: checked_constraint ran first.
+        if isinstance(value, dict):
+            return {k: (target(v) if k == "$ref" and isinstance(v, str) else rewrite(v))
+                    for k, v in value.items()}
+        if isinstance(value, list):
+            return [rewrite(v) for v in value]
+        return value
+
+    body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+    out = {name: rewrite(body)}
+    out.update({f"{name}.{d}": rewrite(value) for d, (_, value) in own.items()})
+    return out
+
+
+def _escape(name: str) -> str:
+    """``name`` as one JSON pointer segment."""
+    return name.replace("~", "~0").replace("/", "~1")
 
 
 __all__ = ["TOOL_CHOICE_HELP", "ToolArgumentError", "checked_constraint", "tool_constraint",

@@ -107,6 +107,12 @@ def _check_fits(served: ServedModel, prompts: list[list[int]], max_tokens: int, 
                           param=param, code="context_length_exceeded")
 
 
+def _grammar_compiler(served: ServedModel) -> Any:
+    """The engine's GrammarCompiler (constraints compile on this worker thread, into its
+    cache), or None for an engine client without one (then only checked here)."""
+    return getattr(getattr(served.engine, "admission", None), "grammar", None)
+
+
 def _logprobs_format(served: ServedModel, top: int | None) -> Logprobs | None:
     if top is None:
         return None
@@ -132,7 +138,7 @@ def prepare_completion(served: ServedModel, raw: bytes) -> Prepared:
     _check_model(served, req.model)
     items = req.prompts()
     _check_sampling(served, req, len(items))
-    constraint = completion_constraint(req)
+    constraint = completion_constraint(req, _grammar_compiler(served))
     tokenizer = served.engine.tokenizer
     prompts = []
     for i, p in enumerate(items):
@@ -168,7 +174,7 @@ def prepare_chat(served: ServedModel, raw: bytes) -> Prepared:
     tokenizer = served.engine.tokenizer
     parser = served.tool_call_parser or parser_for_template(
         getattr(getattr(tokenizer, "hf", None), "chat_template", None))
-    constraint, tools = chat_constraint(req, parser)
+    constraint, tools = chat_constraint(req, parser, _grammar_compiler(served))
     try:
         ids = tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=True,
                                             tools=req.template_tools())

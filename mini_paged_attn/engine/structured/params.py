@@ -57,13 +57,13 @@ class StructuredOutputsParams:
                                  f"{type(schema).__name__}")
             # Key order kept: properties are generated in the order the schema lists them.
             try:
-                text = _json.dumps(schema, ensure_ascii=False, allow_nan=False)
+                text = _json.dumps(schema, ensure_ascii=False, allow_nan=False,
+                                   default=_not_json)
             except (TypeError, ValueError, RecursionError) as exc:
                 # Huge integers (the server keeps them unparsed), NaN, nesting Python's encoder
                 # cannot follow: none of them is JSON a schema compiler can read.
                 raise ValueError("structured_outputs.json: expected a JSON schema of plain JSON "
-                                 f"values, got one the JSON encoder refuses ({exc})"[:300]) \
-                    from None
+                                 f"values, got {str(exc)[:200]}") from None
         elif kind == "json_object":
             if value is not True:
                 raise ValueError(f"structured_outputs.json_object: expected True, got {value!r}")
@@ -83,9 +83,23 @@ class StructuredOutputsParams:
         object.__setattr__(self, "key", (kind, text))
 
     @property
+    def max_output_bytes(self) -> int | None:
+        """The longest output the constraint allows, in UTF-8 bytes, when it is known without
+        compiling (``choice``: its longest entry); else None."""
+        if self.kind != "choice":
+            return None
+        return max(len(c.encode("utf-8", "surrogatepass")) for c in self.choice)
+
+    @property
     def kind(self) -> str:
         """Which field is set: one of ``KINDS``."""
         return self.key[0]
+
+
+def _not_json(value: Any) -> Any:
+    # The server's parser keeps integers of over 20 digits as a placeholder whose str says so.
+    raise TypeError(f"{value}" if type(value).__name__ == "HugeInt"
+                    else f"a {type(value).__name__}, which is not JSON")
 
 
 __all__ = ["KINDS", "StructuredOutputsParams"]
