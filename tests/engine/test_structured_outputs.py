@@ -121,9 +121,10 @@ def test_cut_by_max_tokens_is_a_length_finish(engine):
 
 def test_a_rejected_token_ends_that_request_with_an_error(engine):
     # The grammar allows only "a", min_tokens bans it (a stop token): every logit is -inf, the
-    # sampled token breaks the grammar. That sample ends with "error"; the others go on.
+    # sampled token breaks the grammar. That sample ends with "error"; the others go on. (A
+    # regex: admission refuses a choice whose entries are all shorter than min_tokens.)
     doomed = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=3, stop_token_ids=[97],
-                            structured_outputs=S(choice=["a"]))
+                            structured_outputs=S(regex="a"))
     fine = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outs = _run(engine, [("x", doomed), ("y", fine)])
     assert outs[0].outputs[0].finish_reason == "error"
@@ -146,7 +147,7 @@ def test_compiled_once_per_constraint(engine, monkeypatch):
     monkeypatch.setattr(Counting, "validate_grammar", real.validate_grammar, raising=False)
     for name in ("grammar_from_json_schema", "grammar_from_regex", "grammar_from_lark"):
         monkeypatch.setattr(Counting, name, getattr(real, name), raising=False)
-    compiler._cache.clear()
+    compiler.cache.clear()
     new_schema = dict(SCHEMA, title="compiled once")
     _run(engine, [("q", _sampled(S(json=new_schema), seed=s, n=2)) for s in range(3)])
     assert len(built) == 1

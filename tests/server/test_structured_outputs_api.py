@@ -173,10 +173,11 @@ def test_engine_in_a_child_process(model_dir):
 def test_a_grammar_that_cannot_finish_is_a_500(server, llm, stream):
     # The grammar allows only "a", a stop token that min_tokens bans: the engine ends the
     # choice with reason "error" rather than a broken output; the server answers 500 (an error
-    # event once streaming) and goes on serving.
+    # event once streaming) and goes on serving. (A regex: a choice shorter than min_tokens is
+    # refused before admission.)
     (a,) = llm.engine.tokenizer.encode("a", add_special_tokens=False)
     body = {**CHAT_GOOD, "max_tokens": 8, "min_tokens": 4, "temperature": 0, "stream": stream,
-            "stop_token_ids": [a], "structured_outputs": {"choice": ["a"]}}
+            "stop_token_ids": [a], "structured_outputs": {"regex": "a"}}
     with server.client() as c:
         r = c.post("/v1/chat/completions", json=body)
         if stream:

@@ -65,6 +65,11 @@ class TemplateCache:
             self._bytes += size
         return True
 
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
     @property
     def bytes(self) -> int:
         """The estimates of the kept templates, summed."""

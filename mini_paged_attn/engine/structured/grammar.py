@@ -148,6 +148,7 @@ class GrammarCompiler:
             ValueError: the constraint is over the limits or does not compile
                 (``structured_outputs.<kind>: why``), or llguidance is missing.
         """
+        _llguidance()   # a cached template is of no use without it: say so now
         key = params.key
         template = self.cache.get(key)
         if template is None:

@@ -137,21 +137,21 @@ def check_limits(params: StructuredOutputsParams, limits: GrammarLimits = DEFAUL
         _check_repeats(text, limits, where)
 
 
-def _check_regex(regex: str, limits: GrammarLimits, where: str) -> None:
+def _check_regex(regex: str, limits: GrammarLimits, where: str, what: str = "a regex") -> None:
     size = len(regex.encode("utf-8", "surrogatepass"))
     if size > limits.max_regex_bytes:
-        raise _fail(f"{where}: expected a regex of at most {limits.max_regex_bytes} bytes, "
+        raise _fail(f"{where}: expected {what} of at most {limits.max_regex_bytes} bytes, "
                     f"got {size}")
-    _check_repeats(regex, limits, where)
+    _check_repeats(regex, limits, where, f" in {what}" if what != "a regex" else "")
 
 
-def _check_repeats(text: str, limits: GrammarLimits, where: str) -> None:
+def _check_repeats(text: str, limits: GrammarLimits, where: str, inside: str = "") -> None:
     for match in _REPEAT.finditer(text):
         for count in match.groups():
             # Compared as text first: a 5000-digit count must not meet int()'s digit limit.
             if count and (len(count) > 9 or int(count) > limits.max_repeat):
                 raise _fail(f"{where}: expected repetition counts of at most "
-                            f"{limits.max_repeat}, got {match.group(0)[:40]!r}")
+                            f"{limits.max_repeat}{inside}, got {match.group(0)[:40]!r}")
 
 
 def _check_schema(schema: Any, text: str, limits: GrammarLimits, where: str) -> None:
@@ -184,7 +184,7 @@ def _check_schema(schema: Any, text: str, limits: GrammarLimits, where: str) -> 
             continue
         if isinstance(value, str):
             if key == "pattern":
-                _check_regex(value, limits, f"{where} (pattern)")
+                _check_regex(value, limits, where, "a pattern")
             continue
         if not isinstance(value, (dict, list)):
             continue
@@ -203,7 +203,7 @@ def _check_schema(schema: Any, text: str, limits: GrammarLimits, where: str) -> 
                                 f"{k}, got {len(v)}")
                 if k == "patternProperties" and isinstance(v, dict):
                     for pattern in v:
-                        _check_regex(pattern, limits, f"{where} (patternProperties)")
+                        _check_regex(pattern, limits, where, "a patternProperties key")
                 stack.append((v, depth + 1, k))
         else:
             stack.extend((v, depth + 1, None) for v in value)
