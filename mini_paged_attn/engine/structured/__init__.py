@@ -14,6 +14,6 @@ from .limits import DEFAULT_LIMITS, GrammarLimits, check_limits
 from .manager import Advance, StructuredOutputs
 from .params import StructuredOutputsParams
 
-__all__ = ["Advance", "DEFAULT_LIMITS", "GrammarCompiler", "GrammarLimits", "INSTALL_HINT", "StructuredOutputs",
-           "StructuredOutputsParams", "TokenMasks", "apply_token_masks", "bitmask_words",
-           "check_grammar", "check_limits"]
+__all__ = ["Advance", "DEFAULT_LIMITS", "GrammarCompiler", "GrammarLimits", "INSTALL_HINT",
+           "StructuredOutputs", "StructuredOutputsParams", "TokenMasks", "apply_token_masks",
+           "bitmask_words", "check_grammar", "check_limits"]
