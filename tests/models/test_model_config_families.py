@@ -254,3 +254,10 @@ def test_each_family_gets_its_class_and_a_wrong_class_refuses():
                                  "num_hidden_layers": 1, "num_attention_heads": 2,
                                  "num_key_value_heads": 1, "vocab_size": 16})
     assert type(build_model(phi, device="meta")) is Phi3ForCausalLM
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rms_norm_eps_absent_from_the_file_is_transformers_default(family):
+    hf = _hf_family_config(family)
+    raw = {k: v for k, v in hf_dict(hf).items() if k != "rms_norm_eps"}
+    assert ModelConfig.from_dict(raw).rms_norm_eps == type(hf)().rms_norm_eps
