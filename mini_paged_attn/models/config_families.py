@@ -1,6 +1,7 @@
 """How each family's config.json spells what the families differ in: the attention pattern
-(which layers slide, over how many keys), the rope of full and sliding layers, the activation,
-and transformers' class defaults for the fields a file leaves out."""
+(which layers slide, over how many keys), the rope of full and sliding layers (partial rotary
+included), the activation, and transformers' class defaults for the fields a file leaves out.
+Each rule follows the family's own transformers 5 modeling code."""
 
 from __future__ import annotations
 
@@ -98,17 +99,38 @@ def attention_pattern(raw: dict[str, Any], family: str, num_layers: int,
     return int(window), types
 
 
+# Families whose transformers model rotates only part of each head when the config says so
+# (``partial_rotary_factor``); the others' rope modules ignore the field.
+PARTIAL_ROTARY_FAMILIES = ("phi3",)
+
+
 def parse_ropes(raw: dict[str, Any], family: str, max_positions: int,
                 source: str) -> tuple[RopeConfig, RopeConfig | None]:
     """``(rope, sliding_rope)``: transformers 5 writes ``rope_parameters`` (theta inside; per
     layer type for Gemma 3); 4.x writes ``rope_theta`` + ``rope_scaling`` (Gemma 3 adds
-    ``rope_local_base_freq``, the sliding layers' theta, its scaling applying to the full ones)."""
+    ``rope_local_base_freq``, the sliding layers' theta, its scaling applying to the full ones).
+
+    ``partial_rotary_factor`` is read where transformers reads it: inside the rope dict, else at
+    the top of config.json (older files: Phi-4-mini), the dict's winning when both are there.
+
+    Raises:
+        ValueError: a bad rope field, or a partial rotary factor on a family whose transformers
+            model rotates the whole head whatever it says (not guessed either way).
+    """
     params = dict(raw.get("rope_parameters") or {})
     original = raw.get("original_max_position_embeddings") if family == "phi3" else None
 
     def parse(layer_params: dict[str, Any], theta: float) -> RopeConfig:
-        return parse_rope(layer_params, default_theta=theta, max_position_embeddings=max_positions,
-                          original_max_position_embeddings=original, source=source)
+        rope = parse_rope(layer_params, default_theta=theta,
+                          max_position_embeddings=max_positions,
+                          original_max_position_embeddings=original,
+                          default_partial_rotary_factor=raw.get("partial_rotary_factor"),
+                          source=source)
+        if rope.partial_rotary_factor != 1.0 and family not in PARTIAL_ROTARY_FAMILIES:
+            raise ValueError(f"{source}: partial_rotary_factor {rope.partial_rotary_factor} is "
+                             f"not supported for {family} (transformers' {family} rotates the "
+                             f"whole head; partial rotary: {PARTIAL_ROTARY_FAMILIES})")
+        return rope
 
     if any(t in params for t in LAYER_TYPES):
         full = parse(params.get("full_attention") or {}, raw.get("rope_theta", 10000.0))
