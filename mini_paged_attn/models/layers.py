@@ -70,7 +70,8 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin_cache = self._table(self.cos_sin_cache.device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: int64 ``[num_tokens]`` -> (cos, sin), each ``[num_tokens, rotary_dim // 2]``."""
+        """positions: int64 ``[num_tokens]`` -> (cos, sin), each
+        ``[num_tokens, rotary_dim // 2]``."""
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         return cos, sin
 
