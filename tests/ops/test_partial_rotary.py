@@ -101,11 +101,13 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
 
 
-def _store_inputs(n, hq, hkv, d, dtype, gen, device="cpu"):
+def _store_inputs(n, hq, hkv, d, dtype, gen, device="cpu", num_blocks=NUM_BLOCKS):
+    """q, k, v views, distinct shuffled slots (the last row padding, -1) and NaN caches of
+    ``num_blocks`` blocks (> n / BLOCK_SIZE)."""
     q, k, v = _qkv(n, hq, hkv, d, dtype, gen, device)
-    slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:n].to(device)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)[:n].to(device)
     slots[-1] = -1                                   # a padding row writes nothing
-    caches = [torch.full((NUM_BLOCKS, BLOCK_SIZE, hkv, d), float("nan"), dtype=dtype,
+    caches = [torch.full((num_blocks, BLOCK_SIZE, hkv, d), float("nan"), dtype=dtype,
                          device=device) for _ in range(2)]
     return q, k, v, slots, caches
 
@@ -156,7 +158,8 @@ def test_gpu_bf16_matches_reference(fraction, norm, n):
     dtype, hq, hkv, d = torch.bfloat16, 24, 8, 128
     gen = torch.Generator().manual_seed(n + int(fraction * 4))
     rotary_dim = int(d * fraction)
-    q, k, v, slots, caches = _store_inputs(n, hq, hkv, d, dtype, gen, device="cuda")
+    q, k, v, slots, caches = _store_inputs(n, hq, hkv, d, dtype, gen, device="cuda",
+                                           num_blocks=n // BLOCK_SIZE + 3)
     table = _table(4096, rotary_dim, dtype, device="cuda")
     positions = torch.randint(0, 4096, (n,), generator=gen).cuda()
     qk_norm = _norm(d, dtype, gen, device="cuda") if norm else None
