@@ -2,10 +2,10 @@
 
 Seven dense families share one config: Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2 and
 Gemma 3 (text). What differs between them is a handful of flags and fields (qkv bias, q/k
-RMSNorm, tied embeddings, rope scaling, sliding-window layers, logit soft-caps) that this module
-reads from config.json as transformers 4.4x through 5.x write it (``rope_theta`` +
-``rope_scaling`` or ``rope_parameters``, per layer type for Gemma 3; ``torch_dtype`` or
-``dtype``). A config.json without ``architectures`` (as converters write it) is recognized by
+RMSNorm, tied embeddings, rope scaling, partial rotary, sliding-window layers, logit soft-caps)
+that this module reads from config.json as transformers 4.4x through 5.x write it
+(``rope_theta`` + ``rope_scaling`` or ``rope_parameters``, per layer type for Gemma 3;
+``torch_dtype`` or ``dtype``). A config.json without ``architectures`` (as converters write it) is recognized by
 its ``model_type``.
 
 Sliding windows follow Hugging Face's meaning: a query at position ``p`` of a

@@ -40,8 +40,10 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding from a precomputed table, indexed by position on the device.
 
-    The table ``cos_sin_cache`` is ``[max_positions, head_size]`` in the model dtype: cosines of
-    the ``head_size // 2`` pair angles, then their sines. It is a non-persistent buffer: call
+    The table ``cos_sin_cache`` is ``[max_positions, rotary_dim]`` in the model dtype
+    (``rotary_dim = rope.rotary_dim(head_size)``: ``head_size`` unless the rotary is partial):
+    cosines of the ``rotary_dim // 2`` pair angles, then their sines. It is a non-persistent
+    buffer: call
     :meth:`reset_parameters` after materialising a model built on the meta device.
     Positions must be ``< max_positions`` (not checked: that would need a host sync).
     """
@@ -58,7 +60,8 @@ class RotaryEmbedding(nn.Module):
     def _table(self, device) -> torch.Tensor:
         device = torch.device(device) if device is not None else torch.get_default_device()
         if device.type == "meta":
-            return torch.empty(self.max_positions, self.head_size, dtype=self.dtype, device=device)
+            return torch.empty(self.max_positions, self.rope.rotary_dim(self.head_size),
+                               dtype=self.dtype, device=device)
         return rope_table(self.head_size, self.max_positions, self.rope, dtype=self.dtype,
                           device=device)
 
@@ -67,17 +70,19 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin_cache = self._table(self.cos_sin_cache.device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: int64 ``[num_tokens]`` -> (cos, sin), each ``[num_tokens, head_size // 2]``."""
+        """positions: int64 ``[num_tokens]`` -> (cos, sin), each
+        ``[num_tokens, rotary_dim // 2]``."""
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the (i, i + head_size/2) pairs of every head (the "rotate half" layout HF uses).
+    """Rotate the (i, i + rotary_dim/2) pairs of every head (the "rotate half" layout HF uses);
+    dims from ``rotary_dim`` on pass through (partial rotary).
 
     Args:
         x: ``[num_tokens, num_heads, head_size]`` (any strides).
-        cos, sin: ``[num_tokens, head_size // 2]`` in x's dtype, from :class:`RotaryEmbedding`.
+        cos, sin: ``[num_tokens, rotary_dim // 2]`` in x's dtype, from :class:`RotaryEmbedding`.
 
     Returns:
         A new contiguous ``[num_tokens, num_heads, head_size]`` tensor in x's dtype.

@@ -3,7 +3,7 @@ inverse frequency of every rotary pair.
 
 Types (``rope_type`` in config.json, or the older ``type``):
 
-- "default": ``theta ** (-2i / head_size)``.
+- "default": ``theta ** (-2i / head_size)`` for pair ``i``.
 - "linear": default divided by ``factor``.
 - "llama3": Llama 3.1's banded rescaling around ``original_max_position_embeddings``.
 - "dynamic": NTK-aware scaling whose base grows with the sequence only *past*
@@ -17,6 +17,11 @@ Types (``rope_type`` in config.json, or the older ``type``):
   ``attention_factor``. transformers switches the whole sequence to the long factors once it
   grows past the original context; a table indexed by position cannot, so a sequence crossing
   that boundary keeps the short factors on its early positions (as vLLM does).
+
+Partial rotary (``partial_rotary_factor`` < 1, Phi-3 / Phi-4-mini): only the first
+``rotary_dim = int(partial_rotary_factor * head_size)`` dims of each head rotate (as the pairs
+``(i, i + rotary_dim / 2)``), the rest pass through unchanged; every type above then computes its
+frequencies over ``rotary_dim`` instead of ``head_size``, as transformers does.
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ class RopeConfig:
     """Rotary embedding parameters of one layer (see the module docstring for each type).
 
     ``attention_factor`` scales cos and sin (yarn, longrope; 1.0 for the others);
-    ``short_factor`` / ``long_factor`` are longrope's per-pair divisors (``head_size // 2`` each).
+    ``short_factor`` / ``long_factor`` are longrope's per-pair divisors (``rotary_dim // 2``
+    each); ``partial_rotary_factor`` in (0, 1]: the share of each head that rotates
+    (:meth:`rotary_dim`).
     """
     theta: float
     rope_type: str = "default"
@@ -51,6 +58,7 @@ class RopeConfig:
     attention_factor: float = 1.0
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self):
         if not (self.theta > 0 and math.isfinite(self.theta)):
@@ -71,27 +79,43 @@ class RopeConfig:
                              f"{len(self.short_factor)} / {len(self.long_factor)} values")
         if not self.attention_factor > 0:
             raise ValueError(f"rope attention_factor: expected > 0, got {self.attention_factor!r}")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError("rope partial_rotary_factor: expected a number in (0, 1], got "
+                             f"{self.partial_rotary_factor!r}")
+
+    def rotary_dim(self, head_size: int) -> int:
+        """How many leading dims of a ``head_size`` head rotate: ``int(partial_rotary_factor *
+        head_size)``, transformers' rounding (the rest pass through)."""
+        return int(head_size * self.partial_rotary_factor)
 
     def check_head_size(self, head_size: int) -> None:
-        """Raise ValueError if longrope's per-pair factors do not fit ``head_size``."""
+        """Raise ValueError if the rotated dims of a ``head_size`` head are not an even number
+        >= 2, or longrope's per-pair factors do not fit them."""
+        rotary_dim = self.rotary_dim(head_size)
+        if rotary_dim < 2 or rotary_dim % 2:
+            raise ValueError(f"rope partial_rotary_factor: {self.partial_rotary_factor} of "
+                             f"head_size {head_size} rotates {rotary_dim} dims, expected an even "
+                             "number >= 2 (rotary pairs)")
         for name in ("short_factor", "long_factor"):
             got = len(getattr(self, name))
-            if got and got != head_size // 2:
-                raise ValueError(f"rope {name}: expected {head_size // 2} values (head_size / 2), "
-                                 f"got {got}")
+            if got and got != rotary_dim // 2:
+                raise ValueError(f"rope {name}: expected {rotary_dim // 2} values (one per "
+                                 f"rotary pair: rotary_dim {rotary_dim} / 2), got {got}")
 
 
 def parse_rope(params: dict[str, Any], *, default_theta: float, max_position_embeddings: int,
                original_max_position_embeddings: int | None = None,
+               default_partial_rotary_factor: Any = None,
                source: str = "config.json") -> RopeConfig:
     """One layer's rope parameters (a ``rope_parameters`` / ``rope_scaling`` dict, theta inside or
     given as ``default_theta``) -> :class:`RopeConfig`, with transformers' defaults filled in.
 
     ``original_max_position_embeddings`` from outside the dict (Phi-3 writes it at the top of
-    config.json) wins over the dict's, as in transformers.
+    config.json) wins over the dict's, as in transformers; ``default_partial_rotary_factor``
+    (the top-level field of older files) applies when the dict has none.
 
     Raises:
-        ValueError: an unsupported rope type or partial rotary factor (names ``source``).
+        ValueError: an unsupported rope type or a bad partial rotary factor (names ``source``).
     """
     theta = params.get("rope_theta", default_theta)
     rope_type = params.get("rope_type") or params.get("type") or "default"
@@ -100,10 +124,12 @@ def parse_rope(params: dict[str, Any], *, default_theta: float, max_position_emb
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"{source}: rope type {rope_type!r} is not supported; "
                          f"supported: {ROPE_TYPES}")
-    partial = params.get("partial_rotary_factor", 1.0)
-    if partial != 1.0:
-        raise ValueError(f"{source}: partial_rotary_factor {partial} is not supported "
-                         "(rotary on the whole head only)")
+    partial = params.get("partial_rotary_factor")
+    partial = default_partial_rotary_factor if partial is None else partial
+    partial = 1.0 if partial is None else partial
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)):
+        raise ValueError(f"{source}: partial_rotary_factor: expected a number in (0, 1], got "
+                         f"{partial!r}")
     original = (original_max_position_embeddings or params.get("original_max_position_embeddings")
                 or (max_position_embeddings if rope_type in _NEEDS_ORIGINAL else None))
     factor = params.get("factor")
@@ -123,7 +149,8 @@ def parse_rope(params: dict[str, Any], *, default_theta: float, max_position_emb
         truncate=bool(params.get("truncate", True)),
         attention_factor=float(attention_factor),
         short_factor=tuple(float(x) for x in params.get("short_factor") or ()),
-        long_factor=tuple(float(x) for x in params.get("long_factor") or ()))
+        long_factor=tuple(float(x) for x in params.get("long_factor") or ()),
+        partial_rotary_factor=float(partial))
 
 
 def _default_attention_factor(rope_type: str, factor: float, params: dict[str, Any],
@@ -138,14 +165,15 @@ def _default_attention_factor(rope_type: str, factor: float, params: dict[str, A
     return 1.0
 
 
-def rope_inv_freq(head_size: int, rope: RopeConfig, device: torch.device | str | None = None,
+def rope_inv_freq(dim: int, rope: RopeConfig, device: torch.device | str | None = None,
                   *, long: bool = False) -> torch.Tensor:
-    """Inverse frequency of each rotary pair: float32 ``[head_size // 2]``.
+    """Inverse frequency of each rotary pair: float32 ``[dim // 2]``.
 
-    ``long``: longrope's frequencies past the original context (``long_factor``); ignored by
-    the other types.
+    ``dim``: the rotated dims, ``rope.rotary_dim(head_size)`` (the head size unless the rotary
+    is partial): every type computes its frequencies over them. ``long``: longrope's
+    frequencies past the original context (``long_factor``); ignored by the other types.
     """
-    exponents = torch.arange(0, head_size, 2, dtype=torch.int64, device=device).float() / head_size
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     base = rope.theta ** exponents
     if rope.rope_type == "longrope":
         factors = rope.long_factor if long else rope.short_factor
@@ -163,23 +191,23 @@ def rope_inv_freq(head_size: int, rope: RopeConfig, device: torch.device | str |
                  / (rope.high_freq_factor - rope.low_freq_factor)).clamp(0.0, 1.0)
         inv_freq = (1 - blend) * inv_freq / rope.factor + blend * inv_freq
     elif rope.rope_type == "yarn":
-        inv_freq = _yarn_inv_freq(head_size, rope, base)
+        inv_freq = _yarn_inv_freq(dim, rope, base)
     return inv_freq
 
 
-def _yarn_inv_freq(head_size: int, rope: RopeConfig, base: torch.Tensor) -> torch.Tensor:
+def _yarn_inv_freq(dim: int, rope: RopeConfig, base: torch.Tensor) -> torch.Tensor:
     # The pair index at which a pair makes `turns` rotations over the original context.
     def pair_at(turns: float) -> float:
-        return (head_size * math.log(rope.original_max_position_embeddings / (turns * 2 * math.pi))
+        return (dim * math.log(rope.original_max_position_embeddings / (turns * 2 * math.pi))
                 / (2 * math.log(rope.theta)))
 
     low, high = pair_at(rope.beta_fast), pair_at(rope.beta_slow)
     if rope.truncate:
         low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_size - 1)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001                          # a step instead of a ramp, without dividing by 0
-    pairs = torch.arange(head_size // 2, dtype=torch.float32, device=base.device)
+    pairs = torch.arange(dim // 2, dtype=torch.float32, device=base.device)
     # 1 for fast pairs (kept as they are), 0 for slow ones (interpolated by `factor`).
     keep = 1 - ((pairs - low) / (high - low)).clamp(0, 1)
     return (1.0 / (rope.factor * base)) * (1 - keep) + (1.0 / base) * keep
@@ -187,15 +215,17 @@ def _yarn_inv_freq(head_size: int, rope: RopeConfig, base: torch.Tensor) -> torc
 
 def rope_table(head_size: int, max_positions: int, rope: RopeConfig, *, dtype: torch.dtype,
                device: torch.device | str | None = None) -> torch.Tensor:
-    """The cos/sin table of positions ``0 .. max_positions``: ``[max_positions, head_size]`` in
-    ``dtype``, the cosines of the ``head_size // 2`` pair angles then their sines, both scaled by
-    ``attention_factor``; computed in float32 then cast (as transformers does)."""
+    """The cos/sin table of positions ``0 .. max_positions``: ``[max_positions, rotary_dim]`` in
+    ``dtype`` (``rotary_dim = rope.rotary_dim(head_size)``, ``head_size`` unless the rotary is
+    partial), the cosines of the ``rotary_dim // 2`` pair angles then their sines, both scaled
+    by ``attention_factor``; computed in float32 then cast (as transformers does)."""
+    rotary_dim = rope.rotary_dim(head_size)
     positions = torch.arange(max_positions, dtype=torch.float32, device=device)
-    angles = torch.outer(positions, rope_inv_freq(head_size, rope, device))
+    angles = torch.outer(positions, rope_inv_freq(rotary_dim, rope, device))
     if rope.rope_type == "longrope" and max_positions > rope.original_max_position_embeddings:
         start = rope.original_max_position_embeddings
         angles[start:] = torch.outer(positions[start:],
-                                     rope_inv_freq(head_size, rope, device, long=True))
+                                     rope_inv_freq(rotary_dim, rope, device, long=True))
     table = torch.cat([angles.cos(), angles.sin()], dim=-1)
     if rope.attention_factor != 1.0:
         table = table * rope.attention_factor

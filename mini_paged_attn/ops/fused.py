@@ -61,11 +61,15 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 def rotate_half_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the (i, i + D/2) pairs of every head. x: ``[n, heads, D]`` (any strides); cos,
-    sin: ``[n, D/2]`` in x's dtype. Returns a new contiguous tensor like x."""
-    x1, x2 = x.chunk(2, dim=-1)
+    """Rotate the (i, i + R/2) pairs of the first ``R`` dims of every head, pass the others
+    through (partial rotary, as transformers' Phi-3). x: ``[n, heads, D]`` (any strides); cos,
+    sin: ``[n, R/2]`` in x's dtype, ``R <= D`` (``R = D``: the whole head). Returns a new
+    contiguous tensor like x."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half:2 * half]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    return torch.cat(rotated + ([x[..., 2 * half:]] if 2 * half < x.shape[-1] else []), dim=-1)
 
 
 def apply_rotary_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -142,7 +146,9 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding ("rotate half", the Llama/Qwen layout) of q and k, one kernel for both;
     optionally preceded by Qwen3's per-head RMSNorm of q and k, and followed by the write of
-    the rotated keys and their values into the paged KV cache, in the same kernel.
+    the rotated keys and their values into the paged KV cache, in the same kernel. A table
+    narrower than the head (``rotary_dim < head_size``, Phi-3's ``partial_rotary_factor``)
+    rotates the first ``rotary_dim`` dims of each head and passes the rest through.
 
     Args:
         q: ``[n, num_q_heads, head_size]``, float, last dim contiguous, any other strides (the
@@ -150,8 +156,9 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         k: ``[n, num_kv_heads, head_size]`` likewise, q's dtype.
         positions: int32/int64 ``[n]``, each token's position; must be ``< max_positions`` (not
             checked: that would need a host sync).
-        cos_sin_cache: ``[max_positions, head_size]`` in q's dtype: the cosines of the
-            ``head_size / 2`` pair angles, then their sines (``RotaryEmbedding.cos_sin_cache``).
+        cos_sin_cache: ``[max_positions, rotary_dim]`` in q's dtype, ``rotary_dim`` even and
+            ``<= head_size``: the cosines of the ``rotary_dim / 2`` pair angles, then their
+            sines (``RotaryEmbedding.cos_sin_cache``).
         qk_norm: None, or ``(q_weight, k_weight, eps)``: RMSNorm every head of q and k
             (weights ``[head_size]`` in q's dtype) before rotating, as :func:`rms_norm` would.
         backend: "auto" | "torch" | "triton".
@@ -178,9 +185,10 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         raise arg_error("k", f"shape ({n}, num_kv_heads, {head_size})", tuple(k.shape))
     if positions.shape[0] != n:
         raise arg_error("positions", f"shape ({n},) (one per token)", tuple(positions.shape))
-    if cos_sin_cache.shape[1] != head_size:
-        raise arg_error("cos_sin_cache", f"shape (max_positions, {head_size})",
-                        tuple(cos_sin_cache.shape))
+    rotary_dim = cos_sin_cache.shape[1]
+    if not (0 < rotary_dim <= head_size and rotary_dim % 2 == 0):
+        raise arg_error("cos_sin_cache", f"shape (max_positions, rotary_dim) with rotary_dim "
+                        f"even, > 0 and <= head_size {head_size}", tuple(cos_sin_cache.shape))
     if qk_norm is not None:
         if not isinstance(qk_norm, tuple) or len(qk_norm) != 3:
             raise arg_error("qk_norm", "None or a tuple (q_weight, k_weight, eps)", repr(qk_norm))

@@ -3,13 +3,17 @@
 Every variant is a tiny random checkpoint written by transformers: Llama (plain and with llama3
 rope scaling), Qwen2 (tied and untied embeddings, qkv bias; windowed from layer 1 on, as
 use_sliding_window and max_window_layers say), Qwen3 (q/k norm, head_dim 32, sharded), Phi-3
-(fused checkpoint projections; longrope), Mistral (sliding window), Gemma 2 (sandwich norms,
+(fused checkpoint projections; longrope; partial rotary, its factor at the top of config.json or
+inside rope_parameters), Mistral (sliding window), Gemma 2 (sandwich norms,
 GeGLU, soft-caps, alternating windows, tied) and Gemma 3 (q/k norms, local rope base). Windows
 are shorter than the longer prompts. Caches are NaN-poisoned and blocks come out of a shuffled
 free list.
 """
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 import torch
@@ -34,16 +38,39 @@ VARIANTS = {
                                            "max_window_layers": 1}),
     "gemma2-tied": ("gemma2", {"tie_word_embeddings": True}),
     "gemma3": ("gemma3", {}),
+    # Partial rotary (12 of 16 dims), the factor where each config.json layout puts it.
+    "phi3-partial-top-level": ("phi3", {"partial_rotary_factor": 0.75}, "top-level"),
+    "phi3-partial-rope-parameters": ("phi3", {"partial_rotary_factor": 0.75}, "rope_parameters"),
 }
+
+
+def _partial_rotary_layout(model_dir, layout: str, tmp_path_factory):
+    """A copy of ``model_dir`` whose config.json holds ``partial_rotary_factor`` only at the
+    top, next to ``rope_theta`` (older files: Phi-4-mini), or only inside ``rope_parameters``
+    (transformers 5 writes both)."""
+    copy = tmp_path_factory.mktemp(f"layout-{layout}")
+    shutil.copytree(model_dir, copy, dirs_exist_ok=True)
+    raw = json.loads((copy / "config.json").read_text())
+    if layout == "top-level":
+        rope = raw.pop("rope_parameters")
+        raw["rope_theta"] = rope["rope_theta"]
+        raw["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    else:
+        raw.pop("partial_rotary_factor")
+    (copy / "config.json").write_text(json.dumps(raw))
+    return copy
 ATOL = 1e-4
 BLOCK_SIZE = 4
 PROMPT_LENS = (1, 3, BLOCK_SIZE, BLOCK_SIZE + 1, 11)   # 11: nearly two windows of 6
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def models(request, tiny_model_factory):
-    arch, kwargs = VARIANTS[request.param]
-    return load_with_reference(tiny_model_factory(arch, **kwargs))
+def models(request, tiny_model_factory, tmp_path_factory):
+    arch, kwargs, *layout = VARIANTS[request.param]
+    model_dir = tiny_model_factory(arch, **kwargs)
+    if layout:
+        model_dir = _partial_rotary_layout(model_dir, layout[0], tmp_path_factory)
+    return load_with_reference(model_dir)
 
 
 def test_prefill_then_decode_match_transformers(models):
@@ -107,9 +134,10 @@ def test_bf16_error_is_within_transformers_bf16_noise(tiny_model_factory, arch):
     assert 0 < (ours - exact).abs().max().item() <= 1.5 * noise
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gemma3"])
-def test_triton_backend_matches_torch_backend(tiny_model_factory, arch):
+@pytest.mark.parametrize("arch, kwargs", [("llama", {}), ("qwen3", {}), ("gemma2", {}),
+                                          ("gemma3", {}), ("phi3", {"partial_rotary_factor": 0.5})])
+def test_triton_backend_matches_torch_backend(tiny_model_factory, arch, kwargs):
     """The model through the Triton kernels (the interpreter on CPU; the GPU when there is one)
     with strided pool views, a mixed prefill step and a padded decode step."""
-    assert_triton_backend_matches_torch(tiny_model_factory(arch), list(range(3, 12)),
+    assert_triton_backend_matches_torch(tiny_model_factory(arch, **kwargs), list(range(3, 12)),
                                         block_size=BLOCK_SIZE)

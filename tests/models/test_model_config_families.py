@@ -73,28 +73,102 @@ def test_mistral_window_on_every_layer_or_none():
     assert set(c.layer_types) == {"full_attention"}
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
-def test_model_type_only_files_match_transformers_layer_pattern(family):
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe",
+            "mixtral", "gpt_oss"]
+# Families whose transformers model windows every layer (no per-layer pattern).
+EVERY_LAYER = ("mistral", "phi3", "qwen3_moe", "mixtral")
+
+
+def _hf_family_config(family: str, **fields):
     import transformers as tf
 
-    make = {"llama": lambda: tf.LlamaConfig(**SMALL),
-            "mistral": lambda: tf.MistralConfig(**SMALL, sliding_window=16),
-            "qwen2": lambda: tf.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=16,
-                                            max_window_layers=4),
-            "qwen3": lambda: tf.Qwen3Config(**SMALL, use_sliding_window=True, sliding_window=16,
-                                            max_window_layers=2),
-            "phi3": lambda: tf.Phi3Config(**SMALL, sliding_window=16),
-            "gemma2": lambda: tf.Gemma2Config(**SMALL, sliding_window=16),
-            "gemma3": lambda: tf.Gemma3TextConfig(**SMALL, sliding_window=16)}[family]
-    hf = make()
+    cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config,
+           "qwen3": tf.Qwen3Config, "phi3": tf.Phi3Config, "gemma2": tf.Gemma2Config,
+           "gemma3": tf.Gemma3TextConfig, "qwen3_moe": tf.Qwen3MoeConfig,
+           "mixtral": tf.MixtralConfig, "gpt_oss": tf.GptOssConfig}[family]
+    moe = {"num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32} if family in ("qwen3_moe", "mixtral", "gpt_oss") else {}
+    return cls(**SMALL, **moe, **fields)
+
+
+def _hf_layer_windows(hf, seq_len: int = 24) -> list[int | None]:
+    """Each layer's window as transformers' own model applies it: the keys its last query
+    attends to in a ``seq_len`` prompt (None: all of them), from the eager attention weights."""
+    from transformers import AutoModelForCausalLM
+
+    hf = type(hf).from_dict(hf.to_dict())
+    small = {"hidden_size": 16, "intermediate_size": 16, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "head_dim": 8, "vocab_size": 8, "moe_intermediate_size": 8,
+             "pad_token_id": None}
+    for key, value in small.items():
+        if hasattr(hf, key):
+            setattr(hf, key, value)
+    hf._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf).eval()
+    with torch.no_grad():
+        out = model(torch.zeros(1, seq_len, dtype=torch.long), output_attentions=True)
+    seen = [int((a[0, 0, -1] > 0).sum()) for a in out.attentions]
+    return [None if n == seq_len else n for n in seen]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_model_type_only_files_match_transformers_layer_pattern(family):
+    fields = {"llama": {}, "qwen2": dict(use_sliding_window=True, max_window_layers=4),
+              "qwen3": dict(use_sliding_window=True, max_window_layers=2),
+              "qwen3_moe": dict(use_sliding_window=True)}.get(family, {})
+    hf = _hf_family_config(family, sliding_window=16, **fields)
     c = ModelConfig.from_dict(hf_dict(hf))
     assert c.family == family
+    assert [c.layer_window(i) for i in range(c.num_layers)] == _hf_layer_windows(hf)
     if family == "llama":
         assert c.sliding_window is None and set(c.layer_types) == {"full_attention"}
         return
-    want = getattr(hf, "layer_types", None) or ("sliding_attention",) * hf.num_hidden_layers
-    assert c.layer_types == tuple(want) and c.sliding_window == 16
-    assert c.uniform_sliding_window == (16 if family in ("mistral", "phi3") else None)
+    assert c.sliding_window == 16
+    assert c.uniform_sliding_window == (16 if family in EVERY_LAYER else None)
+
+
+# A Qwen3-MoE file windowed on: the family has no max_window_layers (a leftover one in the file,
+# as published Qwen3-MoE configs carry, is ignored) and no layer_types.
+@pytest.mark.parametrize("extra", [{}, {"max_window_layers": 48}, {"max_window_layers": 2},
+                                   {"layer_types": ["full_attention"] * 6}])
+def test_qwen3_moe_windows_every_layer_like_transformers(extra):
+    raw = {**hf_dict(_hf_family_config("qwen3_moe")), "use_sliding_window": True,
+           "sliding_window": 8, **extra}
+    c = ModelConfig.from_dict(raw)
+    assert c.uniform_sliding_window == 8 and set(c.layer_types) == {"sliding_attention"}
+
+
+@pytest.mark.parametrize("family, window", [("qwen2", 4096), ("qwen3", 4096),
+                                            ("qwen3_moe", 4096), ("gpt_oss", 128),
+                                            ("mistral", 4096), ("gemma2", 4096)])
+def test_window_absent_from_the_file_is_transformers_default(family, window):
+    fields = {"use_sliding_window": True, "max_window_layers": 0} if "qwen" in family else {}
+    hf = _hf_family_config(family, **fields)
+    raw = {k: v for k, v in hf_dict(hf).items() if k not in ("sliding_window", "layer_types")}
+    c = ModelConfig.from_dict(raw)
+    assert c.sliding_window == hf.sliding_window == window
+    hf.sliding_window = 8                   # the same layers, a window shorter than the prompt
+    want = [8 if w else None for w in _hf_layer_windows(hf)]
+    assert [8 if c.layer_window(i) else None for i in range(c.num_layers)] == want
+
+
+def test_gemma2_and_gpt_oss_alternate_whatever_sliding_window_pattern_says():
+    """Only Gemma 3 reads sliding_window_pattern; Gemma 2 and gpt-oss alternate."""
+    for family in ("gemma2", "gpt_oss", "gemma3"):
+        hf = _hf_family_config(family, sliding_window=16)
+        raw = {**{k: v for k, v in hf_dict(hf).items() if k != "layer_types"},
+               "sliding_window_pattern": 3}
+        c = ModelConfig.from_dict(raw)
+        want = _hf_layer_windows(type(hf).from_dict(raw))
+        assert [c.layer_window(i) for i in range(c.num_layers)] == want
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gpt_oss"])
+def test_sliding_layers_without_a_window_are_refused(family):
+    raw = {**hf_dict(_hf_family_config(family)), "sliding_window": None}
+    with pytest.raises(ValueError, match="sliding_window"):
+        ModelConfig.from_dict(raw)
 
 
 def test_qwen_sliding_window_is_off_unless_use_sliding_window():
@@ -180,3 +254,10 @@ def test_each_family_gets_its_class_and_a_wrong_class_refuses():
                                  "num_hidden_layers": 1, "num_attention_heads": 2,
                                  "num_key_value_heads": 1, "vocab_size": 16})
     assert type(build_model(phi, device="meta")) is Phi3ForCausalLM
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rms_norm_eps_absent_from_the_file_is_transformers_default(family):
+    hf = _hf_family_config(family)
+    raw = {k: v for k, v in hf_dict(hf).items() if k != "rms_norm_eps"}
+    assert ModelConfig.from_dict(raw).rms_norm_eps == type(hf)().rms_norm_eps

@@ -2,7 +2,8 @@
 
 Tiny random checkpoints written by transformers' ``save_pretrained``: Qwen3-MoE (a dense layer
 from ``mlp_only_layers`` before the sparse ones, top-k weights not renormalised; and
-renormalised with ``decoder_sparse_step=2``), Mixtral (``block_sparse_moe.experts.N.w1/w2/w3``,
+renormalised with ``decoder_sparse_step=2``; and with ``use_sliding_window``, a window shorter
+than the prompts on every layer), Mixtral (``block_sparse_moe.experts.N.w1/w2/w3``,
 sharded, every layer sliding), gpt-oss (attention sinks, a sliding window shorter than the
 prompts on every other layer, yarn rope, attention and expert biases, fused interleaved
 experts, the clamped SwiGLU). Also: the routing functions against transformers' routers, the
@@ -27,6 +28,8 @@ VARIANTS = {
     "qwen3_moe": ("qwen3_moe", {}),
     "qwen3_moe-norm-step2": ("qwen3_moe", {"norm_topk_prob": True, "decoder_sparse_step": 2,
                                            "mlp_only_layers": []}),
+    # Windowed on every layer (the family has no max_window_layers), shorter than the prompts.
+    "qwen3_moe-window": ("qwen3_moe", {"use_sliding_window": True, "sliding_window": TINY_WINDOW}),
     "mixtral-sharded-window": ("mixtral", {"max_shard_size": "100KB",
                                            "sliding_window": TINY_WINDOW}),
     "gpt_oss": ("gpt_oss", {}),

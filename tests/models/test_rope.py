@@ -137,8 +137,105 @@ def test_spellings_of_transformers_4x_and_5_agree():
     ({"rope_type": "longrope", "short_factor": [1.0]}, "long_factor"),
     ({"rope_type": "yarn", "factor": 2.0, "attention_factor": -1.0}, "attention_factor"),
     ({"rope_type": "mrope"}, "mrope"),
-    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"partial_rotary_factor": 0.0}, "partial_rotary_factor"),
+    ({"partial_rotary_factor": 1.5}, "partial_rotary_factor"),
+    ({"partial_rotary_factor": "half"}, "partial_rotary_factor"),
 ])
 def test_bad_rope_parameters_name_the_field(params, match):
     with pytest.raises(ValueError, match=match):
         parse_rope(params, default_theta=1e4, max_position_embeddings=MAX_POS)
+
+
+# ---- partial rotary (Phi-3 / Phi-4-mini: rotate the first int(factor * head_dim) dims) ----------
+
+def phi3_partial(factor: float, scaling: dict | None = None, *, layout: str = "top-level"):
+    """A Phi-3 config.json dict with ``partial_rotary_factor`` where ``layout`` says: at the top
+    (the older files, e.g. Phi-4-mini), inside ``rope_parameters`` (transformers 5) or inside
+    ``rope_scaling`` (4.x); the transformers config it loads as comes with it."""
+    from transformers import Phi3Config
+
+    raw = hf_config(None, arch="phi3").to_dict()
+    raw.pop("rope_parameters", None)
+    raw.pop("partial_rotary_factor", None)
+    raw["rope_theta"] = 10000.0
+    if scaling is not None or layout == "rope_scaling":
+        raw["rope_scaling"] = dict(scaling or {"rope_type": "default"})
+    if layout == "top-level":
+        raw["partial_rotary_factor"] = factor
+    elif layout == "rope_scaling":
+        raw["rope_scaling"]["partial_rotary_factor"] = factor
+    else:
+        raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
+                                  **(scaling or {}), "partial_rotary_factor": factor}
+        raw.pop("rope_scaling", None)
+    return raw, Phi3Config.from_dict(copy.deepcopy(raw))
+
+
+@pytest.mark.parametrize("layout", ["top-level", "rope_parameters", "rope_scaling"])
+@pytest.mark.parametrize("factor", [0.75, 0.5, 1.0])
+def test_partial_rotary_table_matches_transformers_phi3(layout, factor):
+    raw, hf = phi3_partial(factor, layout=layout)
+    assert hf.rope_parameters["partial_rotary_factor"] == factor
+    config = ModelConfig.from_dict(raw)
+    rotary_dim = int(HEAD * factor)
+    assert config.rope.partial_rotary_factor == factor
+    assert config.rope.rotary_dim(HEAD) == rotary_dim
+    table = rope_table(HEAD, MAX_POS, config.rope, dtype=torch.float32)
+    assert table.shape == (MAX_POS, rotary_dim)
+    positions = torch.tensor([0, 1, 5, MAX_POS - 1])
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+    cos, sin = Phi3RotaryEmbedding(hf)(torch.zeros(1, 1, 4, HEAD), positions[None])
+    assert cos.shape[-1] == rotary_dim
+    torch.testing.assert_close(table[positions, :rotary_dim // 2], cos[0, :, :rotary_dim // 2],
+                               atol=5e-6, rtol=0)
+    torch.testing.assert_close(table[positions, rotary_dim // 2:], sin[0, :, :rotary_dim // 2],
+                               atol=5e-6, rtol=0)
+
+
+def test_partial_rotary_longrope_like_phi4_mini():
+    """Phi-4-mini: longrope with per-pair factors for the rotated pairs only, the partial
+    factor at the top of config.json."""
+    rotary_dim = int(HEAD * 0.75)
+    scaling = {"rope_type": "longrope",
+               "short_factor": [1.0 + 0.05 * i for i in range(rotary_dim // 2)],
+               "long_factor": [1.0 + 0.5 * i for i in range(rotary_dim // 2)]}
+    raw, hf = phi3_partial(0.75, scaling)
+    config = ModelConfig.from_dict(raw)
+    table = rope_table(HEAD, MAX_POS, config.rope, dtype=torch.float32)
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+    positions = torch.arange(ORIGINAL)
+    cos, sin = Phi3RotaryEmbedding(hf)(torch.zeros(1, 1, ORIGINAL, HEAD), positions[None])
+    torch.testing.assert_close(table[positions], torch.cat([cos[0, :, :rotary_dim // 2],
+                                                            sin[0, :, :rotary_dim // 2]], -1),
+                               atol=5e-6, rtol=0)
+    raw["rope_scaling"] = dict(LONGROPE)                      # factors for the whole head
+    with pytest.raises(ValueError, match="short_factor"):
+        ModelConfig.from_dict(raw)
+
+
+def test_the_file_s_rope_parameters_win_over_the_top_level_factor():
+    raw, hf = phi3_partial(0.5, layout="rope_parameters")
+    raw["partial_rotary_factor"] = 0.75          # transformers: setdefault, the dict's stays
+    assert type(hf).from_dict(copy.deepcopy(raw)).rope_parameters["partial_rotary_factor"] == 0.5
+    assert ModelConfig.from_dict(raw).rope.partial_rotary_factor == 0.5
+
+
+@pytest.mark.parametrize("where", ["top-level", "rope_parameters"])
+def test_partial_rotary_outside_phi3_is_refused(where):
+    """transformers' other families rotate the whole head whatever the factor says (their rope
+    modules do not read it): refused rather than guessed."""
+    base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 2,
+            "intermediate_size": 64, "num_hidden_layers": 1, "vocab_size": 32,
+            "max_position_embeddings": MAX_POS}
+    raw = ({**base, "partial_rotary_factor": 0.5} if where == "top-level" else
+           {**base, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}})
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ModelConfig.from_dict(raw)
+    assert ModelConfig.from_dict({**base, "partial_rotary_factor": 1.0}).rope.rotary_dim(32) == 32
+
+
+@pytest.mark.parametrize("factor", [0.3, 0.1])
+def test_partial_rotary_needs_an_even_number_of_rotated_dims(factor):
+    raw, _ = phi3_partial(factor)                 # 32 * 0.3 -> 9 dims, 32 * 0.1 -> 3
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ModelConfig.from_dict(raw)

@@ -201,7 +201,9 @@ def test_rotary_rejects_bad_arguments():
     with pytest.raises(ValueError, match="^positions: expected a contiguous"):
         apply_rotary(q, k, torch.arange(6)[::2], cache)     # the kernel reads stride 1
     with pytest.raises(ValueError, match="cos_sin_cache"):
-        apply_rotary(q, k, pos, torch.randn(10, 32))
+        apply_rotary(q, k, pos, torch.randn(10, 66))       # wider than the head
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        apply_rotary(q, k, pos, torch.randn(10, 30)[:, :29])   # odd: no rotary pairs
     with pytest.raises(ValueError, match="cos_sin_cache"):
         apply_rotary(q, k, pos, cache.half())
     with pytest.raises(ValueError, match="qk_norm"):
