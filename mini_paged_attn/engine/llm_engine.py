@@ -395,10 +395,9 @@ class LLMEngine:
             sampled = [[] for _ in out.seqs]
         failed = result.invalid_rows if result is not None else ()
         grew = self.scheduler.update(out, sampled, logprobs, failed)
-        if failed:
-            _log_failed_rows(grew)
+        num_failed = _log_failed_rows(grew) if failed else 0
         self._process_tokens(grew, touched)
-        self._count(out, len(grew), start)
+        self._count(out, len(grew) - num_failed, start)
 
     def _mode(self, out: SchedulerOutput) -> StepMode:
         """How ``out``'s tokens reach the host (see :class:`StepMode`): synchronously with
@@ -435,9 +434,8 @@ class LLMEngine:
         step.read = True
         grew = self.scheduler.resolve_in_flight(step.out, step.where, result.token_ids,
                                                 result.logprobs, result.invalid_rows)
-        if result.invalid_rows:
-            _log_failed_rows(grew)
-        self._count(step.out, len(grew), step.start)
+        num_failed = _log_failed_rows(grew) if result.invalid_rows else 0
+        self._count(step.out, len(grew) - num_failed, step.start)
         if touched is not None:     # reported even if handling them fails
             for seq in grew:
                 touched[seq.request.request_id] = self._states[seq.request.request_id]
@@ -563,14 +561,16 @@ def _drop_last_token(seq) -> None:
         seq.cumulative_logprob -= seq.logprobs.pop().get(token, 0.0)
 
 
-def _log_failed_rows(grew: list) -> None:
-    """Name the samples a step ended because their row had nothing to sample."""
-    for seq in grew:
-        if seq.finish_reason is FinishReason.ERROR:
-            logger.warning("request %s sample %d: no token could be sampled (every logit -inf "
-                           "or NaN: a grammar with min_tokens, logit_bias, penalties or a "
-                           "failed grammar mask); it ends with reason \"error\"",
-                           seq.request.request_id, seq.index)
+def _log_failed_rows(grew: list) -> int:
+    """Name the samples a step ended because their row had nothing to sample (those of
+    ``grew`` with reason "error", which got no token); returns how many."""
+    failed = [seq for seq in grew if seq.finish_reason is FinishReason.ERROR]
+    for seq in failed:
+        logger.warning("request %s sample %d: no token could be sampled (every logit -inf "
+                       "or NaN: a grammar with min_tokens, logit_bias, penalties or a failed "
+                       "grammar mask); it ends with reason \"error\"",
+                       seq.request.request_id, seq.index)
+    return len(failed)
 
 
 def _needs_sync(request: Request) -> bool:
