@@ -45,6 +45,8 @@ class Sequence:
 
     ``token_ids`` and ``logprobs`` are only ever appended to, never shrunk or replaced (not even
     by preemption): the engine's streamed outputs are views into them (``GrowingListView``).
+    The one exception is a sample ending with reason "error": the token it could not keep (a
+    placeholder, or a token its grammar rejected) is removed before any output showed it.
     """
 
     seq_id: int

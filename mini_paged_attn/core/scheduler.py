@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from .args import positive_int
@@ -259,7 +260,8 @@ class Scheduler:
 
     # ---- results of a step ------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: list[list[int]],
-               logprobs: list[list[tuple[float, object]]] | None = None) -> list[Sequence]:
+               logprobs: list[list[tuple[float, object]]] | None = None,
+               failed: Collection[int] = ()) -> list[Sequence]:
         """Apply a step's results: advance progress, append sampled tokens, fork, finish.
 
         Args:
@@ -267,13 +269,18 @@ class Scheduler:
             sampled: ``sampled[i]`` holds ``out.num_samples[i]`` token ids for ``out.seqs[i]``.
             logprobs: optional, aligned with ``sampled``: ``(logprob of the token, anything the
                 sampler attaches)`` per sampled token, kept in ``Sequence.logprobs``.
+            failed: sample rows (indices into the flattened ``sampled``) that got no token:
+                their samples end with reason "error" and nothing is appended to them.
 
         Returns:
-            The sequences that got a new token (forked children included), in batch order.
+            The sequences that got a new token (forked children included), then ended by a
+            failed row, in batch order.
         """
         now = time.time()
         grew: list[Sequence] = []
+        row = 0
         for i, seq in enumerate(out.seqs):
+            first_row, row = row, row + out.num_samples[i]
             # (Before a fork, so the children share only the window.)
             if not self._advance(seq, out.num_new_tokens[i]):
                 continue
@@ -285,11 +292,14 @@ class Scheduler:
             targets = self._fork(seq, len(tokens) - 1) if len(tokens) > 1 else (seq,)
             max_len = self._max_len(request)
             for j, target in enumerate(targets):
+                grew.append(target)
+                if failed and first_row + j in failed:
+                    self.finish_sequence(target, FinishReason.ERROR)
+                    continue
                 token = tokens[j]
                 target.token_ids.append(token)
                 if logprobs is not None and logprobs[i]:
                     _add_logprob(target, logprobs[i][j])
-                grew.append(target)
                 if token in request.stop_token_ids:
                     self.finish_sequence(target, FinishReason.STOP)
                 elif len(target.token_ids) >= max_len:     # max_tokens or max_model_len
@@ -320,8 +330,8 @@ class Scheduler:
         return where
 
     def resolve_in_flight(self, out: SchedulerOutput, where: list[int], sampled: list[int],
-                          logprobs: list[tuple[float, object] | None] | None = None
-                          ) -> list[Sequence]:
+                          logprobs: list[tuple[float, object] | None] | None = None,
+                          failed: Collection[int] = ()) -> list[Sequence]:
         """Step ``out``'s tokens arrived: each replaces its placeholder (``where``, from
         :meth:`advance_in_flight`), and a stop token finishes its sequence, as in
         :meth:`update`.
@@ -330,9 +340,12 @@ class Scheduler:
             sampled: one token id per sample row of ``out`` (a sequence aborted since it was
                 launched has a row, ignored).
             logprobs: optional, one entry per sample row, as in :meth:`update`.
+            failed: sample rows that got no token: the placeholder is removed (no output ever
+                showed it) and the sample ends with reason "error".
 
         Returns:
-            The sequences that got a token, in batch order (finished ones included).
+            The sequences that got a token or a failed row, in batch order (finished ones
+            included).
         """
         now = time.time()
         grew: list[Sequence] = []
@@ -340,6 +353,14 @@ class Scheduler:
         for seq, k, at in zip(out.seqs, out.num_samples, where):
             row += k
             if at < 0:
+                continue
+            if failed and row in failed:
+                del seq.token_ids[at:]
+                if seq.is_finished:     # on its length, at the placeholder
+                    seq.finish_reason = FinishReason.ERROR
+                else:
+                    self.finish_sequence(seq, FinishReason.ERROR)
+                grew.append(seq)
                 continue
             token = sampled[row]
             lp = logprobs[row] if logprobs is not None else None

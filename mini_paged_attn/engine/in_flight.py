@@ -11,7 +11,9 @@ handling so run while the GPU computes, instead of between its steps.
 
 What it costs: a sample that ends on a stop token has already been scheduled once more; that
 step's token for it is dropped (its K/V written into blocks it no longer holds, harmless: the
-stream orders any later use after it).
+stream orders any later use after it). The same holds for a sample whose row had nothing to
+sample (the sampler's flag, read with the ids): its placeholder is removed, no token replaces
+it, and the sample ends with reason "error" (``Scheduler.resolve_in_flight``).
 
 With structured outputs, a step's grammar masks need the previous step's tokens, so its
 sampling cannot be enqueued right behind its forward. Such a step is *held*: its forward is

@@ -393,9 +393,11 @@ class LLMEngine:
                 at += k
         else:
             sampled = [[] for _ in out.seqs]
-        grew = self.scheduler.update(out, sampled, logprobs)
+        failed = result.invalid_rows if result is not None else ()
+        grew = self.scheduler.update(out, sampled, logprobs, failed)
+        num_failed = _log_failed_rows(grew) if failed else 0
         self._process_tokens(grew, touched)
-        self._count(out, len(grew), start)
+        self._count(out, len(grew) - num_failed, start)
 
     def _mode(self, out: SchedulerOutput) -> StepMode:
         """How ``out``'s tokens reach the host (see :class:`StepMode`): synchronously with
@@ -431,8 +433,9 @@ class LLMEngine:
         result = step.sample.read()
         step.read = True
         grew = self.scheduler.resolve_in_flight(step.out, step.where, result.token_ids,
-                                                result.logprobs)
-        self._count(step.out, len(grew), step.start)
+                                                result.logprobs, result.invalid_rows)
+        num_failed = _log_failed_rows(grew) if result.invalid_rows else 0
+        self._count(step.out, len(grew) - num_failed, step.start)
         if touched is not None:     # reported even if handling them fails
             for seq in grew:
                 touched[seq.request.request_id] = self._states[seq.request.request_id]
@@ -473,14 +476,18 @@ class LLMEngine:
     def _advance_grammars(self, grew: list) -> None:
         """Feed the new tokens of the samples with structured outputs to their grammars. The
         end-of-sequence token a complete grammar forced ends its sample (reason "stop", even
-        under ignore_eos); a token the grammar rejects ends it with reason "error", also when
-        that token ended it anyway (a stop token sampled from a row the grammar and min_tokens
-        masked whole, its max_tokens-th token): its output is not valid."""
+        under ignore_eos); a token the grammar rejects, or that its grammar failed on, ends it
+        with reason "error", also when that token ended it anyway (a stop token, its
+        max_tokens-th token). That token is dropped first, before any output shows it: the
+        output is the valid prefix. Samples whose row failed (reason "error" already) got no
+        token and are skipped."""
         if not self._num_structured:
             return
-        constrained = [seq for seq in grew if seq.request.params.structured_outputs is not None]
+        constrained = [seq for seq in grew if seq.request.params.structured_outputs is not None
+                       and seq.finish_reason is not FinishReason.ERROR]
         for seq, advanced in self.structured.advance(constrained):
             if advanced is Advance.REJECTED:
+                _drop_last_token(seq)
                 if seq.is_finished:
                     seq.finish_reason = FinishReason.ERROR
                 self.scheduler.finish_sequence(seq, FinishReason.ERROR)
@@ -543,6 +550,27 @@ class LLMEngine:
         if now - self._last_log >= self.config.log_stats_interval_s:
             self._last_log = now
             logger.info("engine: %s", self.stats().summary())
+
+
+def _drop_last_token(seq) -> None:
+    """Take back a sample's newest token (and its logprob) that its grammar did not accept; no
+    output has shown it yet (outputs are made after the grammars saw the step's tokens)."""
+    token = seq.token_ids.pop()
+    if seq.logprobs is not None and len(seq.logprobs) > seq.num_output_tokens:
+        # The sampler's entry holds the sampled token's own logprob (see SamplerOutput).
+        seq.cumulative_logprob -= seq.logprobs.pop().get(token, 0.0)
+
+
+def _log_failed_rows(grew: list) -> int:
+    """Name the samples a step ended because their row had nothing to sample (those of
+    ``grew`` with reason "error", which got no token); returns how many."""
+    failed = [seq for seq in grew if seq.finish_reason is FinishReason.ERROR]
+    for seq in failed:
+        logger.warning("request %s sample %d: no token could be sampled (every logit -inf "
+                       "or NaN: a grammar with min_tokens, logit_bias, penalties or a failed "
+                       "grammar mask); it ends with reason \"error\"",
+                       seq.request.request_id, seq.index)
+    return len(failed)
 
 
 def _needs_sync(request: Request) -> bool:

@@ -9,13 +9,21 @@ never depends on which other rows share the batch: a seeded request gives the sa
 or in any batch (for the same logits). A batch of unseeded rows with a temperature and no
 filter (the common case) is sampled by :func:`~mini_paged_attn.ops.sample_tokens`: on CUDA one
 Triton pass over the logits that draws the noise in registers, instead of seven passes.
+
+One row can never fail its batch. Every filter keeps at least the row's best token (a ``top_p``
+that rounds to 0 in float32 keeps just that one), logits that overflowed to ``+inf`` (a tiny
+``repetition_penalty``) are the row's best tokens, and every sampled id is in the vocabulary
+whatever the logits hold. A row with nothing to sample (every logit ``-inf``: a grammar that
+allows nothing past min_tokens' stop tokens, a failed grammar's empty mask; or a NaN logit) is
+flagged on the device, beside its id (:attr:`SamplerOutput.invalid_rows`); the engine ends
+that sample with reason "error" and the other rows keep their tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 
 import torch
@@ -59,11 +67,14 @@ class SamplerOutput:
     """Sampled token ids (host list, one per row) and, when any row asked, logprobs.
 
     ``logprobs[i]`` is None for rows that did not ask, else ``(logprob of the sampled token,
-    {token_id: logprob} of the top-k tokens and the sampled one)``.
+    {token_id: logprob} of the top-k tokens and the sampled one)``. ``invalid_rows``: the rows
+    (ascending) that had nothing to sample, every logit -inf or a NaN among them; their ids
+    are in the vocabulary but mean nothing.
     """
 
     token_ids: list[int]
     logprobs: list[tuple[float, dict[int, float]] | None] | None = None
+    invalid_rows: list[int] = field(default_factory=list)
 
 
 class PendingSample:
@@ -80,14 +91,18 @@ class PendingSample:
         raw_logprobs: float32 ``[num_rows, vocab_size]`` log-softmax, or None when no row
             asked for logprobs.
         want_logprobs: per row, the top-k it asked for (None: no logprobs).
+        invalid: bool ``[num_rows]``, the rows that had nothing to sample (copied with the
+            ids, in one transfer).
     """
 
     def __init__(self, token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
-                 want_logprobs: list[int | None]) -> None:
-        self.token_ids = token_ids
+                 want_logprobs: list[int | None], invalid: torch.Tensor) -> None:
+        # Ids and flags travel as one int64 [2, num_rows] tensor; its first row is the ids.
+        packed = torch.stack((token_ids, invalid.long()))
+        self.token_ids = token_ids = packed[0]
         self.want_logprobs = want_logprobs
         device = token_ids.device
-        pending = [token_ids]
+        pending = [packed]
         if raw_logprobs is not None:
             pending.append(raw_logprobs.gather(1, token_ids[:, None])[:, 0])
             k = max(v for v in want_logprobs if v is not None)
@@ -107,9 +122,10 @@ class PendingSample:
         """The sampled ids (and logprobs) on the host: waits for this step's copy only."""
         if self._event is not None:
             self._event.synchronize()
-        ids = self._host[0].tolist()
+        ids, flags = self._host[0].tolist()
+        invalid = [i for i, flag in enumerate(flags) if flag]
         if len(self._host) == 1:
-            return SamplerOutput(ids)
+            return SamplerOutput(ids, None, invalid)
         chosen = self._host[1].tolist()
         top_values, top_ids = ((self._host[2].tolist(), self._host[3].tolist())
                                if len(self._host) == 4 else (None, None))
@@ -121,7 +137,7 @@ class PendingSample:
             entry = {top_ids[i][j]: top_values[i][j] for j in range(w)} if w else {}
             entry[ids[i]] = chosen[i]
             logprobs.append((chosen[i], entry))
-        return SamplerOutput(ids, logprobs)
+        return SamplerOutput(ids, logprobs, invalid)
 
 
 class Sampler:
@@ -208,16 +224,18 @@ class Sampler:
 
         greedy = [p.greedy for p in params]
         if all(greedy):
-            sampled = logits.argmax(dim=-1)
+            # max (not argmax): the best logit also says whether the row had a candidate.
+            best, sampled = logits.max(dim=-1)
+            invalid = ~(best > float("-inf"))
         else:
-            sampled = self._sample(logits, params, seeds, greedy)
+            sampled, invalid = self._sample(logits, params, seeds, greedy)
         if overlap is not None:
             overlap()
         if counted is not None:
             # After overlap: a step that raises there is rolled back, its tokens never counted.
             history_rows, at = counted
             self.history.record(history_rows, sampled if at is None else sampled[at])
-        return PendingSample(sampled, raw_logprobs, want_logprobs)
+        return PendingSample(sampled, raw_logprobs, want_logprobs, invalid)
 
     def _process(self, logits: torch.Tensor, params: list[SamplingParams],
                  rows: Callable[[], list[SampleRow]] | None,
@@ -277,7 +295,10 @@ class Sampler:
         return logits, (history, at)
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
-                seeds: list[tuple[str, int] | None], greedy: list[bool]) -> torch.Tensor:
+                seeds: list[tuple[str, int] | None], greedy: list[bool]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ids (int64 ``[num_rows]``) and invalid flags (bool ``[num_rows]``) of a batch that
+        is not all greedy; ``logits`` (float32 unless one pass reads them) are overwritten."""
         device = logits.device
         seeded_rows = [i for i, s in enumerate(seeds) if s is not None and not greedy[i]]
         if _one_pass(params, seeds):
@@ -285,8 +306,11 @@ class Sampler:
             # rows keep their own generators below, so their tokens never depend on the batch.
             temps = _upload([0.0 if g else p.temperature for g, p in zip(greedy, params)],
                             torch.float32, device)
-            return sample_tokens(logits, temps, generator=self.generator)
-        greedy_ids = logits.argmax(dim=-1) if any(greedy) else None
+            return sample_tokens(logits, temps, generator=self.generator, return_invalid=True)
+        # One pass gives the greedy rows' ids and every row's flag (the temperature, > 0 and
+        # finite, moves no logit across -inf or NaN).
+        best, greedy_ids = logits.max(dim=-1)
+        invalid = ~(best > float("-inf"))
         temps = _upload([1.0 if p.greedy else p.temperature for p in params],
                         torch.float32, device)
         logits.div_(temps[:, None])
@@ -296,7 +320,8 @@ class Sampler:
             vocab = logits.shape[1]
             k_max = min(vocab, max(top_k))
             k = _upload([min(v, vocab) if v != -1 else k_max for v in top_k], torch.int64, device)
-            # The k-th largest logit of each row is its threshold (-inf: top-k off).
+            # The k-th largest logit of each row is its threshold (-inf: top-k off); 1 <= k
+            # <= k_max, so the gather stays in range.
             kth = logits.topk(k_max, dim=-1).values.gather(1, (k - 1)[:, None])
             off = _upload([v == -1 for v in top_k], torch.bool, device)
             kth.masked_fill_(off[:, None], float("-inf"))
@@ -312,27 +337,35 @@ class Sampler:
         noise.clamp_min_(1e-20)
 
         if any(p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-            probs = torch.softmax(logits, dim=-1)
+            # A logit that overflowed to +inf (a tiny repetition_penalty) would make its row's
+            # softmax NaN: at the largest float it is still the row's best, sharing the mass
+            # with the others there.
+            probs = torch.softmax(logits.clamp_(max=torch.finfo(logits.dtype).max), dim=-1)
             self._filter_probs(probs, params)
             sampled = probs.div_(noise).argmax(dim=-1)
         else:
             # argmax(p / q) == argmax(logits / T - log q): no softmax needed.
             sampled = logits.sub_(noise.log_()).argmax(dim=-1)
-        if greedy_ids is not None:
+        if any(greedy):
             is_greedy = _upload(greedy, torch.bool, device)
             sampled = torch.where(is_greedy, greedy_ids, sampled)
-        return sampled
+        return sampled, invalid
 
     @staticmethod
     def _filter_probs(probs: torch.Tensor, params: list[SamplingParams]) -> None:
-        """Zero the probabilities top-p and min-p drop (per row; thresholds, in place)."""
+        """Zero the probabilities top-p and min-p drop (per row; thresholds, in place).
+
+        ``probs``: float32 ``[num_rows, vocab_size]``. Each row keeps at least its most likely
+        token; a row of NaN (nothing to sample, flagged by the caller) is left as it is."""
         device = probs.device
         if any(p.top_p < 1.0 for p in params):
             top_p = _upload([p.top_p for p in params], torch.float32, device)
             sorted_probs = probs.sort(dim=-1, descending=True).values
-            # Keep a token while the mass before it is below top_p (the first always stays).
+            # Keep a token while the mass before it is below top_p. The first token's "before"
+            # is 0, yet it must stay even where top_p is 0 in float32 (1e-46) or the row is
+            # NaN: at least one kept, so the gather below never reads index -1.
             before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            keep = (before < top_p[:, None]).sum(dim=-1, keepdim=True)
+            keep = (before < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_min_(1)
             threshold = sorted_probs.gather(1, keep - 1)
             probs.masked_fill_(probs < threshold, 0.0)
         if any(p.min_p > 0.0 for p in params):

@@ -10,6 +10,11 @@ is held (see ``engine/in_flight.py``) and its fill overlaps its own forward on t
 the scheduling and building of the next step on the host. :meth:`StructuredOutputs.advance`
 feeds each matcher the token its sample got, once the step's tokens are known, and always
 before the next step's fill starts: the mask of step t sees the token of step t - 1.
+
+A grammar that fails (llguidance raises or panics compiling, filling or consuming) fails its
+own sample only: a row whose fill failed gets an empty mask, which the sampler reports as a
+row with nothing to sample, and a token its grammar failed on counts as rejected; either way
+the engine ends that sample with reason "error" and the other rows go on.
 """
 
 from __future__ import annotations
@@ -34,12 +39,18 @@ logger = logging.getLogger(__name__)
 FILL_THREADS = 4
 
 
+def _grammar_failed(exc: BaseException) -> bool:
+    """``exc`` is one grammar's failure: an ``Exception``, or a panic of llguidance's native
+    code (pyo3's ``PanicException`` derives from ``BaseException`` only)."""
+    return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"
+
+
 class Advance(Enum):
     """How a token ended its sample's grammar (what :meth:`StructuredOutputs.advance` reports
     of the tokens that do not just go on)."""
 
     COMPLETE = "complete"    # the end-of-sequence token, which a complete grammar forces
-    REJECTED = "rejected"    # not allowed (the sample cannot go on)
+    REJECTED = "rejected"    # not allowed, or its grammar failed on it (the sample cannot go on)
 
 
 class StructuredOutputs:
@@ -83,13 +94,13 @@ class StructuredOutputs:
         Rows follow the sampler's order: per scheduled sequence, ``out.num_samples[i]`` rows
         (a request about to fork samples all ``n`` of its samples from sequence 0's row).
         """
-        rows, matchers = self._rows(out)
+        rows, matchers, keys = self._rows(out)
         if not rows:
             return lambda: None
         bitmask = self._buffer(len(rows))
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
-        future = self._worker.submit(self._fill, matchers, bitmask)
+        future = self._worker.submit(self._fill, matchers, bitmask, keys)
 
         def wait() -> TokenMasks:
             future.result()
@@ -98,10 +109,12 @@ class StructuredOutputs:
             return TokenMasks(rows, bitmask, self._bits)
         return wait
 
-    def _rows(self, out: SchedulerOutput) -> tuple[list[int], list]:
-        """The sampler rows of ``out`` that have a grammar, and their matchers."""
+    def _rows(self, out: SchedulerOutput) -> tuple[list[int], list, list[tuple[str, int]]]:
+        """The sampler rows of ``out`` that have a grammar, their matchers (None where the
+        grammar failed to compile: that row's mask stays empty) and their samples' keys."""
         rows: list[int] = []
         matchers = []
+        keys: list[tuple[str, int]] = []
         at = 0
         for seq, k in zip(out.seqs, out.num_samples):
             request = seq.request
@@ -109,10 +122,19 @@ class StructuredOutputs:
             # mask: its token is dropped, and its matcher may be gone.
             if k and request.params.structured_outputs is not None and not seq.is_finished:
                 for j in range(k):
+                    index = seq.index if k == 1 else j
                     rows.append(at + j)
-                    matchers.append(self._matcher(request, seq.index if k == 1 else j))
+                    keys.append((request.request_id, index))
+                    try:
+                        matchers.append(self._matcher(request, index))
+                    except BaseException as exc:
+                        if not _grammar_failed(exc):
+                            raise
+                        logger.exception("request %s sample %d: its grammar failed to compile",
+                                         request.request_id, index)
+                        matchers.append(None)
             at += k
-        return rows, matchers
+        return rows, matchers, keys
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
         if num_rows > len(self._bitmask):
@@ -127,15 +149,43 @@ class StructuredOutputs:
             self._executor = llguidance.LLExecutor(FILL_THREADS)
         return self._executor
 
-    def _fill(self, matchers: list, bitmask: torch.Tensor) -> None:
+    def _fill(self, matchers: list, bitmask: torch.Tensor, keys: list[tuple[str, int]]) -> None:
+        """Fill ``bitmask`` (int32 ``[len(matchers), words]``, host) row by matcher. A row
+        whose matcher is None, or whose fill fails, is left all zero: no token allowed."""
         import llguidance.torch as llt
 
-        if len(matchers) == 1:
-            llt.fill_next_token_bitmask(matchers[0], bitmask, 0)
+        jobs = [(m, i) for i, m in enumerate(matchers) if m is not None]
+        if len(jobs) < len(matchers):
+            for i, m in enumerate(matchers):
+                if m is None:
+                    bitmask[i].zero_()
+        try:
+            if len(jobs) == 1:
+                llt.fill_next_token_bitmask(jobs[0][0], bitmask, jobs[0][1])
+            elif jobs:
+                # Rows computed in parallel by llguidance's threads.
+                llt.fill_next_token_bitmask_par(self._llexecutor(), jobs, bitmask)
             return
-        # Rows computed in parallel by llguidance's threads.
-        llt.fill_next_token_bitmask_par(self._llexecutor(),
-                                        [(m, i) for i, m in enumerate(matchers)], bitmask)
+        except BaseException as exc:
+            if not _grammar_failed(exc):
+                raise
+            if len(jobs) == 1:
+                self._fail_row(bitmask, jobs[0][1], keys)
+                return
+        # Which row failed is not said: fill them one at a time.
+        for matcher, i in jobs:
+            try:
+                llt.fill_next_token_bitmask(matcher, bitmask, i)
+            except BaseException as exc:
+                if not _grammar_failed(exc):
+                    raise
+                self._fail_row(bitmask, i, keys)
+
+    @staticmethod
+    def _fail_row(bitmask: torch.Tensor, row: int, keys: list[tuple[str, int]]) -> None:
+        """Log the fill failure being handled and leave the row allowing nothing."""
+        logger.exception("request %s sample %d: filling its grammar mask failed", *keys[row])
+        bitmask[row].zero_()
 
     def advance(self, seqs: list[Sequence]) -> list[tuple[Sequence, Advance]]:
         """Feed each of ``seqs`` its newest token to its grammar. Returns the samples whose
@@ -145,9 +195,18 @@ class StructuredOutputs:
         rows on an H100's host, handing them to llguidance's thread pool 0.2-0.4 ms.)"""
         ended = []
         for seq in seqs:
-            matcher = self._matcher(seq.request, seq.index)
             token = seq.token_ids[-1]
-            if not matcher.consume_token(token):
+            try:
+                matcher = self._matcher(seq.request, seq.index)
+                accepted = matcher.consume_token(token)
+            except BaseException as exc:
+                if not _grammar_failed(exc):
+                    raise
+                logger.exception("request %s sample %d: its grammar failed on token %d",
+                                 seq.request.request_id, seq.index, token)
+                ended.append((seq, Advance.REJECTED))
+                continue
+            if not accepted:
                 error = matcher.get_error()
                 logger.warning("request %s sample %d: token %d is not allowed by its grammar: %s",
                                seq.request.request_id, seq.index, token,
