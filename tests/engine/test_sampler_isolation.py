@@ -64,7 +64,7 @@ def test_a_row_with_nothing_to_sample_ends_its_request_only(llm, alone, n):
     # The grammar allows only "a" (token 97), min_tokens bans it as a stop token: every logit
     # of the row is -inf from its first step.
     doomed = SamplingParams(temperature=1.0, n=n, max_tokens=8, min_tokens=3, stop_token_ids=[97],
-                            logprobs=1, structured_outputs=StructuredOutputsParams(choice=["a"]))
+                            logprobs=1, structured_outputs=StructuredOutputsParams(regex="a"))
     neighbours, hostile = with_hostile(llm, "x", doomed)
     assert neighbours == alone
     assert len(hostile.outputs) == n

@@ -84,7 +84,7 @@ def test_an_engine_on_the_gpu_survives_hostile_requests(async_scheduling, monkey
                                            max_tokens=MAX_TOKENS, ignore_eos=True),
         "nothing to sample": SamplingParams(temperature=1.0, max_tokens=8, min_tokens=3,
                                             stop_token_ids=[97], structured_outputs=(
-                                                StructuredOutputsParams(choice=["a"]))),
+                                                StructuredOutputsParams(regex="a"))),
     }
     reasons = {}
     for name, params in hostile.items():
