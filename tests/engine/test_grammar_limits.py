@@ -170,6 +170,27 @@ def test_a_compile_over_the_time_budget_is_refused(monkeypatch):
         release.set()
 
 
+def test_compiles_past_their_budget_cannot_pile_up():
+    import threading
+
+    from mini_paged_attn.engine.structured.contained import MAX_RUNNING, run_native
+
+    release = threading.Event()
+    stuck = [threading.Thread(target=run_native, args=(lambda: release.wait(30),),
+                              kwargs={"where": "f", "stack_bytes": 1 << 20, "timeout_s": 0.1})
+             for _ in range(MAX_RUNNING)]
+    for thread in stuck:     # each one refused after 0.1 s, its compile still running
+        thread.start()
+    for thread in stuck:
+        thread.join()
+    try:
+        with pytest.raises(ValueError, match="^g: the server's grammar compiler is busy"):
+            run_native(lambda: 1, where="g", stack_bytes=1 << 20, timeout_s=0.2)
+    finally:
+        release.set()
+    assert run_native(lambda: 2, where="g", stack_bytes=1 << 20, timeout_s=5) == 2
+
+
 def test_limits_reject_bad_values():
     with pytest.raises(ValueError, match="GrammarLimits.max_choices"):
         GrammarLimits(max_choices=0)
