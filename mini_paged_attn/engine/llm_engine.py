@@ -150,6 +150,8 @@ class LLMEngine:
                     detokenize: bool = True) -> str:
         """Queue a request; returns its id. Thread-safe.
 
+        ``prompt``: a str, a list of token ids, ``{"prompt": str}`` or ``{"prompt_token_ids":
+        [...]}`` (see :mod:`.prompts`).
         ``final_only``: ``step()`` reports the request only when it finishes (no text is
         produced before; what ``LLM.generate`` uses).
         ``detokenize=False``: the outputs carry token ids and an empty text, unless the request
@@ -157,6 +159,7 @@ class LLMEngine:
         turns ids into text itself, off the stepping thread (the server's engine process).
 
         Raises:
+            TypeError: a prompt of no known form.
             ValueError: a bad prompt or params, a request id in use, a request that can
                 never fit (prompt + max_tokens over max_model_len or over the whole KV pool),
                 or structured outputs that do not compile (or llguidance missing).
