@@ -139,8 +139,8 @@ def test_releasing_an_llm_returns_the_device_memory(release):
     torch.cuda.synchronize()
     gc.collect()
     before = torch.cuda.memory_allocated()
-    # 8192 blocks of 16 tokens x 2 layers x (K, V) x 128 x bf16: a 256 MiB pool.
-    llm = _hopper_shaped_llm(8192)
+    # 16384 blocks of 16 tokens x 2 layers x (K, V) x one KV head of 128 x bf16: 256 MiB.
+    llm = _hopper_shaped_llm(16384)
     prompts = [[5 + i % 200 for i in range(300 + j)] for j in range(4)]
     llm.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)
     assert torch.cuda.memory_allocated() - before >= 256 << 20
