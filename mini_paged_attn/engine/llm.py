@@ -61,8 +61,10 @@ class LLM:
         return llm
 
     def shutdown(self) -> None:
-        """Stop the engine's other tensor-parallel processes (if any); idempotent. Also done
-        when the LLM is garbage collected and at interpreter exit."""
+        """Stop the engine's other tensor-parallel processes (if any) and give back its device
+        memory (CUDA graphs, KV pool, workspaces, weights), even while this LLM is still
+        referenced; it cannot generate after (RuntimeError). Idempotent. Without it, both
+        happen when the LLM's last reference goes (``del llm``) and at interpreter exit."""
         self.engine.shutdown()
 
     def __enter__(self) -> LLM:
