@@ -28,7 +28,7 @@ if "transformers" in sys.modules:
                                             "registered: %s", exc)
 
 _ENGINE_NAMES = {"LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LLMEngine",
-                 "EngineStats"}
+                 "EngineStats", "TextPrompt", "TokensPrompt", "PromptType"}
 
 
 def __getattr__(name: str):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.sliding_window import check_sliding_window, min_blocks_to_run
+from .prompts import parse_prompt
 from .sampling_params import SamplingParams
 
 
@@ -39,18 +40,17 @@ class Admission:
         object.__setattr__(self, "sliding_window", check_sliding_window(self.sliding_window))
 
     def prompt_ids(self, prompt: Any, tokenizer: Any) -> tuple[str | None, list[int]]:
-        """``(text or None, token ids)`` of a prompt given as a str or a list of token ids."""
+        """``(text or None, token ids)`` of a prompt in any form of :mod:`.prompts` (a str, a
+        list of token ids, ``{"prompt": ...}``, ``{"prompt_token_ids": [...]}``); TypeError
+        for any other."""
+        prompt = parse_prompt(prompt)
         if isinstance(prompt, str):
             ids, text = tokenizer.encode(prompt), prompt
-        elif isinstance(prompt, (list, tuple)):
-            vocab = self.vocab_size
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                       for t in prompt):
-                raise ValueError(f"prompt: expected token ids in [0, {vocab}), got {prompt!r:.200}")
-            ids, text = list(prompt), None
         else:
-            raise ValueError(f"prompt: expected a str or a list of token ids, "
-                             f"got {type(prompt).__name__}")
+            vocab = self.vocab_size
+            if not all(0 <= t < vocab for t in prompt):
+                raise ValueError(f"prompt: expected token ids in [0, {vocab}), got {prompt!r:.200}")
+            ids, text = prompt, None
         if not ids:
             raise ValueError("prompt: expected at least one token, got an empty prompt")
         return text, ids
@@ -60,6 +60,7 @@ class Admission:
         """Validate one request; returns ``(params, prompt text or None, prompt token ids)``.
 
         Raises:
+            TypeError: a prompt of no known form (see :mod:`.prompts`).
             ValueError: a bad prompt or params, or a request that can never fit (prompt +
                 max_tokens over max_model_len or over the whole KV pool).
         """

@@ -10,11 +10,11 @@ from typing import Any
 from .config import EngineConfig
 from .llm_engine import LLMEngine
 from .outputs import EngineStats, RequestOutput
+from .prompts import PromptType, parse_prompts
 from .sampling_params import SamplingParams
 from .tool_calls import PARSERS, ToolCallMode, parser_for_template
 from .tools import tool_constraint
 
-Prompt = str | list[int]
 Messages = list[dict[str, Any]]
 
 
@@ -61,8 +61,10 @@ class LLM:
         return llm
 
     def shutdown(self) -> None:
-        """Stop the engine's other tensor-parallel processes (if any); idempotent. Also done
-        when the LLM is garbage collected and at interpreter exit."""
+        """Stop the engine's other tensor-parallel processes (if any) and give back its device
+        memory (CUDA graphs, KV pool, workspaces, weights), even while this LLM is still
+        referenced; it cannot generate after (RuntimeError). Idempotent. Without it, both
+        happen when the LLM's last reference goes (``del llm``) and at interpreter exit."""
         self.engine.shutdown()
 
     def __enter__(self) -> LLM:
@@ -79,18 +81,21 @@ class LLM:
         return self.engine.stats()
 
     # ---- batch generation ---------------------------------------------------------------------
-    def generate(self, prompts: Prompt | Sequence[Prompt],
+    def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); outputs in prompt order.
+        """Generate for every prompt; outputs in prompt order.
 
-        ``sampling_params``: one for all prompts, or one per prompt. Every request is validated
-        before any is queued (ValueError names the problem and the prompt's index).
+        ``prompts``: one prompt or a list of them, each a str, a list of int token ids,
+        ``{"prompt": str}`` (:class:`~.prompts.TextPrompt`) or ``{"prompt_token_ids": [...]}``
+        (:class:`~.prompts.TokensPrompt`), as in vLLM. ``sampling_params``: one for all
+        prompts, or one per prompt. Every request is validated before any is queued.
+
+        Raises:
+            TypeError: a prompt of no known form (names ``prompts[i]``).
+            ValueError: a bad request (names the problem and ``prompts[i]``).
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = parse_prompts(prompts)
         params_list = _params_per_prompt(sampling_params, len(prompts))
         return self._run(prompts, params_list, use_tqdm)
 
@@ -164,7 +169,7 @@ class LLM:
         return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                          **kwargs)
 
-    def _run(self, prompts: list[Prompt], params_list: list[SamplingParams],
+    def _run(self, prompts: list[str | list[int]], params_list: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         ids: list[str] = []
@@ -207,8 +212,10 @@ class LLM:
                     request_ids.discard(output.request_id)
 
     # ---- streaming ----------------------------------------------------------------------------
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None
+               ) -> Iterator[str]:
         """Yield the text of one request (n must be 1) as it is produced, delta by delta.
+        ``prompt``: any one form :meth:`generate` takes (TypeError for another).
 
         Closing the generator early aborts the request.
         """

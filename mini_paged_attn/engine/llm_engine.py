@@ -25,7 +25,7 @@ from ..models.tokenizer import Tokenizer
 from .admission import Admission
 from .config import EngineConfig, resolve_max_model_len
 from .in_flight import InFlightStep, StepMode
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, Released
 from .output_processor import OutputProcessor, RequestState
 from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
@@ -138,11 +138,24 @@ class LLMEngine:
             peers.close_after_failure(exc)
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do with one rank). Idempotent;
-        also happens when the engine is garbage collected and at interpreter exit."""
-        if self.peers is not None:
+        """Stop the other tensor-parallel ranks, then give back this engine's device memory:
+        CUDA graphs, KV pool, workspaces, model weights (``ModelRunner.release_memory``). The
+        engine cannot step after (a RuntimeError says so). Idempotent. Without it, the ranks
+        stop when the engine is garbage collected or at interpreter exit, and the memory goes
+        with the engine's last reference (nothing in it is a reference cycle)."""
+        peers = self.peers
+        if peers is not None:
             # Releases rank 0's decode graphs before the group (TPWorkers.track_graphs).
-            self.peers.close()
+            peers.close()
+            if peers._error is not None:
+                # A collective of the failed step may never finish: waiting for the device
+                # or destroying graphs could hang. The memory goes with the process.
+                return
+        self._in_flight = self._held = None
+        # The engine's own reference to the pool first, so that the runner's release (and
+        # its emptying of the allocator's cache) frees it.
+        self.cache = Released("LLMEngine.cache")
+        self.runner.release_memory()
 
     # ---- requests (any thread) ----------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -150,6 +163,8 @@ class LLMEngine:
                     detokenize: bool = True) -> str:
         """Queue a request; returns its id. Thread-safe.
 
+        ``prompt``: a str, a list of token ids, ``{"prompt": str}`` or ``{"prompt_token_ids":
+        [...]}`` (see :mod:`.prompts`).
         ``final_only``: ``step()`` reports the request only when it finishes (no text is
         produced before; what ``LLM.generate`` uses).
         ``detokenize=False``: the outputs carry token ids and an empty text, unless the request
@@ -157,6 +172,7 @@ class LLMEngine:
         turns ids into text itself, off the stepping thread (the server's engine process).
 
         Raises:
+            TypeError: a prompt of no known form.
             ValueError: a bad prompt or params, a request id in use, a request that can
                 never fit (prompt + max_tokens over max_model_len or over the whole KV pool),
                 or structured outputs that do not compile (or llguidance missing).

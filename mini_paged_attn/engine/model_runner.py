@@ -49,6 +49,28 @@ logger = logging.getLogger(__name__)
 WORKSPACE_SPLITS_PER_SEQ = 16
 
 
+# What release_memory() drops: everything of the runner that holds device memory.
+_DEVICE_STATE = ("model", "cache", "kv_caches", "inputs", "sampler", "workspace",
+                 "linear_workspace")
+
+
+class Released:
+    """In the place of an object that shutdown released (a runner's KV cache, model, ...):
+    any attribute read raises a RuntimeError naming it, not an AttributeError of None."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        raise RuntimeError(f"{self._name}.{attr}: the engine was shut down and its device "
+                           "memory released; build a new engine")
+
+    def __repr__(self) -> str:
+        return f"<{self._name}: released>"
+
+
 class ModelRunner:
     """Owns the KV cache tensors and runs the model for scheduled steps.
 
@@ -67,6 +89,7 @@ class ModelRunner:
         self.model_config = model_config
         self.config = config
         self.peers = peers
+        self.released = False      # release_memory() ran
         # This rank's share of the heads (all of them with one rank).
         self.tp, self.layout = model.tp, model.layout
         self.device = device = model.device
@@ -339,6 +362,34 @@ class ModelRunner:
             self.graphs.release()
             self.graphs = None
 
+    def release_memory(self) -> None:
+        """Give back this runner's device memory: wait for the device, destroy the CUDA graphs
+        (decode and prompt), then drop the KV pool, the workspaces, the input buffers, the
+        sampler's state and the model's weights; each stands as a :class:`Released` after,
+        which raises on use. On CUDA, the caching allocator's unused blocks go back to the
+        device too. Idempotent.
+
+        The memory returns once nothing else holds those objects: ``LLMEngine.shutdown``
+        drops the engine's own references first.
+        """
+        if self.released:
+            return
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        self.release_graphs()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.release()
+            self.prefill_graphs = None
+        self.prompt_logprobs = []
+        self._prompt_device = None
+        self._sample_inputs = None
+        for name in _DEVICE_STATE:
+            setattr(self, name, Released(f"ModelRunner.{name}"))
+        self.released = True
+        if cuda:
+            torch.cuda.empty_cache()
+
     def read_prompt_logprobs(self) -> None:
         """The latest step's prompt logprobs, to the host, into :attr:`prompt_logprobs`
         (nothing when it computed none)."""
@@ -374,4 +425,4 @@ def _sample_rows(out: SchedulerOutput) -> list[SampleRow]:
     return rows
 
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "Released"]

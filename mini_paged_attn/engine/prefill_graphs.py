@@ -164,6 +164,12 @@ class PrefillGraphs:
                     len(self._graphs), max(self.buckets, default=0),
                     time.perf_counter() - start)
 
+    def release(self) -> None:
+        """Wait for the device, then destroy the captured graphs (replay cannot run after)."""
+        if self._graphs:
+            torch.cuda.synchronize()
+            self._graphs.clear()        # a graph is destroyed with its last reference
+
     def replay(self, key: PromptGraph, num_tokens: int) -> torch.Tensor:
         """Run the graph of ``key`` on the inputs built with ``pad_prompt_to=key.tokens,
         paged_prompt=key.paged``. Returns the prompt's hidden states ``[num_tokens,

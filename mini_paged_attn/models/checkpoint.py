@@ -10,6 +10,13 @@ rows) are read from three (two) places of it and concatenated.
 
 from __future__ import annotations
 
+import json
+import re
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -121,4 +128,73 @@ def read_part(opened, name: str, part: Index | list[Index] | None) -> torch.Tens
     return sliced[part]
 
 
-__all__ = ["CheckpointParts", "Index", "Shard", "read_part"]
+# ---- quantized checkpoints: refused before any weight is read ---------------------------------
+
+# The safetensors dtypes of plain weights; a ``*.weight`` in any other (F8_E4M3, I8, U8, I32,
+# ...) holds quantized values that would be cast as if they were the weights themselves.
+PLAIN_WEIGHT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+# The last name part of the side tensors of quantization formats (GPTQ / AWQ qweight, qzeros,
+# scales, g_idx; compressed-tensors weight_packed, weight_scale, input_scale, zero points;
+# fp8 weight_scale_inv; MXFP4 *_scales): ignored, they would leave the weights meaningless.
+_QUANTIZATION_TENSOR = re.compile(
+    r"qweight|qzeros|scales|g_idx|weight_packed|weight_shape|\w+_zero_point"
+    r"|\w+_scales?|\w+_scale_(?:inv|2)")
+_SUPPORTED = "only unquantized bf16/fp16/fp32 safetensors checkpoints and GGUF files load"
+
+
+def quantized_checkpoint_error(source: str, method: Any, hint: str = "") -> str:
+    """The one-line refusal of a checkpoint quantized with ``method`` (its config.json's
+    ``quantization_config.quant_method``), ``hint`` saying what to use instead."""
+    return (f"{source}: quantization_config.quant_method {method!r} is not supported: "
+            f"{_SUPPORTED}" + (f" ({hint})" if hint else ""))
+
+
+def safetensors_header(path: str | Path) -> dict[str, dict[str, Any]]:
+    """The tensor entries of a safetensors file's JSON header (name -> dtype, shape, data
+    offsets), read without reading any tensor; {} for a file too short or malformed to have
+    one (loading it reports that, naming the file)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            return {}
+        (size,) = struct.unpack("<Q", raw)
+        text = f.read(size)
+    try:
+        header = json.loads(text) if len(text) == size else {}
+    except (UnicodeDecodeError, ValueError):
+        return {}
+    if not isinstance(header, dict):
+        return {}
+    return {k: v for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+
+
+def check_unquantized(raw_config: dict[str, Any], files: Sequence[str | Path],
+                      source: str) -> None:
+    """Refuse a quantized checkpoint: one whose config.json (``raw_config``, named
+    ``source``) has a ``quantization_config``, or whose safetensors ``files`` hold a
+    ``*.weight`` tensor of a non-float dtype or a quantization format's side tensors
+    (``qweight``, ``qzeros``, ``*_scale``, ...). Reads the files' headers only.
+
+    The engine loads plain weights only: a quantized one loaded as plain weights (its scales
+    ignored) would answer garbage without a word.
+
+    Raises:
+        ValueError: one line naming the quant_method, or the file, tensor and dtype.
+    """
+    quant = raw_config.get("quantization_config")
+    if quant:      # None or {}: nothing is quantized
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        raise ValueError(quantized_checkpoint_error(source, method))
+    for path in files:
+        for name, entry in safetensors_header(path).items():
+            dtype = entry.get("dtype")
+            last = name.rsplit(".", 1)[-1]
+            if _QUANTIZATION_TENSOR.fullmatch(last) or (
+                    last == "weight" and dtype not in PLAIN_WEIGHT_DTYPES):
+                raise ValueError(f"{path}: tensor {name!r} ({dtype}) is a quantized "
+                                 f"checkpoint's, and {source} has no quantization_config: "
+                                 f"{_SUPPORTED}")
+
+
+__all__ = ["CheckpointParts", "Index", "PLAIN_WEIGHT_DTYPES", "Shard", "check_unquantized",
+           "quantized_checkpoint_error", "read_part", "safetensors_header"]

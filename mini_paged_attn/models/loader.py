@@ -18,7 +18,7 @@ import torch
 
 from ..distributed.group import TPGroup
 from ..errors import ModelLoadError
-from .checkpoint import read_part
+from .checkpoint import check_unquantized, read_part
 from .config import ModelConfig, check_model_dir, read_json, resolve_dtype
 from .gguf import is_gguf_path, load_gguf_model
 from .llama import CausalLM
@@ -152,12 +152,17 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype | str | None = None,
     Raises:
         FileNotFoundError: no config.json / no safetensors / a missing shard (named).
         ValueError: unsupported architecture (named, with the supported ones), a bad config
-            field, a missing or misshapen tensor (named).
+            field, a missing or misshapen tensor (named), a quantized checkpoint (its
+            quant_method, or the quantized tensor, named; before any weight is read).
     """
     if is_gguf_path(model_dir):
         return load_gguf_model(model_dir, dtype=dtype, device=device, tp=tp)
     config = ModelConfig.from_model_dir(model_dir)
     files = checkpoint_files(model_dir)
+    # Before the model is allocated: a quantized checkpoint read as plain weights answers
+    # garbage.
+    config_path = Path(model_dir) / "config.json"
+    check_unquantized(read_json(config_path), files, str(config_path))
     load_dtype = resolve_dtype(dtype, config)
     model = init_empty_model(config, dtype=load_dtype, device=device, tp=tp)
     load_weights(model, files, device)

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..core.args import positive_int
 from ..ops.moe import MoeActivation
+from .checkpoint import quantized_checkpoint_error
 
 # family -> how its router turns logits into top-k weights
 ROUTERS = {
@@ -78,13 +79,12 @@ def parse_moe_config(raw: dict[str, Any], family: str, num_layers: int,
     """
     if family not in ROUTERS:
         return None
-    quant = raw.get("quantization_config") or {}
-    if quant:
-        method = quant.get("quant_method", "?")
-        raise ValueError(f"{source}: quantization_config.quant_method {method!r} is not supported "
-                         "(this engine loads bf16/fp16/fp32 weights only; for gpt-oss use a "
-                         "checkpoint dequantized to bf16, e.g. with transformers' "
-                         "Mxfp4Config(dequantize=True) and save_pretrained)")
+    quant = raw.get("quantization_config")
+    if quant:      # None or {}: nothing is quantized
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        raise ValueError(quantized_checkpoint_error(
+            source, method, "for gpt-oss use a checkpoint dequantized to bf16, e.g. with "
+            "transformers' Mxfp4Config(dequantize=True) and save_pretrained"))
 
     def need(*keys: str):
         for key in keys:

@@ -5,6 +5,7 @@ and IncrementalDetokenizer, which turns a growing list of token ids into text de
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 # tokenizers (sentencepiece) decode a token differently at the start of a text (no leading space).
 _DETOKENIZE_CONTEXT = 6
 _REPLACEMENT = "\ufffd"   # what decoding gives for an incomplete UTF-8 sequence
+
+# What tells whether a chat template renders tools: a one-message conversation rendered with
+# and without this function spec.
+_PROBE_MESSAGES = [{"role": "user", "content": "What time is it?"}]
+_PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "get_current_time", "description": "The current time",
+    "parameters": {"type": "object", "properties": {}, "required": []}}}]
 
 
 class Tokenizer:
@@ -44,6 +52,23 @@ class Tokenizer:
         self._raw_decode = (backend.decode if backend is not None
                             and not getattr(hf_tokenizer, "clean_up_tokenization_spaces", False)
                             else None)
+        # Chat template (its text) -> whether it renders tools, and the templates warned
+        # about; from any thread (the server renders on worker threads).
+        self._renders_tools: dict[str, bool | None] = {}
+        self._warned_tools: set[str] = set()
+        self._renders_tools_lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        # The engine process sends its tokenizer to the client: a lock does not pickle (the
+        # probes are redone there, and warned about there, once).
+        state = dict(self.__dict__)
+        state.pop("_renders_tools_lock")
+        state["_renders_tools"], state["_warned_tools"] = {}, set()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._renders_tools_lock = threading.Lock()
 
     @property
     def eos_token_id(self) -> int | None:
@@ -90,7 +115,8 @@ class Tokenizer:
         Returns the token ids (``tokenize=True``) or the rendered text. The text is encoded
         without adding special tokens: the template writes them itself. ``tools``: OpenAI-style
         ``[{"type": "function", "function": {"name", "description", "parameters"}}]``, which
-        templates that support tool use render into the prompt (others ignore them).
+        templates that support tool use render into the prompt; others drop them, and then a
+        warning is logged, once per template (see :meth:`renders_tools`).
 
         Raises:
             ValueError: the tokenizer has no chat template, or ``messages`` is malformed.
@@ -104,9 +130,57 @@ class Tokenizer:
                              f"got {messages!r:.200}")
         if tools is not None:
             template_kwargs["tools"] = tools
+        if tools:
+            self._warn_if_tools_dropped(template_kwargs.get("chat_template"))
         text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                            tokenize=False, **template_kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def renders_tools(self, chat_template: str | None = None) -> bool | None:
+        """Whether the chat template (``chat_template``, else the tokenizer's own) writes tools
+        into the prompt: a probe conversation rendered with and without one function spec
+        differs. With a template that drops them the model never sees the functions, so
+        ``tool_choice="auto"`` practically never calls one ("required" and a named function
+        still constrain the output to a call); :meth:`apply_chat_template` then warns, once
+        per template. Probed once per template. None: no chat template, or the probe does
+        not render (a template that needs other messages).
+        """
+        template = chat_template or getattr(self.hf, "chat_template", None)
+        if not template:
+            return None
+        key = str(template)      # a dict of named templates too (transformers picks one)
+        with self._renders_tools_lock:
+            if key in self._renders_tools:
+                return self._renders_tools[key]
+            extra = {"chat_template": chat_template} if chat_template else {}
+            try:
+                plain, with_tools = (
+                    self.hf.apply_chat_template(_PROBE_MESSAGES, tools=tools, tokenize=False,
+                                                add_generation_prompt=True, **extra)
+                    for tools in (None, _PROBE_TOOLS))
+            except Exception as exc:    # the template's own checks (roles, ...): unknown
+                logger.debug("%s: could not probe the chat template for tools: %s",
+                             self.name, exc)
+                rendered = None
+            else:
+                rendered = plain != with_tools
+            self._renders_tools[key] = rendered
+        return rendered
+
+    def _warn_if_tools_dropped(self, chat_template: str | None) -> None:
+        """A warning, the first time only, that a request's tools miss the template."""
+        if self.renders_tools(chat_template) is not False:
+            return
+        key = str(chat_template or self.hf.chat_template)
+        with self._renders_tools_lock:
+            if key in self._warned_tools:
+                return
+            self._warned_tools.add(key)
+        logger.warning(
+            "%s: the chat template ignores tools, so the model never sees their specs: "
+            "tool_choice='auto' will practically never call one ('required' or a named "
+            "function still constrain the output to a call); use a model whose template "
+            "renders tools (README: Tools and chat templates)", self.name)
 
     def detokenizer(self, prompt_token_ids: Sequence[int] = (), *,
                     skip_special_tokens: bool = True) -> IncrementalDetokenizer:

@@ -83,7 +83,10 @@ class _EncodedDescriptor:
     layer)."""
 
     def __init__(self, descriptor, metadata, encode) -> None:
-        self._descriptor = descriptor
+        # Its layout over a bare pointer, not the descriptor: the descriptor holds its base
+        # tensor, and an entry of the launch caches would keep that (a whole KV pool) alive
+        # after its engine is gone.
+        self._descriptor = _Rebased(descriptor, descriptor.base.data_ptr())
         self._metadata = metadata
         self._encode = encode
         self._expanded: dict[int, tuple] = {}
