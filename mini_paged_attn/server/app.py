@@ -20,7 +20,6 @@ import contextlib
 import hmac
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,11 +35,12 @@ from ..engine.llm_engine import LLMEngine
 from ..engine.tool_calls import PARSERS
 from .async_engine import AsyncEngine
 from .cross_site import CrossSiteGuard
-from .errors import ENGINE_DEAD, APIError
+from .errors import ENGINE_DEAD, APIError, clip, internal_error
 from .limits import RequestSizeLimit, ServerLimits
 from .metrics import ServerMetrics
 from .openai_api import create_chat_completion, create_completion
 from .prepare import ServedModel, model_not_found
+from .prompt_bytes import prompt_byte_cap
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +80,8 @@ def _endpoint(handler: Handler, served: ServedModel, api_key: str | None
 
 def _internal_error(request: Request) -> Response:
     """A 500 that tells the client nothing of the exception being handled, which is logged."""
-    error_id = uuid.uuid4().hex[:12]
-    logger.exception("request to %s failed (error id %s)", request.url.path, error_id)
-    return APIError(500, f"The server had an error while processing the request (error id "
-                         f"{error_id})", type="server_error", code="internal_error").response()
+    return internal_error("The server had an error while processing the request",
+                          what=f"request to {clip(request.url.path)} failed").response()
 
 
 async def _unhandled(request: Request, exc: Exception) -> Response:
@@ -123,7 +121,8 @@ def _metrics_endpoint(metrics: ServerMetrics) -> Handler:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "not_found" if exc.status_code == 404 else None
-    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+    return APIError(exc.status_code, f"{clip(request.method)} {clip(request.url.path)}: "
+                                     f"{clip(str(exc.detail))}",
                     code=kind).response()
 
 
@@ -187,7 +186,8 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str
     async_engine.on_finished = metrics.observe
     workers = ThreadPoolExecutor(_REQUEST_WORKERS, thread_name_prefix="mini-paged-attn-request")
     served = ServedModel(model_name, async_engine, workers, limits=limits, max_queue=max_queue,
-                         tool_call_parser=tool_call_parser)
+                         tool_call_parser=tool_call_parser,
+                         max_prompt_bytes=prompt_byte_cap(client.tokenizer, client.max_model_len))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -215,4 +215,5 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str
                     exception_handlers={HTTPException: _http_error, Exception: _unhandled})
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    app.state.served = served
     return app
