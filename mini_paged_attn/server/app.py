@@ -9,7 +9,9 @@ API key when one is set), ``GET /health`` and ``GET /metrics`` (open, for probes
 Every error, a 404 included, carries OpenAI's body ``{"error": {"message", "type", "param",
 "code"}}``: malformed input of any kind is a 4xx, and a 500 says only that the server failed (the
 exception goes to the log, under an id the body quotes). Bodies over ``limits.max_request_bytes``
-get 413 before they are read (:mod:`.limits`). A POST must be ``Content-Type: application/json``
+get 413 before they are read (:mod:`.limits`); a body that takes longer than
+``limits.body_timeout_s`` to arrive gets 408, and a client that takes no piece of its response
+for ``limits.send_timeout_s`` is dropped (:mod:`.timeouts`). A POST must be ``Content-Type: application/json``
 (415), and with ``allowed_hosts`` the Host header must name one of them (:mod:`.cross_site`: what
 keeps web pages from using a key-less server on this machine).
 """
@@ -41,6 +43,7 @@ from .metrics import ServerMetrics
 from .openai_api import create_chat_completion, create_completion
 from .prepare import ServedModel, model_not_found
 from .prompt_bytes import prompt_byte_cap
+from .timeouts import IOTimeouts
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +213,9 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str
         Route("/metrics", _endpoint(_metrics_endpoint(metrics), served, None), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=[Middleware(CrossSiteGuard, allowed_hosts=allowed_hosts),
+                    middleware=[Middleware(IOTimeouts, body_timeout_s=limits.body_timeout_s,
+                                           send_timeout_s=limits.send_timeout_s),
+                                Middleware(CrossSiteGuard, allowed_hosts=allowed_hosts),
                                 Middleware(RequestSizeLimit, max_bytes=limits.max_request_bytes)],
                     exception_handlers={HTTPException: _http_error, Exception: _unhandled})
     app.state.async_engine = async_engine
