@@ -21,6 +21,8 @@ class Admission:
         sequence advances).
     max_num_seqs: ``n`` samples run side by side, so ``n`` may not exceed it.
     sliding_window: the model's window when every layer has one, else None.
+    prompt_logprobs: whether the engine computes prompt logprobs (not under tensor
+        parallelism: the ranks' step has no rows for them).
     """
 
     vocab_size: int
@@ -29,6 +31,7 @@ class Admission:
     block_size: int
     max_num_seqs: int
     sliding_window: int | None = None
+    prompt_logprobs: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sliding_window", check_sliding_window(self.sliding_window))
@@ -80,4 +83,8 @@ class Admission:
         if params.n > self.max_num_seqs:
             raise ValueError(f"params.n: expected <= max_num_seqs={self.max_num_seqs}, "
                              f"got {params.n}")
+        if params.prompt_logprobs is not None and not self.prompt_logprobs:
+            raise ValueError("prompt_logprobs: expected None with tensor_parallel_size > 1 "
+                             "(prompt logprobs, which echo with logprobs asks for too, are not "
+                             f"computed there), got {params.prompt_logprobs}")
         return params, text, ids

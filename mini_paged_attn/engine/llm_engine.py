@@ -75,7 +75,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self.admission = Admission(model_config.vocab_size, max_len, self.kv_manager.num_blocks,
                                    config.block_size, config.max_num_seqs,
-                                   self.kv_manager.sliding_window)
+                                   self.kv_manager.sliding_window,
+                                   prompt_logprobs=peers is None)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
         # Grammar matchers of structured outputs (llguidance is imported on first use).
         self.structured = StructuredOutputs(
@@ -166,9 +167,6 @@ class LLMEngine:
         params, text, ids = self.admission.check(prompt, params, self.tokenizer)
         if params.structured_outputs is not None:
             self.structured.compiler.compile(params.structured_outputs)  # cached for the step
-        if params.prompt_logprobs is not None and self.peers is not None:
-            raise ValueError("prompt_logprobs: expected None with tensor_parallel_size > 1 "
-                             f"(not supported there), got {params.prompt_logprobs}")
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids

@@ -30,6 +30,9 @@ from .prepare import Prepared, ServedModel, prepare_chat, prepare_completion
 
 logger = logging.getLogger(__name__)
 
+# Fields of a request that an engine admission error may name as its param.
+_REQUEST_FIELDS = frozenset({"prompt_logprobs", "logit_bias"})
+
 # Not an HTTP status anyone receives: the client is gone when a handler returns it.
 _CLIENT_CLOSED = 499
 
@@ -59,7 +62,9 @@ def _submit(served: ServedModel, prompts: list[list[int]], params: Any) -> Submi
     except EngineDeadError:
         raise APIError(503, ENGINE_DEAD, type="server_error", code="engine_dead") from None
     except ValueError as exc:  # the engine's admission checks (e.g. prompt + max_tokens too long)
-        raise bad_request(str(exc)) from None
+        # They say "<field>: expected ..., got ...".
+        name = str(exc).split(":", 1)[0]
+        raise bad_request(str(exc), param=name if name in _REQUEST_FIELDS else None) from None
 
 
 async def _serve(request: Request, served: ServedModel, submission: Submission,
