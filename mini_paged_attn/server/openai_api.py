@@ -94,7 +94,9 @@ async def _serve(request: Request, served: ServedModel, submission: Submission,
     except RequestFailedError as exc:  # the engine's reason goes to the log, not the client
         raise _engine_failed(exc) from None
     except StopAsyncIteration:  # cannot happen: a submission always ends with a finished output
-        raise APIError(500, "the engine returned no output", type="server_error") from None
+        raise internal_error("The engine returned no output for this request",
+                             what="a submission ended without a finished output",
+                             cause="no output") from None
     finally:
         if not streaming:  # otherwise the stream owns them
             watcher.cancel()
