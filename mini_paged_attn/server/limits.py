@@ -4,7 +4,9 @@
 and friends). :class:`RequestSizeLimit` is the ASGI middleware that refuses a body over
 ``max_request_bytes`` with 413 before any of it is parsed, and :func:`check_request` applies the
 other caps to a parsed request before anything is tokenized or queued; each of those is a 400
-whose ``param`` names the field.
+whose ``param`` names the field. :func:`check_response_size` bounds the log-probability entries
+a response may hold (known once the prompts are tokenized, still before queueing); the time
+budgets are applied by :mod:`.timeouts`.
 
 >>> limits = ServerLimits(max_stop_strings=4)
 >>> limits.max_request_bytes
@@ -27,7 +29,7 @@ def _cap(default: int, help_text: str) -> Any:
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """Per-request caps; every one an int >= 1.
+    """Per-request caps and per-connection time budgets (seconds); every one an int >= 1.
 
     The defaults: a 4 MiB body (a prompt of about a million tokens, beyond any context this
     engine serves); OpenAI's n <= 128; 16 stop strings (OpenAI allows 4, vLLM any number: every
