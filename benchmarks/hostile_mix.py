@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -168,7 +168,7 @@ async def hostile(kind: str, rng: random.Random, client: httpx.AsyncClient, port
     return await _post(client, path, make(rng))
 
 
-# ---- the server ------------------------------------------------------------------------------------
+# ---- the server ----------------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
@@ -247,13 +247,14 @@ def wait_idle(url: str, timeout_s: float) -> dict[str, float]:
         m = kv_blocks(url)
         idle = (m.get("mini_paged_attn_requests_running") == 0
                 and m.get("mini_paged_attn_requests_waiting") == 0
-                and m.get("mini_paged_attn_kv_blocks_free") == m.get("mini_paged_attn_kv_blocks_total"))
+                and m.get("mini_paged_attn_kv_blocks_free")
+                == m.get("mini_paged_attn_kv_blocks_total"))
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.2)
 
 
-# ---- the run -----------------------------------------------------------------------------------------
+# ---- the run -------------------------------------------------------------------------------------
 VICTIM_BODY = _completion("The quick brown fox", max_tokens=8, temperature=0)
 
 

@@ -216,5 +216,5 @@ class ToolCallMode:
         return None, calls
 
 
-__all__ = ["MAX_JSON_DEPTH", "HermesParser", "Llama3JsonParser", "PARSERS", "ToolCall", "ToolCallMode",
-           "json_depth", "parser_for_template"]
+__all__ = ["MAX_JSON_DEPTH", "HermesParser", "Llama3JsonParser", "PARSERS", "ToolCall",
+           "ToolCallMode", "json_depth", "parser_for_template"]

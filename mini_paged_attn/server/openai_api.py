@@ -114,7 +114,8 @@ class _OutputFailed(Exception):
 
 def _output_failed() -> APIError:
     return internal_error("The engine could not finish an output of this request within its "
-                          "grammar; the server's log has the details", what="an output finished with reason \"error\"",
+                          "grammar; the server's log has the details",
+                          what='an output finished with reason "error"',
                           cause="its grammar rejected a token (the engine's log has which)")
 
 

@@ -165,7 +165,8 @@ def test_the_byte_cap_never_refuses_a_prompt_that_fits(llm):
     tok = llm.engine.tokenizer
     max_len = llm.engine.max_model_len
     cap = prompt_byte_cap(tok, max_len)
-    pieces = sorted((tok.decode([i]) for i in range(tok.vocab_size)), key=lambda t: -len(t.encode()))
+    pieces = sorted((tok.decode([i]) for i in range(tok.vocab_size)),
+                    key=lambda t: -len(t.encode()))
     for piece in pieces[:20]:
         if not piece:
             continue
