@@ -38,7 +38,8 @@ class ServedModel:
     template) off the event loop; ``max_queue`` is the engine's queue limit, for requests that
     could never be admitted; ``max_prompt_bytes``: prompts of more bytes cannot fit the context
     and are refused before they are tokenized (``prompt_bytes.prompt_byte_cap``; None: no cap).
-    ``tool_call_parser``: the format of tool calls ``tool_choice`` "auto" looks for (a ``engine.tool_calls.PARSERS`` key); None: the one the chat template shows.
+    ``tool_call_parser``: the format of tool calls ``tool_choice`` "auto" looks for (a
+    ``engine.tool_calls.PARSERS`` key); None: the one the chat template shows.
     """
 
     name: str
