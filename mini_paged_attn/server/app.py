@@ -13,8 +13,8 @@ get 413 before they are read (:mod:`.limits`); a body that takes longer than
 ``limits.body_timeout_s`` to arrive gets 408, and a client that takes no piece of its response
 for ``limits.send_timeout_s`` is dropped (:mod:`.timeouts`). A POST must be
 ``Content-Type: application/json`` (415), and with ``allowed_hosts`` the Host header must name
-one of them (:mod:`.cross_site`: what
-keeps web pages from using a key-less server on this machine).
+one of them (:mod:`.cross_site`: what keeps web pages from using a key-less server on this
+machine).
 """
 
 from __future__ import annotations
