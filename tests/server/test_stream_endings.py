@@ -142,14 +142,13 @@ def test_a_streamed_deep_tool_call_ends_with_done(server, script):
                                         ("/v1/chat/completions", {**CHAT_GOOD, "max_tokens": 6})])
 def test_a_chunk_that_cannot_be_made_ends_the_stream_with_an_error_and_done(
         server, monkeypatch, caplog, path, body):
-    made = []
     original = ResponseFormat.chunk
 
-    def broken_chunk(self, *args, **kwargs):
-        made.append(1)
-        if len(made) > 1:
+    def broken_chunk(self, index, comp, **kwargs):
+        # The finishing chunk: always made, however many steps' outputs a chunk carries.
+        if comp.finish_reason is not None:
             raise RuntimeError("chunk bug")
-        return original(self, *args, **kwargs)
+        return original(self, index, comp, **kwargs)
 
     monkeypatch.setattr(ResponseFormat, "chunk", broken_chunk)
     with caplog.at_level("ERROR", "mini_paged_attn.server"):
