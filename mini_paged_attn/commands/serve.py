@@ -54,6 +54,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "request has tools and tool_choice auto (default: the one the chat "
                            "template shows; hermes if it shows none)")
     add_engine_arguments(parser, serving=True)
+    parser.add_argument("--step-timeout-s", type=_step_timeout, default=60.0, metavar="S",
+                        help="with --tensor-parallel-size > 1: a step that takes longer fails "
+                             "the engine as a dead rank does (a stopped or hung rank); 0: no "
+                             "limit (default 60)")
+
+
+def _step_timeout(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value or None
 
 
 def _add_limit_arguments(group: argparse._ArgumentGroup) -> None:
@@ -153,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
                       enable_prefix_caching=not args.no_prefix_caching,
                       enforce_eager=args.enforce_eager, seed=args.seed,
                       kv_cache_dtype=args.kv_cache_dtype,
-                      tensor_parallel_size=args.tensor_parallel_size)
+                      tensor_parallel_size=args.tensor_parallel_size,
+                      step_timeout_s=args.step_timeout_s)
     llm_engine = None
     if wants_engine_process(args.engine_process, args.device):
         from mini_paged_attn.engine.mp_engine_client import MPEngineClient

@@ -26,6 +26,8 @@ class Admission:
         checks above never compile; a frontend compiles a request's constraint with it on a
         worker thread before admitting the request (the server's request workers), so the
         engine's stepping thread only copies the cached template.
+    prompt_logprobs: whether the engine computes prompt logprobs (not under tensor
+        parallelism: the ranks' step has no rows for them).
     """
 
     vocab_size: int
@@ -35,6 +37,7 @@ class Admission:
     max_num_seqs: int
     sliding_window: int | None = None
     grammar: Any = field(default=None, compare=False, repr=False)
+    prompt_logprobs: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sliding_window", check_sliding_window(self.sliding_window))
@@ -87,6 +90,10 @@ class Admission:
         if params.n > self.max_num_seqs:
             raise ValueError(f"params.n: expected <= max_num_seqs={self.max_num_seqs}, "
                              f"got {params.n}")
+        if params.prompt_logprobs is not None and not self.prompt_logprobs:
+            raise ValueError("prompt_logprobs: expected None with tensor_parallel_size > 1 "
+                             "(prompt logprobs, which echo with logprobs asks for too, are not "
+                             f"computed there), got {params.prompt_logprobs}")
         return params, text, ids
 
 

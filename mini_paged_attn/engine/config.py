@@ -41,6 +41,11 @@ class EngineConfig:
             (checked when the model is read, before any process starts).
         distributed_timeout_s: how long a tensor-parallel rank waits for the others (the
             rendezvous, one collective, a worker's start) before the engine gives up.
+        step_timeout_s: under tensor parallelism, how long one step may take on rank 0
+            before the engine fails as if a rank had died (a rank stopped or hung would
+            otherwise hold every request for ``distributed_timeout_s``); None: no limit of
+            its own. 60 s: far beyond a step of the models served here (a full 8192-token
+            prefill), short of the group's timeout (``engine/tp_watchdog.py``).
         async_scheduling: schedule and launch step t + 1 before step t's tokens reach the
             host (they stay on the device as t + 1's inputs), so the host's scheduling and
             output handling run while the GPU computes. ``step()`` then returns a step's
@@ -66,6 +71,7 @@ class EngineConfig:
     log_stats_interval_s: float = 10.0
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 120.0
+    step_timeout_s: float | None = 60.0
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
@@ -92,6 +98,9 @@ class EngineConfig:
         t = self.distributed_timeout_s
         if not is_number(t) or not 0 < t < float("inf"):
             raise ValueError(f"distributed_timeout_s: expected a number > 0, got {t!r}")
+        t = self.step_timeout_s
+        if t is not None and (not is_number(t) or not 0 < t < float("inf")):
+            raise ValueError(f"step_timeout_s: expected None or a number > 0, got {t!r}")
         for name in ("enable_prefix_caching", "enforce_eager"):
             check_bool(name, getattr(self, name))
         if self.async_scheduling is not None:

@@ -80,7 +80,8 @@ class LLMEngine:
         self.structured = StructuredOutputs(compiler, self.runner.device)
         self.admission = Admission(model_config.vocab_size, max_len, self.kv_manager.num_blocks,
                                    config.block_size, config.max_num_seqs,
-                                   self.kv_manager.sliding_window, grammar=compiler)
+                                   self.kv_manager.sliding_window, grammar=compiler,
+                                   prompt_logprobs=peers is None)
         self._num_structured = 0      # live requests with structured outputs (stepping thread)
         # Live requests whose steps may need their tokens at once (n > 1, prompt logprobs).
         self._num_sync_only = 0
@@ -182,9 +183,6 @@ class LLMEngine:
         params, text, ids = self.admission.check(prompt, params, self.tokenizer)
         if params.structured_outputs is not None:
             self.structured.compiler.compile(params.structured_outputs)  # cached for the step
-        if params.prompt_logprobs is not None and self.peers is not None:
-            raise ValueError("prompt_logprobs: expected None with tensor_parallel_size > 1 "
-                             f"(not supported there), got {params.prompt_logprobs}")
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids

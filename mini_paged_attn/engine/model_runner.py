@@ -275,8 +275,12 @@ class ModelRunner:
                                  logits_dtype, prompt_bucket)
         except Exception as exc:
             if self.peers is not None:
+                self.peers.step_done()
                 self.peers.check_after_failure(exc)   # raises naming a dead rank, if one is
             raise
+        finally:
+            if self.peers is not None:
+                self.peers.step_done()              # the step's time budget ends
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor,
                overlap: Callable[[], None] | None = None,

@@ -23,6 +23,37 @@ from typing import Any, Literal
 # Marks a Llama 3 tool call when the tokenizer keeps special tokens in the text.
 _PYTHON_TAG = "<|python_tag|>"
 
+# Deepest JSON nesting read as a call's body; deeper text is not a call. Python's json
+# recurses once per level and raises RecursionError near 1000 levels (less on a deep stack),
+# and a model writes whatever it likes: the parsers must never reach that.
+MAX_JSON_DEPTH = 128
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def json_depth(text: str) -> int:
+    """The deepest nesting of ``[`` / ``{`` in ``text`` outside JSON strings (iterative: any
+    text, however deep, is measured without recursion)."""
+    depth = deepest = 0
+    for match in _BRACKET.finditer(_JSON_STRING.sub('""', text)):
+        if match.group() in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def _loads(text: str) -> Any:
+    """``json.loads(text)``; ValueError for anything it rejects or nests deeper than
+    ``MAX_JSON_DEPTH``."""
+    if json_depth(text) > MAX_JSON_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(text)
+    except RecursionError:      # cannot happen under the depth cap; kept as a second wall
+        raise ValueError("nested too deeply") from None
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -50,11 +81,14 @@ def _call_from(obj: Any, args_key: str) -> ToolCall | None:
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
     if isinstance(args, str):        # already JSON text
         try:
-            json.loads(args)
+            _loads(args)
         except ValueError:
             return None
         return ToolCall(obj["name"], args)
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    try:
+        return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    except (RecursionError, ValueError):   # decoded under the depth cap: a second wall
+        return None
 
 
 def _held_prefix(text: str, marker: str) -> int:
@@ -80,7 +114,7 @@ class HermesParser:
         calls = []
         for body in self._block.findall(text[at:]):
             try:
-                call = _call_from(json.loads(body), "arguments")
+                call = _call_from(_loads(body), "arguments")
             except ValueError:
                 call = None
             if call is None:      # not a call after all: the whole text is content
@@ -104,14 +138,14 @@ class Llama3JsonParser:
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """``(content, calls)`` of a finished output; not a call: the text is all content."""
         body = text.strip().removeprefix(_PYTHON_TAG).strip()
-        if not body.startswith("{"):
+        if not body.startswith("{") or json_depth(body) > MAX_JSON_DEPTH:
             return text, []
         decoder = json.JSONDecoder()
         calls, at = [], 0
         while at < len(body):
             try:
                 obj, at = decoder.raw_decode(body, at)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return text, []
             call = _call_from(obj, "parameters")
             if call is None:
@@ -171,8 +205,10 @@ class ToolCallMode:
         if self.kind == "named":
             return None, [ToolCall(self.function, text)]
         try:
-            items = json.loads(text)
+            items = _loads(text)
         except ValueError:
+            return text, []
+        if not isinstance(items, list):
             return text, []
         calls = [_call_from(item, "arguments") for item in items]
         if not calls or None in calls:
@@ -180,5 +216,5 @@ class ToolCallMode:
         return None, calls
 
 
-__all__ = ["HermesParser", "Llama3JsonParser", "PARSERS", "ToolCall", "ToolCallMode",
-           "parser_for_template"]
+__all__ = ["MAX_JSON_DEPTH", "HermesParser", "Llama3JsonParser", "PARSERS", "ToolCall",
+           "ToolCallMode", "json_depth", "parser_for_template"]

@@ -9,8 +9,11 @@ logits gather; the per-step inputs go down the pipes, pickled once per step.
 Failures: before each step every worker is checked alive (a dead one makes the step raise
 :class:`~mini_paged_attn.errors.TensorParallelError` at once, naming the rank and its exit
 code); a rank dying inside a step breaks the collective on rank 0 (gloo sees the closed
-socket; NCCL waits out ``distributed_timeout_s``), which raises the same error. After one
-failure the engine stays failed. :meth:`TPWorkers.close` (``LLM.shutdown()``, garbage
+socket; NCCL waits out ``distributed_timeout_s``), which raises the same error. A rank that
+is alive but does not take part (stopped with SIGSTOP, hung) would hold the step until the
+group's own timeout: a :class:`~.tp_watchdog.StepWatchdog` gives each step
+``step_timeout_s``, then kills the workers, which breaks the step's collective the same way
+and names the stalled ranks. After one failure the engine stays failed. :meth:`TPWorkers.close` (``LLM.shutdown()``, garbage
 collection, interpreter exit) stops every worker: a stop message, then terminate, then kill.
 """
 
@@ -34,6 +37,7 @@ from ..distributed.sharding import check_tensor_parallel_size
 from ..errors import TensorParallelError
 from .config import EngineConfig, resolve_max_model_len
 from .step_message import StepMessage, StopMessage
+from .tp_watchdog import StepWatchdog
 from .tp_worker import WorkerLaunch, run_worker
 
 logger = logging.getLogger(__name__)
@@ -51,17 +55,22 @@ class TPWorkers:
     """The running ranks ``1 .. N-1`` (see the module doc). Build with
     :func:`start_tensor_parallel`."""
 
-    def __init__(self, processes: list, conns: list, tp: TPGroup, cleanup: list[Path]) -> None:
+    def __init__(self, processes: list, conns: list, tp: TPGroup, cleanup: list[Path],
+                 step_timeout_s: float | None = None) -> None:
         self.processes = processes
         self.conns = conns
         self.tp = tp
         self._error: str | None = None
+        # Weakly: the watchdog's thread must not keep the workers from garbage collection.
+        me = weakref.ref(self)
+        self._watchdog = (None if step_timeout_s is None else StepWatchdog(
+            step_timeout_s, processes, lambda text: (w := me()) is not None and w._stalled(text)))
         # Rank 0's CUDA graph holders, weakly: destroyed before the group closes (_stop).
         self._graphs: list[weakref.ref] = []
         # Close at garbage collection and at interpreter exit (before multiprocessing joins
         # its children, which would wait forever on running workers).
         self._finalizer = mp_util.Finalize(
-            self, _stop, args=(processes, conns, tp, cleanup, self._graphs),
+            self, _stop, args=(processes, conns, tp, cleanup, self._graphs, self._watchdog),
             exitpriority=EXIT_PRIORITY)
 
     @property
@@ -85,14 +94,28 @@ class TPWorkers:
             raise TensorParallelError(self._error)
 
     def send(self, message: StepMessage) -> None:
-        """Send one step's inputs to every worker (after :meth:`check`)."""
+        """Send one step's inputs to every worker (after :meth:`check`); the step's time
+        budget starts here and ends at :meth:`step_done`."""
         self.check()
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        if self._watchdog is not None:
+            self._watchdog.arm()
         try:
             for conn in self.conns:
                 conn.send_bytes(data)
         except OSError as exc:
+            self.step_done()
             self._fail(f"could not send a step to a worker: {exc}", exc)
+
+    def step_done(self) -> None:
+        """The step :meth:`send` started is over on rank 0 (finished or failed)."""
+        if self._watchdog is not None:
+            self._watchdog.disarm()
+
+    def _stalled(self, text: str) -> None:
+        """The watchdog's verdict (on its thread, before it kills the workers)."""
+        logger.error("%s", text)
+        self._set_error(self._error or text)
 
     def check_after_failure(self, exc: BaseException) -> None:
         """A step's forward raised on rank 0: the ranks are out of step from now on. Raises
@@ -214,7 +237,7 @@ def start_tensor_parallel(model: str | Path, *, dtype: str, device: str | None,
             conns.append(ours)
         tp = init_tp_group(0, n, devices[0], host=STORE_HOST, port=store.port,
                            timeout_s=config.distributed_timeout_s, store=store)
-        workers = TPWorkers(processes, conns, tp, cleanup)
+        workers = TPWorkers(processes, conns, tp, cleanup, config.step_timeout_s)
         net, model_config = load_model(model_dir, dtype=dtype, device=devices[0], tp=tp)
         tokenizer = load_tokenizer(model_dir)
         return net, model_config, tokenizer, workers
@@ -272,9 +295,11 @@ def _last_error(conn: Any) -> str | None:
 
 
 def _stop(processes: list, conns: list, tp: TPGroup | None, cleanup: list[Path],
-          graphs: list[weakref.ref]) -> None:
+          graphs: list[weakref.ref], watchdog: StepWatchdog | None = None) -> None:
     """Release rank 0's CUDA graphs that are still alive (see TPWorkers.track_graphs); stop
     the workers: a stop message, then terminate, then kill; close the group."""
+    if watchdog is not None:
+        watchdog.close()
     for ref in graphs:          # first: the order that stopped cleanly on two GPUs
         holder = ref()
         if holder is not None:

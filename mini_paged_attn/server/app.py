@@ -9,9 +9,12 @@ API key when one is set), ``GET /health`` and ``GET /metrics`` (open, for probes
 Every error, a 404 included, carries OpenAI's body ``{"error": {"message", "type", "param",
 "code"}}``: malformed input of any kind is a 4xx, and a 500 says only that the server failed (the
 exception goes to the log, under an id the body quotes). Bodies over ``limits.max_request_bytes``
-get 413 before they are read (:mod:`.limits`). A POST must be ``Content-Type: application/json``
-(415), and with ``allowed_hosts`` the Host header must name one of them (:mod:`.cross_site`: what
-keeps web pages from using a key-less server on this machine).
+get 413 before they are read (:mod:`.limits`); a body that takes longer than
+``limits.body_timeout_s`` to arrive gets 408, and a client that takes no piece of its response
+for ``limits.send_timeout_s`` is dropped (:mod:`.timeouts`). A POST must be
+``Content-Type: application/json`` (415), and with ``allowed_hosts`` the Host header must name
+one of them (:mod:`.cross_site`: what keeps web pages from using a key-less server on this
+machine).
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import contextlib
 import hmac
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,11 +38,13 @@ from ..engine.llm_engine import LLMEngine
 from ..engine.tool_calls import PARSERS
 from .async_engine import AsyncEngine
 from .cross_site import CrossSiteGuard
-from .errors import ENGINE_DEAD, APIError
+from .errors import ENGINE_DEAD, APIError, clip, internal_error
 from .limits import RequestSizeLimit, ServerLimits
 from .metrics import ServerMetrics
 from .openai_api import create_chat_completion, create_completion
 from .prepare import ServedModel, model_not_found
+from .prompt_bytes import prompt_byte_cap
+from .timeouts import IOTimeouts
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +84,8 @@ def _endpoint(handler: Handler, served: ServedModel, api_key: str | None
 
 def _internal_error(request: Request) -> Response:
     """A 500 that tells the client nothing of the exception being handled, which is logged."""
-    error_id = uuid.uuid4().hex[:12]
-    logger.exception("request to %s failed (error id %s)", request.url.path, error_id)
-    return APIError(500, f"The server had an error while processing the request (error id "
-                         f"{error_id})", type="server_error", code="internal_error").response()
+    return internal_error("The server had an error while processing the request",
+                          what=f"request to {clip(request.url.path)} failed").response()
 
 
 async def _unhandled(request: Request, exc: Exception) -> Response:
@@ -123,7 +125,8 @@ def _metrics_endpoint(metrics: ServerMetrics) -> Handler:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "not_found" if exc.status_code == 404 else None
-    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+    return APIError(exc.status_code, f"{clip(request.method)} {clip(request.url.path)}: "
+                                     f"{clip(str(exc.detail))}",
                     code=kind).response()
 
 
@@ -187,7 +190,8 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str
     async_engine.on_finished = metrics.observe
     workers = ThreadPoolExecutor(_REQUEST_WORKERS, thread_name_prefix="mini-paged-attn-request")
     served = ServedModel(model_name, async_engine, workers, limits=limits, max_queue=max_queue,
-                         tool_call_parser=tool_call_parser)
+                         tool_call_parser=tool_call_parser,
+                         max_prompt_bytes=prompt_byte_cap(client.tokenizer, client.max_model_len))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -210,9 +214,12 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str
         Route("/metrics", _endpoint(_metrics_endpoint(metrics), served, None), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=[Middleware(CrossSiteGuard, allowed_hosts=allowed_hosts),
+                    middleware=[Middleware(IOTimeouts, body_timeout_s=limits.body_timeout_s,
+                                           send_timeout_s=limits.send_timeout_s),
+                                Middleware(CrossSiteGuard, allowed_hosts=allowed_hosts),
                                 Middleware(RequestSizeLimit, max_bytes=limits.max_request_bytes)],
                     exception_handlers={HTTPException: _http_error, Exception: _unhandled})
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    app.state.served = served
     return app

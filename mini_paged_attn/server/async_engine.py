@@ -19,7 +19,7 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.engine_client import EngineClient, EngineDeadError
@@ -50,10 +50,18 @@ _CANCELLED = object()
 
 @dataclass
 class _Route:
-    """Where the outputs of one engine request go (touched under AsyncEngine._lock)."""
+    """Where the outputs of one HTTP request's engine requests go (the route itself is looked
+    up under AsyncEngine._lock; ``queue`` and ``latest`` are touched on ``loop`` only).
+
+    ``queue`` holds request ids (an output is ready), failures and the cancel mark; ``latest``
+    the newest output of each request not yet taken. Outputs are cumulative, so one that
+    arrives while an earlier one still waits replaces it: a consumer that falls behind (a
+    client that does not read its stream) holds one output per request, not one per step.
+    """
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    latest: dict[str, RequestOutput] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,10 +83,11 @@ class Submission:
     in a ``finally``.
     """
 
-    def __init__(self, engine: AsyncEngine, request_ids: list[str], queue: asyncio.Queue):
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], route: _Route):
         self.request_ids = request_ids
         self._engine = engine
-        self._queue = queue
+        self._queue = route.queue
+        self._latest = route.latest
         self._index = {rid: i for i, rid in enumerate(request_ids)}
         self._unfinished = set(request_ids)
 
@@ -103,6 +112,8 @@ class Submission:
         return items
 
     def _take(self, item: Any) -> tuple[int, Any]:
+        if isinstance(item, str):   # a request id: its latest output is ready
+            item = self._latest.pop(item)
         if item is _CANCELLED:
             raise ClientGoneError("the client disconnected")
         if isinstance(item, _Failure):  # the failed ones are aborted; the others go too
@@ -220,7 +231,7 @@ class AsyncEngine:
             for rid in added:
                 self.client.abort_request(rid)
             raise
-        return Submission(self, request_ids, queue)
+        return Submission(self, request_ids, route)
 
     def _abort(self, request_ids: list[str]) -> None:
         removed = self._unroute(request_ids)  # those not finished or failed yet
@@ -286,10 +297,11 @@ class AsyncEngine:
 
 
 def _deliver(deliveries: list[tuple[_Route, Any]]) -> None:
-    """Put each item on its route's queue: one wake-up per event loop, not one per item."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+    """Hand each item to its route on the route's event loop: one wake-up per loop, not one
+    per item."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Route, Any]]] = {}
     for route, item in deliveries:
-        by_loop.setdefault(route.loop, []).append((route.queue, item))
+        by_loop.setdefault(route.loop, []).append((route, item))
     for loop, items in by_loop.items():
         try:
             loop.call_soon_threadsafe(_put_all, items)
@@ -297,6 +309,11 @@ def _deliver(deliveries: list[tuple[_Route, Any]]) -> None:
             pass
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
+def _put_all(items: list[tuple[_Route, Any]]) -> None:
+    for route, item in items:
+        if isinstance(item, _Failure):
+            route.queue.put_nowait(item)
+            continue
+        if item.request_id not in route.latest:    # else the waiting mark covers this one
+            route.queue.put_nowait(item.request_id)
+        route.latest[item.request_id] = item

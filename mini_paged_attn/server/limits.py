@@ -4,7 +4,9 @@
 and friends). :class:`RequestSizeLimit` is the ASGI middleware that refuses a body over
 ``max_request_bytes`` with 413 before any of it is parsed, and :func:`check_request` applies the
 other caps to a parsed request before anything is tokenized or queued; each of those is a 400
-whose ``param`` names the field.
+whose ``param`` names the field. :func:`check_response_size` bounds the log-probability entries
+a response may hold (known once the prompts are tokenized, still before queueing); the time
+budgets are applied by :mod:`.timeouts`.
 
 >>> limits = ServerLimits(max_stop_strings=4)
 >>> limits.max_request_bytes
@@ -27,14 +29,20 @@ def _cap(default: int, help_text: str) -> Any:
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """Per-request caps; every one an int >= 1.
+    """Per-request caps and per-connection time budgets (seconds); every one an int >= 1.
 
     The defaults: a 4 MiB body (a prompt of about a million tokens, beyond any context this
     engine serves); OpenAI's n <= 128; 16 stop strings (OpenAI allows 4, vLLM any number: every
     stop string is searched in every new piece of text, every step) of at most 256 characters;
     256 prompts per request and 256 completions (n x prompts) per request, the engine's default
     batch (--max-num-seqs); 64 stop_token_ids and 1024 logit_bias entries (OpenAI's cap): the
-    sampler scatters each of them every step.
+    sampler scatters each of them every step. 20 log-probabilities per token (vLLM's
+    ``max_logprobs``) and 262,144 log-probability entries per response: an entry is ~60-100
+    bytes of JSON, so a response stays under ~25 MB (one choice of 12k tokens with 20
+    alternatives fits; 128 choices of 250 tokens with 20 do not: that was 65 MB). A 30 s budget
+    for a body to arrive and for a client to take each piece of a response: a stalled upload
+    or a client that never reads holds a connection and its buffers, nothing more, and not for
+    long.
     """
 
     max_request_bytes: int = _cap(4 * 1024 * 1024,
@@ -46,6 +54,15 @@ class ServerLimits:
     max_stop_chars: int = _cap(256, "longest stop string, in characters")
     max_stop_token_ids: int = _cap(64, "most stop_token_ids in one request")
     max_logit_bias: int = _cap(1024, "most logit_bias entries in one request")
+    max_logprobs: int = _cap(20, "most log-probabilities per token (logprobs, top_logprobs, "
+                                 "prompt_logprobs)")
+    max_response_logprob_entries: int = _cap(
+        262144, "most log-probability entries one response may hold (n x prompts x tokens x "
+                "(logprobs + 1)); a request that could ask for more gets 400")
+    body_timeout_s: int = _cap(30, "seconds a request body may take to arrive; slower gets 408")
+    send_timeout_s: int = _cap(30, "seconds the server waits for a client to take a piece of "
+                                   "its response; a client that reads none for that long is "
+                                   "dropped and its requests aborted")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -93,6 +110,54 @@ def check_request(limits: ServerLimits, *, n: int, stop: list[str] | None, num_p
         raise bad_request(f"prompt: {num_prompts} prompts can never wait in a queue of "
                           f"{max_queue} (the server's --max-queue); send at most {max_queue} "
                           "per request", param="prompt", code="exceeds_max_queue")
+
+
+@dataclass(frozen=True)
+class LogprobDemand:
+    """How many log-probability entries a request's response may hold, by field.
+
+    ``output``: per choice, max_tokens x (logprobs + 1) (the sampled token and its
+    alternatives); ``prompt``: per choice, prompt tokens x (k + 1) for prompt_logprobs k or
+    echo with logprobs. Choices of one prompt repeat its prompt part.
+    """
+
+    n: int
+    max_tokens: int
+    logprobs: int | None
+    logprobs_param: str
+    prompt_lens: list[int]
+    prompt_ks: list[tuple[str, int]]    # (field, k) of each prompt-side logprobs field asked for
+
+    def entries(self) -> tuple[int, str | None]:
+        """``(entries, the field that asks for the most of them)``."""
+        output = 0 if self.logprobs is None else self.max_tokens * (self.logprobs + 1)
+        per_field = {self.logprobs_param: output * self.n * len(self.prompt_lens)}
+        for name, k in self.prompt_ks:
+            per_field[name] = per_field.get(name, 0) + self.n * sum(self.prompt_lens) * (k + 1)
+        total = sum(per_field.values())
+        return total, (max(per_field, key=per_field.get) if total else None)
+
+
+def check_response_size(limits: ServerLimits, demand: LogprobDemand) -> None:
+    """Raise a 400 naming the field if the response could hold more log-probability entries
+    than ``limits.max_response_logprob_entries`` (checked before the request is queued)."""
+    total, param = demand.entries()
+    cap = limits.max_response_logprob_entries
+    if total > cap:
+        raise bad_request(
+            f"{param}: the response could hold {total} log-probability entries (n={demand.n}, "
+            f"{len(demand.prompt_lens)} prompt(s) of up to {max(demand.prompt_lens)} tokens, "
+            f"max_tokens={demand.max_tokens}, each entry the token and its alternatives), and "
+            f"at most {cap} are allowed: ask for fewer alternatives, tokens or choices",
+            param=param)
+
+
+def check_logprobs(limits: ServerLimits, **given: int | None) -> None:
+    """Raise a 400 naming the field if one asks for more alternatives than ``max_logprobs``."""
+    for name, value in given.items():
+        if value is not None and value > limits.max_logprobs:
+            raise bad_request(f"{name}: expected at most {limits.max_logprobs} (the server's "
+                              f"--max-logprobs), got {value}", param=name)
 
 
 class RequestTooLargeError(APIError):

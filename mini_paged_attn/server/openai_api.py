@@ -19,15 +19,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from ..engine.engine_client import EngineDeadError
 from .async_engine import ClientGoneError, QueueFullError, RequestFailedError, Submission
-from .errors import ENGINE_DEAD, ENGINE_FAILED, APIError, bad_request
+from .bodies import json_body
+from .errors import ENGINE_DEAD, ENGINE_FAILED, APIError, bad_request, internal_error
 from .formats import ResponseFormat, usage
 from .prepare import Prepared, ServedModel, prepare_chat, prepare_completion
 
 logger = logging.getLogger(__name__)
+
+# Fields of a request that an engine admission error may name as its param.
+_REQUEST_FIELDS = frozenset({"prompt_logprobs", "logit_bias"})
 
 # Not an HTTP status anyone receives: the client is gone when a handler returns it.
 _CLIENT_CLOSED = 499
@@ -58,11 +62,13 @@ def _submit(served: ServedModel, prompts: list[list[int]], params: Any) -> Submi
     except EngineDeadError:
         raise APIError(503, ENGINE_DEAD, type="server_error", code="engine_dead") from None
     except ValueError as exc:  # the engine's admission checks (e.g. prompt + max_tokens too long)
-        raise bad_request(str(exc)) from None
+        # They say "<field>: expected ..., got ...".
+        name = str(exc).split(":", 1)[0]
+        raise bad_request(str(exc), param=name if name in _REQUEST_FIELDS else None) from None
 
 
-async def _serve(request: Request, submission: Submission, fmt: ResponseFormat, *, n: int,
-                 stream: bool, include_usage: bool) -> Response:
+async def _serve(request: Request, served: ServedModel, submission: Submission,
+                 fmt: ResponseFormat, *, n: int, stream: bool, include_usage: bool) -> Response:
     watcher = asyncio.create_task(_watch_disconnect(request, submission))
     streaming = False
     try:
@@ -75,7 +81,9 @@ async def _serve(request: Request, submission: Submission, fmt: ResponseFormat, 
             choices = [(i * n + c.index, c) for i in sorted(final) for c in final[i].outputs]
             if any(c.finish_reason == "error" for _, c in choices):
                 raise _output_failed()
-            return JSONResponse(fmt.response(choices, _usage_of(final)))
+            # Building and encoding a body with many logprobs takes seconds: not on the loop.
+            return await json_body(lambda: fmt.response(choices, _usage_of(final)),
+                                   served.off_loop)
         first = await anext(submission)
         streaming = True
         return StreamingResponse(_stream(submission, first, fmt, n, include_usage, watcher),
@@ -83,14 +91,21 @@ async def _serve(request: Request, submission: Submission, fmt: ResponseFormat, 
                                  headers={"Cache-Control": "no-cache"})
     except ClientGoneError:
         return Response(status_code=_CLIENT_CLOSED)
-    except RequestFailedError:  # the engine loop has logged the failure
-        raise APIError(500, ENGINE_FAILED, type="server_error", code="internal_error") from None
+    except RequestFailedError as exc:  # the engine's reason goes to the log, not the client
+        raise _engine_failed(exc) from None
     except StopAsyncIteration:  # cannot happen: a submission always ends with a finished output
-        raise APIError(500, "the engine returned no output", type="server_error") from None
+        raise internal_error("The engine returned no output for this request",
+                             what="a submission ended without a finished output",
+                             cause="no output") from None
     finally:
         if not streaming:  # otherwise the stream owns them
             watcher.cancel()
             submission.abort()
+
+
+def _engine_failed(exc: RequestFailedError) -> APIError:
+    return internal_error(ENGINE_FAILED, what="the engine failed a request",
+                          cause=str(exc))
 
 
 class _OutputFailed(Exception):
@@ -98,9 +113,10 @@ class _OutputFailed(Exception):
 
 
 def _output_failed() -> APIError:
-    return APIError(500, "The engine could not finish an output of this request within its "
-                         "grammar; the server's log has the details", type="server_error",
-                    code="internal_error")
+    return internal_error("The engine could not finish an output of this request within its "
+                          "grammar; the server's log has the details",
+                          what='an output finished with reason "error"',
+                          cause="its grammar rejected a token (the engine's log has which)")
 
 
 def _usage_of(last: dict[int, Any]) -> dict[str, int]:
@@ -151,8 +167,13 @@ class _StreamState:
 
 async def _stream(submission: Submission, first: tuple[int, Any], fmt: ResponseFormat, n: int,
                   include_usage: bool, watcher: asyncio.Task) -> AsyncIterator[str]:
-    """SSE events: a chunk per choice per step that gave it tokens, then usage and [DONE]."""
+    """SSE events: a chunk per choice per step that gave it tokens, then usage and [DONE].
+
+    Whatever fails once the stream has started (the engine, a grammar, making a chunk), the
+    stream still ends the way OpenAI's do: an ``{"error": ...}`` event, then ``[DONE]``.
+    """
     state = _StreamState(fmt, n, include_usage)
+    error: APIError | None = None
     try:
         if fmt.chat:
             for index in range(n * len(submission.request_ids)):
@@ -167,18 +188,23 @@ async def _stream(submission: Submission, first: tuple[int, Any], fmt: ResponseF
             item = await anext(submission, None)
         if include_usage:
             yield _sse(fmt.usage_chunk(_usage_of(state.last)))
-        yield _sse("[DONE]")
-    except RequestFailedError:
-        # The status line is long gone: report it the way OpenAI streams report errors.
-        yield _sse(APIError(500, ENGINE_FAILED, type="server_error",
-                            code="internal_error").body())
+    except RequestFailedError as exc:
+        error = _engine_failed(exc)
     except _OutputFailed:
-        yield _sse(_output_failed().body())
+        error = _output_failed()
     except ClientGoneError:
-        pass
+        return
+    except Exception:  # noqa: BLE001  a bug in making a chunk: this stream fails, no other
+        error = internal_error("The server had an error while streaming the response; its "
+                               "log has the details",
+                               what="a streamed response failed")
     finally:
         watcher.cancel()
         submission.abort()
+    if error is not None:
+        # The status line is long gone: report it the way OpenAI streams report errors.
+        yield _sse(error.body())
+    yield _sse("[DONE]")
 
 
 # ---- the endpoints ---------------------------------------------------------------------------
@@ -190,7 +216,7 @@ async def _generate(request: Request, served: ServedModel,
         return Response(status_code=_CLIENT_CLOSED)
     prepared = await served.off_loop(prepare, served, raw)
     submission = _submit(served, prepared.prompts, prepared.params)
-    return await _serve(request, submission, prepared.fmt, n=prepared.n,
+    return await _serve(request, served, submission, prepared.fmt, n=prepared.n,
                         stream=prepared.stream, include_usage=prepared.include_usage)
 
 

@@ -18,8 +18,10 @@ from typing import Any, TypeVar
 from ..engine.tool_calls import parser_for_template
 from .async_engine import AsyncEngine
 from .formats import Logprobs, ResponseFormat
-from .limits import ServerLimits, check_request
-from .errors import APIError, bad_request
+from .limits import (LogprobDemand, ServerLimits, check_logprobs, check_request,
+                     check_response_size)
+from .prompt_bytes import check_prompt_bytes
+from .errors import APIError, bad_request, clip
 from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
                        parse_request, to_sampling_params)
 from .structured import chat_constraint, completion_constraint
@@ -34,8 +36,10 @@ class ServedModel:
 
     ``workers`` runs the CPU-heavy part of a request (JSON, validation, tokenizer and chat
     template) off the event loop; ``max_queue`` is the engine's queue limit, for requests that
-    could never be admitted. ``tool_call_parser``: the format of tool calls ``tool_choice``
-    "auto" looks for (a ``engine.tool_calls.PARSERS`` key); None: the one the chat template shows.
+    could never be admitted; ``max_prompt_bytes``: prompts of more bytes cannot fit the context
+    and are refused before they are tokenized (``prompt_bytes.prompt_byte_cap``; None: no cap).
+    ``tool_call_parser``: the format of tool calls ``tool_choice`` "auto" looks for (a
+    ``engine.tool_calls.PARSERS`` key); None: the one the chat template shows.
     """
 
     name: str
@@ -44,6 +48,7 @@ class ServedModel:
     limits: ServerLimits = field(default_factory=ServerLimits)
     max_queue: int | None = None
     tool_call_parser: str | None = None
+    max_prompt_bytes: int | None = None
 
     @property
     def engine(self) -> Any:
@@ -56,7 +61,7 @@ class ServedModel:
 
 def model_not_found(served: ServedModel, name: str, param: str | None) -> APIError:
     """OpenAI's 404 for a model it does not serve."""
-    return APIError(404, f"The model `{name}` does not exist; this server serves "
+    return APIError(404, f"The model `{clip(name)}` does not exist; this server serves "
                          f"`{served.name}`", param=param, code="model_not_found")
 
 
@@ -138,18 +143,26 @@ def prepare_completion(served: ServedModel, raw: bytes) -> Prepared:
     _check_model(served, req.model)
     items = req.prompts()
     _check_sampling(served, req, len(items))
+    check_logprobs(served.limits, logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
     constraint = completion_constraint(req, _grammar_compiler(served))
     tokenizer = served.engine.tokenizer
+    names = ["prompt" if len(items) == 1 else f"prompt[{i}]" for i in range(len(items))]
+    for p, param in zip(items, names):   # all of them before any is tokenized
+        if isinstance(p, str):
+            check_prompt_bytes(served.max_prompt_bytes, [p], param, served.engine.max_model_len)
     prompts = []
-    for i, p in enumerate(items):
-        param = "prompt" if len(items) == 1 else f"prompt[{i}]"
+    for p, param in zip(items, names):
         ids = tokenizer.encode(p) if isinstance(p, str) else p
         prompts.append(_check_prompt_ids(served, ids, param))
     max_tokens = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
     _check_fits(served, prompts, max_tokens, "max_tokens")
     # echo + logprobs: the prompt tokens' logprobs too, as many alternatives as the output's.
-    wanted = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs)
-              if k is not None]
+    echoed = req.logprobs if req.echo else None
+    wanted = [k for k in (echoed, req.prompt_logprobs) if k is not None]
+    check_response_size(served.limits, LogprobDemand(
+        req.n, max_tokens, req.logprobs, "logprobs", [len(ids) for ids in prompts],
+        [(name, k) for name, k in (("echo", echoed), ("prompt_logprobs", req.prompt_logprobs))
+         if k is not None]))
     params = to_sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                                 prompt_logprobs=max(wanted) if wanted else None,
                                 structured_outputs=constraint)
@@ -171,6 +184,9 @@ def prepare_chat(served: ServedModel, raw: bytes) -> Prepared:
         raise bad_request("give max_tokens or max_completion_tokens, not both",
                           param="max_completion_tokens")
     _check_sampling(served, req, 1)
+    check_logprobs(served.limits, top_logprobs=req.top_logprobs)
+    check_prompt_bytes(served.max_prompt_bytes, [m.text() for m in req.messages], "messages",
+                       served.engine.max_model_len)
     tokenizer = served.engine.tokenizer
     parser = served.tool_call_parser or parser_for_template(
         getattr(getattr(tokenizer, "hf", None), "chat_template", None))
@@ -192,6 +208,8 @@ def prepare_chat(served: ServedModel, raw: bytes) -> Prepared:
     _check_fits(served, [ids], max_tokens,
                 "max_tokens" if req.max_tokens is not None else "max_completion_tokens")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    check_response_size(served.limits, LogprobDemand(req.n, max_tokens, logprobs, "top_logprobs",
+                                                     [len(ids)], []))
     params = to_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
                                 structured_outputs=constraint)
     fmt = ResponseFormat(True, f"chatcmpl-{uuid.uuid4().hex}", served.name, int(time.time()),

@@ -17,7 +17,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
 from ..engine import SamplingParams
 from ..engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 from ..engine.structured.params import StructuredOutputsParams
-from .errors import bad_request
+from .errors import bad_request, clip
 from .json_body import MAX_INT_DIGITS, HugeInt, parse_json, preview
 
 # OpenAI caps `logprobs` of completions at 5 and `top_logprobs` of chat at 20.
@@ -302,7 +302,7 @@ def parse_request(raw: bytes, model_cls: type[RequestT]) -> RequestT:
         err = exc.errors(include_url=False)[0]
         param, in_union = _param_name(err["loc"])
         if err["type"] == "extra_forbidden":
-            raise bad_request(f"Unrecognized request argument supplied: {param}",
+            raise bad_request(f"Unrecognized request argument supplied: {clip(param)}",
                               param=param) from None
         if err["type"] == "missing":
             raise bad_request(f"Missing required parameter: {param}", param=param) from None

@@ -63,8 +63,9 @@ class Server:
 
 
 @contextlib.contextmanager
-def served(engine: Any, **app_kwargs: Any) -> Iterator[Server]:
-    """Start the server for ``engine`` on a free port; stop it after."""
+def served(engine: Any, *, sndbuf: int | None = None, **app_kwargs: Any) -> Iterator[Server]:
+    """Start the server for ``engine`` on a free port; stop it after. ``sndbuf``: the kernel
+    send buffer of its connections (small: a client that does not read blocks it sooner)."""
     import uvicorn
 
     from mini_paged_attn.server.app import build_app
@@ -74,6 +75,8 @@ def served(engine: Any, **app_kwargs: Any) -> Iterator[Server]:
     # IPPROTO_TCP, not the default 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets
     # that say they are TCP, and with Nagle on every streamed chunk waits ~40 ms for an ACK.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    if sndbuf is not None:    # accepted connections inherit it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -168,8 +168,10 @@ def test_a_dead_engine_process_fails_requests_and_health(model_dir):
                 assert next(lines).startswith("data: ")
                 client.process.kill()
                 rest = [line for line in lines if line.startswith("data: ")]
-            # The stream ends with OpenAI's error body; the reason stays in the server's log.
-            streamed = json.loads(rest[-1][len("data: "):])["error"]
+            # The stream ends with OpenAI's error body, then [DONE]; the reason stays in the
+            # server's log.
+            assert rest[-1] == "data: [DONE]"
+            streamed = json.loads(rest[-2][len("data: "):])["error"]
             assert streamed["code"] == "internal_error" and "log" in streamed["message"]
             health = httpx.get(f"{s.url}/health", timeout=TIMEOUT_S)
             err = assert_error(health, 503)
