@@ -9,9 +9,14 @@ of digits cannot be formatted back. :func:`parse_json` stops each of them at the
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from .errors import LONE_SURROGATE, bad_request
+
+# The JSON escape of a UTF-16 surrogate (\ud800-\udfff), or the same letters after an escaped
+# backslash (a false alarm: the walk then finds nothing).
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _reject_constant(name: str) -> Any:
@@ -104,7 +109,10 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise bad_request(f"The request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise bad_request(f"The request body must be a JSON object, got {_json_type(data)}")
-    where = _lone_surrogate_path(data)
+    # A lone surrogate can only come from a \u escape (strict decoding refuses it raw), so a
+    # UTF-8 body without one skips the walk: on a big body the walk costs five times the parse.
+    where = (_lone_surrogate_path(data) if b"\x00" in raw[:4] or SURROGATE_ESCAPE.search(raw)
+             else None)
     if where is not None:
         raise bad_request(f"{where or 'The request body'}: a string holds a lone UTF-16 "
                           "surrogate escape (\\ud800-\\udfff), which is not a character",
