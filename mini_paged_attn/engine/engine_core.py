@@ -12,12 +12,19 @@ that moment is aborted at once (a retried step would fail again) and reported as
 loop goes on with later requests. After ``max_consecutive_failures`` failed steps in a row, or
 an error outside ``step()``, the core is dead: live requests are aborted, the outbox hears
 :class:`~mini_paged_attn.engine.core_messages.EngineDead` and the loop ends.
+
+Structured outputs: a request whose constraint is not compiled yet is held back while a worker
+thread compiles it into the engine's grammar cache (bounded and contained, see
+``engine/structured``), and is added once that is done, so no compile ever runs on the loop
+that steps everyone else. The frontends compile before they send (the server's request
+workers), so this matters where the core has a cache of its own (the engine process).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from ..errors import TensorParallelError
@@ -25,6 +32,10 @@ from .core_messages import AbortRequest, AddRequest, Message, Shutdown
 from .outputs import EngineStats, RequestOutput
 
 logger = logging.getLogger(__name__)
+
+# Threads compiling held requests' constraints, and how often an idle core looks at them.
+COMPILE_WORKERS = 2
+COMPILE_POLL_S = 0.005
 
 
 class CoreInbox(Protocol):
@@ -81,21 +92,32 @@ class EngineCore:
         # torn read cannot happen).
         self.adds_seen = 0
         self._live: set[str] = set()   # requests added here and not yet finished or aborted
+        # Requests whose constraint compiles on a worker: id -> (compile, message, aborted).
+        self._compiling: dict[str, tuple[Future, AddRequest, bool]] = {}
+        self._compile_pool: ThreadPoolExecutor | None = None
 
     def run(self) -> None:
         """Serve until :class:`Shutdown`, the client's end, or death (the outbox hears it)."""
         try:
             stopped = self._loop()
         except BaseException as exc:
+            self._stop_compiles()
             message = f"the engine core died: {type(exc).__name__}: {exc}"
             logger.critical("%s", message, exc_info=not isinstance(exc, _TooManyFailures))
             self._abort_live()
             self.outbox.dead(message)
             return
+        self._stop_compiles()
         self._abort_live()  # their blocks go back at whoever steps the engine next
         if stopped:
             self.outbox.flush()
             self.outbox.dead("the engine core was shut down")
+
+    def _stop_compiles(self) -> None:
+        """Drop the held requests (the client learns of the core's end) and their workers."""
+        self._compiling.clear()
+        if self._compile_pool is not None:
+            self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- the loop -------------------------------------------------------------------------
     def _loop(self) -> bool:
@@ -103,11 +125,13 @@ class EngineCore:
         engine, outbox = self.engine, self.outbox
         failures = 0
         while True:
+            self._admit_compiled()
             idle = not engine.has_unfinished_requests()
             if idle:  # no step will carry the last outputs out: deliver them now
                 outbox.flush()
             try:
-                message = self.inbox.get(None if idle else 0.0)
+                wait = (COMPILE_POLL_S if self._compiling else None) if idle else 0.0
+                message = self.inbox.get(wait)
                 while message is not None:
                     if isinstance(message, Shutdown):
                         return True
@@ -138,23 +162,59 @@ class EngineCore:
 
     def _apply(self, message: Message) -> None:
         if isinstance(message, AddRequest):
-            self.adds_seen += 1
-            prompt = message.prompt if message.prompt is not None else message.prompt_token_ids
-            try:
-                self.engine.add_request(prompt, message.params, request_id=message.request_id,
-                                        final_only=message.final_only,
-                                        detokenize=message.detokenize)
-            except ValueError as exc:  # the client checked the same limits: a bug
-                self.outbox.failed(f"the engine rejected {message.request_id}: {exc}",
-                                   [message.request_id])
+            if self._compile_first(message):
                 return
-            self._live.add(message.request_id)
+            self._add(message)
         elif isinstance(message, AbortRequest):
+            held = self._compiling.get(message.request_id)
+            if held is not None:    # added once compiled, then aborted: its output says so
+                self._compiling[message.request_id] = (held[0], held[1], True)
+                return
             # Its last output (finished, reason "abort") comes out of the next step.
             self.engine.abort_request(message.request_id)
             self._live.discard(message.request_id)
         else:
             raise TypeError(f"the engine core cannot take a {type(message).__name__} message")
+
+    def _compile_first(self, message: AddRequest) -> bool:
+        """Start compiling ``message``'s constraint on a worker if the engine's grammar cache
+        lacks it; True if it was held back for that."""
+        constraint = message.params.structured_outputs
+        structured = getattr(self.engine, "structured", None)
+        if constraint is None or structured is None or constraint.key in structured.compiler.cache:
+            return False
+        if self._compile_pool is None:
+            self._compile_pool = ThreadPoolExecutor(COMPILE_WORKERS,
+                                                    thread_name_prefix="core-grammar")
+        future = self._compile_pool.submit(structured.compiler.compile, constraint)
+        self._compiling[message.request_id] = (future, message, False)
+        return True
+
+    def _admit_compiled(self) -> None:
+        """Add the held requests whose compile is done (a failed compile fails in
+        ``add_request`` as it would have, with the same message)."""
+        for request_id, (future, message, aborted) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            if self._add(message) and aborted:
+                self.engine.abort_request(request_id)
+                self._live.discard(request_id)
+
+    def _add(self, message: AddRequest) -> bool:
+        """Add ``message``'s request to the engine; False if the engine refused it."""
+        self.adds_seen += 1
+        prompt = message.prompt if message.prompt is not None else message.prompt_token_ids
+        try:
+            self.engine.add_request(prompt, message.params, request_id=message.request_id,
+                                    final_only=message.final_only,
+                                    detokenize=message.detokenize)
+        except ValueError as exc:  # the client checked the same limits: a bug
+            self.outbox.failed(f"the engine rejected {message.request_id}: {exc}",
+                               [message.request_id])
+            return False
+        self._live.add(message.request_id)
+        return True
 
     def _abort_live(self) -> list[str]:
         """Abort every live request (queued in the engine); returns their ids."""
