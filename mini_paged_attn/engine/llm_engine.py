@@ -148,7 +148,7 @@ class LLMEngine:
         if peers is not None:
             # Releases rank 0's decode graphs before the group (TPWorkers.track_graphs).
             peers.close()
-            if peers._error is not None:
+            if peers.failed:
                 # A collective of the failed step may never finish: waiting for the device
                 # or destroying graphs could hang. The memory goes with the process.
                 return

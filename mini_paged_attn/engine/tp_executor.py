@@ -74,6 +74,11 @@ class TPWorkers:
             exitpriority=EXIT_PRIORITY)
 
     @property
+    def failed(self) -> bool:
+        """A rank died or stalled: the group can run no more steps."""
+        return self._error is not None
+
+    @property
     def world_size(self) -> int:
         return self.tp.world_size
 
