@@ -75,7 +75,16 @@ class LLM:
 
     @property
     def tokenizer(self):
+        """The engine's :class:`~mini_paged_attn.models.tokenizer.Tokenizer` (this project's
+        wrapper: encode, decode, chat template, eos ids)."""
         return self.engine.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer (a ``transformers`` ``PreTrainedTokenizerBase``), as
+        vLLM's ``LLM.get_tokenizer()`` returns it: ``encode``, ``decode``,
+        ``apply_chat_template``, ``eos_token_id`` ... The engine's wrapper is
+        :attr:`tokenizer`."""
+        return self.engine.tokenizer.hf
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

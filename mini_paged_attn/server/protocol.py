@@ -230,30 +230,40 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """The messages as the chat template wants them: role and plain text content, and the
-        tool calls of assistant messages with their arguments decoded (templates write them
-        with ``tojson``) and the ``tool_call_id`` of tool results."""
-        out = []
-        for m in self.messages:
-            message: dict[str, Any] = {"role": m.role, "content": m.text()}
-            if m.name is not None:
-                message["name"] = m.name
-            if m.tool_calls:
-                message["tool_calls"] = [
-                    {"id": c.id, "type": "function",
-                     "function": {"name": c.function.name,
-                                  "arguments": _decoded(c.function.arguments)}}
-                    for c in m.tool_calls]
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            out.append(message)
-        return out
+        """The messages as the chat template wants them (see :func:`template_messages`)."""
+        return template_messages(self.messages)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """``tools`` as the chat template wants them (OpenAI's shape), or None."""
-        if not self.tools:
-            return None
-        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+        return template_tools(self.tools)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """``messages`` as the chat template wants them: role and plain text content, and the
+    tool calls of assistant messages with their arguments decoded (templates write them with
+    ``tojson``) and the ``tool_call_id`` of tool results."""
+    out = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name,
+                              "arguments": _decoded(c.function.arguments)}}
+                for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """``tools`` as the chat template wants them (OpenAI's shape), or None."""
+    if not tools:
+        return None
+    return [tool.model_dump(exclude_none=True) for tool in tools]
 
 
 def _decoded(arguments: str) -> Any:
@@ -290,12 +300,16 @@ def _param_name(loc: tuple[Any, ...]) -> tuple[str, bool]:
     return out, False
 
 
-RequestT = TypeVar("RequestT", bound=_SamplingFields)
+RequestT = TypeVar("RequestT", bound=_Strict)
 
 
 def parse_request(raw: bytes, model_cls: type[RequestT]) -> RequestT:
     """Parse and validate a request body; :class:`APIError` (400) on anything malformed."""
-    data = parse_json(raw)
+    return validate_request(parse_json(raw), model_cls)
+
+
+def validate_request(data: Any, model_cls: type[RequestT]) -> RequestT:
+    """Validate a parsed JSON body as ``model_cls``; :class:`APIError` (400) naming the field."""
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
