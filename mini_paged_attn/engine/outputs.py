@@ -59,7 +59,8 @@ class CompletionOutput:
     """One sample of a request.
 
     ``text`` and ``token_ids`` only grow between successive outputs of one request. A stop
-    string is not part of ``text``; a stop token is part of ``token_ids`` but not of ``text``.
+    string is not part of ``text``; a stop token is part of ``token_ids`` but not of ``text``
+    (both are, with ``SamplingParams.include_stop_str_in_output``).
     ``logprobs`` (when asked): per generated token, ``{token_id: logprob}`` for the top
     ``logprobs`` tokens and the sampled one. ``cumulative_logprob``: the sum of the sampled
     tokens' logprobs (when asked), else None.
@@ -68,6 +69,10 @@ class CompletionOutput:
     running request they are :class:`GrowingListView` snapshots instead (read-only, made in O(1)
     so a streaming step costs O(new tokens), not O(tokens so far)); to keep track of what is
     new, keep ``len(token_ids)`` / ``len(text)`` and slice from there next time.
+
+    ``stop_reason`` (as vLLM's): the stop string, or the token id of ``stop_token_ids``, that
+    ended the sample; None when it ended otherwise (its length, an end-of-sequence token, an
+    abort) or still runs.
 
     ``tool_calls``: set only by :meth:`LLM.chat <.llm.LLM.chat>` with ``tools``: the calls
     read from the finished ``text`` (``[]``: none, the text is all content); ``text`` itself
@@ -81,6 +86,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: Sequence[dict[int, float]] | None = None
     tool_calls: list[ToolCall] | None = None
+    stop_reason: str | int | None = None
 
     @property
     def finished(self) -> bool:

@@ -94,14 +94,16 @@ class _SamplingFields(_Strict):
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
 
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int) -> int:
-        if v == 0 or v < -1:
-            raise ValueError("must be -1 (off) or at least 1")
+        if v < -1:
+            raise ValueError("must be -1 or 0 (off) or at least 1")
         return v
 
     @field_validator("stop")
@@ -354,7 +356,9 @@ def to_sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int |
                               logit_bias=req.token_biases(), min_tokens=req.min_tokens,
                               stop_token_ids=req.stop_token_ids,
                               prompt_logprobs=prompt_logprobs,
-                              structured_outputs=structured_outputs)
+                              structured_outputs=structured_outputs,
+                              include_stop_str_in_output=req.include_stop_str_in_output,
+                              skip_special_tokens=req.skip_special_tokens)
     except ValueError as exc:  # the engine's checks say "<field>: expected ..., got ..."
         field_name = str(exc).split(":", 1)[0]
         raise bad_request(str(exc), param=field_name if field_name.isidentifier() else None
