@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from ..core.request import FinishReason, Request, Sequence
 from ..models.tokenizer import IncrementalDetokenizer, Tokenizer
-from .outputs import CompletionOutput, GrowingListView, RequestMetrics, RequestOutput
+from .outputs import (CompletionOutput, GrowingListView, Logprob, RequestMetrics, RequestOutput,
+                      logprob_objects)
 
 
 @dataclass
@@ -172,6 +173,8 @@ class OutputProcessor:
                 token_ids = tokens[start:]
                 if wants_logprobs:
                     logprobs = list(seq.logprobs or ())
+                    if state.final_only:
+                        logprobs = self._logprob_objects(logprobs, request.params.logprobs)
             else:
                 token_ids = GrowingListView(tokens, start, end)
                 if wants_logprobs:
@@ -196,10 +199,29 @@ class OutputProcessor:
             num_cached_tokens=first.num_cached_tokens,
             num_generation_tokens=num_generated,
             last_token_time=request.last_token_time)
+        prompt_logprobs = state.prompt_logprobs_done()
+        if finished and state.final_only and prompt_logprobs is not None:
+            prompt_logprobs = [None, *self._logprob_objects(prompt_logprobs[1:],
+                                                            request.params.prompt_logprobs)]
         return RequestOutput(request_id=request.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids,
                              outputs=completions, finished=finished, metrics=metrics,
-                             prompt_logprobs=state.prompt_logprobs_done())
+                             prompt_logprobs=prompt_logprobs)
+
+    def _logprob_objects(self, entries: list[dict[int, float]], top: int
+                         ) -> list[dict[int, Logprob]]:
+        """Per-position entries as vLLM's Logprob objects (once, in a final-only output: the
+        LLM's; the token texts are decoded once per distinct id)."""
+        texts: dict[int, str] = {}
+
+        def decode(token_id: int) -> str:
+            text = texts.get(token_id)
+            if text is None:
+                text = texts[token_id] = self.tokenizer.decode([token_id],
+                                                               skip_special_tokens=False)
+            return text
+
+        return [logprob_objects(e, top, decode) for e in entries]
 
 
 __all__ = ["OutputProcessor", "RequestState"]

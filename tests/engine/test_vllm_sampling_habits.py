@@ -127,3 +127,44 @@ def test_an_engine_in_its_own_process_reports_the_same(llm):
     for want, out in zip(expected, got):
         assert (out.text, out.stop_reason, list(out.token_ids)) == \
             (want.text, want.stop_reason, list(want.token_ids))
+
+
+def test_logprobs_are_vllm_logprob_objects_and_still_the_floats(llm):
+    import json
+    import math
+    import pickle
+
+    from mini_paged_attn.engine import Logprob
+
+    out = llm.generate(PROMPT, SamplingParams(**GREEDY, logprobs=3, prompt_logprobs=2),
+                       use_tqdm=False)[0]
+    sample = out.outputs[0]
+    hf = llm.get_tokenizer()
+    for token_id, entries in zip(sample.token_ids, sample.logprobs):
+        assert all(isinstance(e, Logprob) for e in entries.values())
+        assert entries[token_id].rank == 1      # greedy: the sampled token is the top one
+        ranks = sorted(e.rank for e in entries.values())
+        assert ranks == list(range(1, len(entries) + 1))
+        by_rank = sorted(entries.values(), key=lambda e: e.rank)
+        assert [e.logprob for e in by_rank] == sorted((float(e) for e in by_rank), reverse=True)
+        for tid, e in entries.items():
+            assert e.decoded_token == hf.decode([tid], skip_special_tokens=False)
+            assert e == e.logprob and type(e.logprob) is float and math.exp(e) <= 1.0
+    total = sum(e[t] for t, e in zip(sample.token_ids, sample.logprobs))
+    assert math.isclose(total, sample.cumulative_logprob, rel_tol=1e-5, abs_tol=1e-5)
+    assert json.loads(json.dumps({"x": sample.logprobs[0][sample.token_ids[0]]}))["x"] == \
+        sample.logprobs[0][sample.token_ids[0]].logprob
+    again = pickle.loads(pickle.dumps(sample.logprobs[0]))
+    assert {t: (e.logprob, e.rank, e.decoded_token) for t, e in again.items()} == \
+        {t: (e.logprob, e.rank, e.decoded_token) for t, e in sample.logprobs[0].items()}
+    assert out.prompt_logprobs[0] is None
+    for token_id, entries in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert token_id in entries and all(isinstance(e, Logprob) for e in entries.values())
+
+
+def test_a_sampled_token_outside_the_top_has_no_rank():
+    from mini_paged_attn.engine.outputs import logprob_objects
+
+    entries = logprob_objects({5: -0.1, 7: -3.0}, 1, str)
+    assert (entries[5].rank, entries[7].rank) == (1, None)
+    assert entries[7].decoded_token == "7" and entries[7] == -3.0
