@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the id(s) clients pass as `model`: a request may name any of "
                              "them, and responses carry the first (default: the model's "
                              "directory or file name)")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="a local directory whose tokenizer to use instead of the model's "
+                             "(its ids must be the model's vocabulary; default: the model's)")
     parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                         help="the Jinja chat template /v1/chat/completions renders, instead of "
                              "the tokenizer's: a file, or the template itself")
@@ -281,7 +284,7 @@ def _serve(args: argparse.Namespace, model: str, chat_template: str | None,
                       enforce_eager=args.enforce_eager, seed=args.seed,
                       kv_cache_dtype=args.kv_cache_dtype,
                       tensor_parallel_size=args.tensor_parallel_size,
-                      step_timeout_s=args.step_timeout_s)
+                      step_timeout_s=args.step_timeout_s, tokenizer=args.tokenizer)
     llm_engine = None
     if wants_engine_process(args.engine_process, args.device):
         from mini_paged_attn.engine.mp_engine_client import MPEngineClient

@@ -168,3 +168,20 @@ def test_a_sampled_token_outside_the_top_has_no_rank():
     entries = logprob_objects({5: -0.1, 7: -3.0}, 1, str)
     assert (entries[5].rank, entries[7].rank) == (1, None)
     assert entries[7].decoded_token == "7" and entries[7] == -3.0
+
+
+def test_tokenizer_of_another_directory_replaces_the_model_s(tiny_model_factory, tmp_path):
+    from transformers import AutoTokenizer
+
+    model_dir = tiny_model_factory("llama")
+    hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    hf.chat_template = "{% for m in messages %}({{ m['content'] }}){% endfor %}"
+    hf.save_pretrained(str(tmp_path / "tok"))
+    with LLM(str(model_dir), device="cpu", num_kv_blocks=16, max_model_len=64,
+             tokenizer=str(tmp_path / "tok")) as llm:
+        assert llm.get_tokenizer().chat_template == hf.chat_template
+        text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "x"}],
+                                                 tokenize=False)
+    assert text == "(x)"
+    with pytest.raises(FileNotFoundError, match="tokenizer|model_dir"):
+        LLM(str(model_dir), device="cpu", tokenizer=str(tmp_path / "nothing"))

@@ -86,7 +86,8 @@ def test_vllm_flags_parse_to_what_the_server_uses():
     args = _serve_args("m", "--served-model-name", "a", "org/b", "--max-model-len", "512",
                        "--gpu-memory-utilization", "0.5", "--seed", "7",
                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                       "--disable-log-requests")
+                       "--disable-log-requests", "--tokenizer", "TOKDIR")
+    assert args.tokenizer == "TOKDIR"
     assert args.served_model_name == ["a", "org/b"]
     assert (args.max_model_len, args.gpu_memory_utilization, args.seed) == (512, 0.5, 7)
     assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
