@@ -406,7 +406,8 @@ def _wide_table(rows: list[dict]) -> list[dict]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=("decode", "prefill", "all"), default="all")
+    p.add_argument("--part", choices=("decode", "prefill", "all"), default="all",
+                   help="which kernels to time: decode, prefill or all (default all)")
     p.add_argument("--out", default="bench_out", help="directory for CSV, PNG and markdown")
     p.add_argument("--max-tokens", type=int, default=4 << 20,
                    help="skip decode shapes with more batch x context tokens")

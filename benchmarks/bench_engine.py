@@ -59,12 +59,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="(a) requests run through transformers (default 64; 0 skips it)")
     parser.add_argument("--hf-batch", type=int, default=64, help="transformers batch size")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers entirely")
-    parser.add_argument("--parity-requests", type=int, default=32)
+    parser.add_argument("--parity-requests", type=int, default=32,
+                        help="requests of the parity workload, checked token by token against "
+                             "transformers (default 32)")
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=256,
+                        help="engine: most requests in one batch (default 256)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                         help="the engine's KV cache: the model dtype (auto) or fp8 (e4m3)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                        help="engine: token budget of one step (default 8192)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="the engine without prefix caching (on by default)")
     add_async_argument(parser)

@@ -149,8 +149,10 @@ def run(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
-    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES),
+                        help="the model families to run (default: all of them)")
+    parser.add_argument("--requests", type=int, default=16,
+                        help="requests per family, all in one batch (default 16)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="weights and activations (float32: parity should be exact)")
     parser.add_argument("--steps", type=int, default=32, help="greedy tokens per request")

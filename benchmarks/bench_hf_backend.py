@@ -97,11 +97,14 @@ def _compare(model, part: str, impls: list[str], batch: int, args) -> list[dict]
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="qwen3-0.6b", choices=("qwen3-0.6b", "qwen2.5-0.5b"))
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--shape", default="qwen3-0.6b", choices=("qwen3-0.6b", "qwen2.5-0.5b"),
+                        help="the random-weight model's shapes (default qwen3-0.6b)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32],
+                        help="batch sizes to time generate at (default 1 8 32)")
     parser.add_argument("--prompt-len", type=int, nargs=2, default=[64, 512], metavar=("LO", "HI"),
                         help="prompt lengths drawn uniformly from [LO, HI] (default 64 512)")
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128,
+                        help="tokens generated per prompt (default 128)")
     parser.add_argument("--parts", default="generate,batch", help="subset of generate,batch")
     parser.add_argument("--out", default=None, help="directory for results.json")
     args = parser.parse_args(argv)

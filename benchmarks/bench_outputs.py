@@ -26,7 +26,8 @@ from mini_paged_attn.models.tokenizer import Tokenizer
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=256,
+                        help="requests processed at once (default 256)")
     parser.add_argument("--tokens", type=int, default=1000, help="generated tokens per request")
     parser.add_argument("--prompt", type=int, default=100, help="prompt tokens per request")
     parser.add_argument("--stop", action="store_true", help="a stop string that never matches")

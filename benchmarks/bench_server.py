@@ -408,17 +408,28 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--replot", metavar="JSON", nargs="+",
                      help="draw --plot from --json files (one panel each; no model or GPU "
                           "needed), then exit")
-    p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64])
-    p.add_argument("--requests-per-client", type=int, default=4)
-    p.add_argument("--min-requests", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=[8, 64], metavar=("MIN", "MAX"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64],
+                   help="numbers of concurrent clients, one measurement each (default 1 8 64)")
+    p.add_argument("--requests-per-client", type=int, default=4,
+                   help="requests each client sends (default 4)")
+    p.add_argument("--min-requests", type=int, default=8,
+                   help="at least this many requests per measurement, whatever the clients "
+                        "(default 8)")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"),
+                   help="random prompt length range, in tokens (default 16 128)")
+    p.add_argument("--output-len", type=int, nargs=2, default=[8, 64], metavar=("MIN", "MAX"),
+                   help="generated length range, in tokens (default 8 64)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the workloads and of the engine (default 0)")
+    p.add_argument("--device", default=None,
+                   help="cuda, cpu ... (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (the model's), float16, bfloat16 or float32 (default auto)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV pool size in blocks (default: sized from free memory)")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="engine: most requests in one batch (default 256)")
+    p.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
     p.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
                    help="uvicorn's event loop (auto: uvloop when installed)")
     p.add_argument("--http", default="auto", choices=("auto", "h11", "httptools"),

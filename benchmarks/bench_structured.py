@@ -52,8 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with random weights: this tokenizer directory's tokenizer and "
                              "vocabulary size instead of a byte tokenizer")
     parser.add_argument("--batch", type=int, default=64, help="requests in the batch (default 64)")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128,
+                        help="random prompt tokens per request (default 128)")
+    parser.add_argument("--max-tokens", type=int, default=256,
+                        help="most tokens generated per request (default 256)")
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
     from .bench_engine import add_async_argument
     add_async_argument(parser)

@@ -29,7 +29,8 @@ def add_output_arguments(parser: argparse.ArgumentParser, out_help: str) -> None
 
 
 def add_log_level(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        help="logging level: DEBUG, INFO, WARNING, ERROR (default INFO)")
 
 
 def parse_and_log(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

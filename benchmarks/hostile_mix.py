@@ -459,11 +459,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--victims", type=int, default=8, help="ordinary clients (8)")
     parser.add_argument("--kinds", default="all",
                         help="comma-separated kinds, 'all' or 'server' (see --list-kinds)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the mix: which hostile requests, in which order (default 0)")
     parser.add_argument("--deadline-s", type=float, default=900.0,
                         help="no hostile request starts after this many seconds")
     parser.add_argument("--json", default=None, help="also write the report here")
-    parser.add_argument("--list-kinds", action="store_true")
+    parser.add_argument("--list-kinds", action="store_true",
+                        help="print the kinds of hostile request, then exit")
     parser.add_argument("server_args", nargs="*",
                         help="more `serve` options, after --, e.g. -- --max-num-seqs 64")
     args = parser.parse_args(argv)

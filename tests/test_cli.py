@@ -109,7 +109,7 @@ def _model_dir(tmp_path, case: str) -> str:
 
 MODEL_CASES = {
     "missing": "is not a directory",
-    "hub-id": "huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct",
+    "hub-id": "`hf download Qwen/Qwen2.5-0.5B-Instruct",
     "empty": "is empty",
     "config-only": "no tokenizer",
     "no-weights": r"no *.safetensors",

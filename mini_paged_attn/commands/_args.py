@@ -43,6 +43,34 @@ def device_name(text: str) -> str:
 
 
 DTYPES = ("auto", "float16", "bfloat16", "float32")
+# vLLM's spellings of the same dtypes.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def dtype_name(text: str) -> str:
+    """argparse type: one of DTYPES, or a vLLM alias of one (half = float16, float = float32)."""
+    name = DTYPE_ALIASES.get(text.lower(), text.lower())
+    if name not in DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(DTYPES + tuple(DTYPE_ALIASES))}, got {text!r}")
+    return name
+
+
+def memory_fraction(text: str) -> float:
+    """argparse type: a share of the GPU's memory, a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+TRUST_REMOTE_CODE_ERROR = (
+    "--trust-remote-code: no remote code runs here: mini_paged_attn implements each model "
+    "family it supports itself and never imports a checkpoint's Python files; drop the flag "
+    "(a model of a supported family loads without it)")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool) -> None:
@@ -52,14 +80,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool) -> N
     mode; ``serving=True`` adds the pool and batching knobs a server needs.
     """
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="auto", choices=DTYPES,
-                        help="auto (the model's), float16, bfloat16 or float32")
+    engine.add_argument("--dtype", default="auto", type=dtype_name, metavar="DTYPE",
+                        help="auto (the model's, the default), float16 (or half), bfloat16 or "
+                             "float32 (or float)")
     engine.add_argument("--device", type=device_name, default=None,
                         help="cuda, cuda:1, cpu ... (default: cuda if available, else cpu)")
     engine.add_argument("--max-model-len", type=positive_int, default=None,
                         help="longest prompt + output (default: the model's"
                              + ("" if serving else ", capped at 8192") + ")")
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    engine.add_argument("--trust-remote-code", action="store_true",
+                        help="refused: no checkpoint's Python code runs here (accepted only to "
+                             "say so in one line, for command lines written for vLLM)")
     engine.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                         help="split the model over this many processes, one GPU each on CUDA "
                              "(default 1)")
@@ -71,12 +103,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool) -> N
     engine.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     engine.add_argument("--num-kv-blocks", type=positive_int, default=None,
                         help="KV pool size in blocks (default: sized from free memory)")
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="share of GPU memory the engine may use (default 0.9)")
+    engine.add_argument("--gpu-memory-utilization", type=memory_fraction, default=0.9,
+                        metavar="FRACTION",
+                        help="share in (0, 1] of the GPU's memory the engine may use: weights, "
+                             "activations and the KV pool, which gets what is left of it "
+                             "(default 0.9; ignored with --num-kv-blocks and on the CPU)")
     engine.add_argument("--max-num-seqs", type=positive_int, default=256,
                         help="most requests in one batch (default 256)")
     engine.add_argument("--max-num-batched-tokens", type=positive_int, default=8192,
                         help="token budget of one step (default 8192)")
     engine.add_argument("--no-prefix-caching", action="store_true",
                         help="turn automatic prefix caching off")
-    engine.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    engine.add_argument("--seed", type=int, default=0,
+                        help="seed of the engine's sampling, for requests without a seed of "
+                             "their own (default 0)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ._args import add_engine_arguments, positive_int
+from ._args import TRUST_REMOTE_CODE_ERROR, add_engine_arguments, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--max-tokens", type=positive_int, default=128, help="default 128")
     sampling.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default 0.7)")
     sampling.add_argument("--top-p", type=float, default=1.0, help="default 1.0 (off)")
-    sampling.add_argument("--top-k", type=int, default=-1, help="default -1 (off)")
+    sampling.add_argument("--top-k", type=int, default=-1, help="-1 or 0: off (default -1)")
     sampling.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
     sampling.add_argument("--presence-penalty", type=float, default=0.0,
                           help="in [-2, 2]: subtracted once from every generated token's logit "
@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.trust_remote_code:
+        print(f"error: {TRUST_REMOTE_CODE_ERROR}", file=sys.stderr)
+        return 2
     if args.system is not None and not args.chat:
         print("error: --system: expected --chat with it (a system message goes in the chat "
               "template), got --system without --chat", file=sys.stderr)

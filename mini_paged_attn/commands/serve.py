@@ -1,36 +1,54 @@
 """``mini-paged-attn serve``: an OpenAI-compatible HTTP server over one engine.
 
-    mini-paged-attn serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    mini-paged-attn serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+                          [--served-model-name NAME [NAME ...]] [--chat-template T]
                           [--max-queue N] [--max-request-bytes N] [request caps]
                           [--engine-process auto|on|off] [engine options]
 
-With no GPU it runs on the CPU, so ``serve --model DIR`` alone works on a laptop (``--model tiny``:
-the embedded tiny Llama with RANDOM weights, to try the API). It binds to 127.0.0.1 unless
-``--host`` says otherwise.
+The model is the positional argument, as in ``vllm serve MODEL`` (``--model MODEL`` says the
+same). With no GPU it runs on the CPU, so ``serve DIR`` alone works on a laptop (``tiny``: the
+embedded tiny Llama with RANDOM weights, to try the API). It binds to 127.0.0.1 unless
+``--host`` says otherwise. What can be checked without the model (the options, the API key, the
+chat template, the port being free) is checked before it loads, and a mistake is one
+``error: ...`` line.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import ipaddress
 import os
 import signal
+import socket
 import sys
 from typing import TYPE_CHECKING
 
-from ._args import add_engine_arguments, port_number, positive_int
+from ._args import TRUST_REMOTE_CODE_ERROR, add_engine_arguments, port_number, positive_int
 
 if TYPE_CHECKING:
     from mini_paged_attn.server.limits import ServerLimits
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
-                        help="local Hugging Face model directory (config.json, *.safetensors, "
-                             "tokenizer files), or 'tiny' (the embedded random tiny Llama)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the id clients pass as `model` (default: the directory's name)")
+    model_help = ("local Hugging Face model directory (config.json, *.safetensors, tokenizer "
+                  "files), a .gguf file, 'smollm2-135m' or 'tiny' (the embedded random tiny "
+                  "Llama)")
+    parser.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help=model_help)
+    parser.add_argument("--model", default=None,
+                        help="the same as the positional MODEL (give one of them, or both the "
+                             "same)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the id(s) clients pass as `model`: a request may name any of "
+                             "them, and responses carry the first (default: the model's "
+                             "directory or file name)")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="a local directory whose tokenizer to use instead of the model's "
+                             "(its ids must be the model's vocabulary; default: the model's)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="the Jinja chat template /v1/chat/completions renders, instead of "
+                             "the tokenizer's: a file, or the template itself")
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1",
                       help="address to bind (default 127.0.0.1: this machine only)")
@@ -53,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="the format of tool calls in the model's output, read when a chat "
                            "request has tools and tool_choice auto (default: the one the chat "
                            "template shows; hermes if it shows none)")
+    http.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="accepted for vLLM command lines: tool_choice auto is always on "
+                           "here (with the parser of --tool-call-parser, else the chat "
+                           "template's); unlike vLLM it needs neither flag")
+    http.add_argument("--disable-log-requests", action="store_true",
+                      help="no log line per request (the access log at INFO)")
     add_engine_arguments(parser, serving=True)
     parser.add_argument("--step-timeout-s", type=_step_timeout, default=60.0, metavar="S",
                         help="with --tensor-parallel-size > 1: a step that takes longer fails "
@@ -146,14 +170,106 @@ def leave_a_core_for_http() -> int:
     return threads
 
 
-def run(args: argparse.Namespace) -> int:
-    import logging
+def model_argument(args: argparse.Namespace) -> str:
+    """The model of ``serve MODEL`` or ``serve --model MODEL``.
+
+    Raises:
+        ValueError: neither is given, or both and they differ.
+    """
+    positional, option = args.model_arg, args.model
+    if positional is None and option is None:
+        raise ValueError("MODEL: expected a model directory, .gguf file or packaged name "
+                         "(serve MODEL, or --model MODEL), got none")
+    if positional is not None and option is not None and positional != option:
+        raise ValueError(f"MODEL: expected one model, got {positional!r} and --model "
+                         f"{option!r}: give one of them")
+    return positional if positional is not None else option
+
+
+def read_chat_template(text: str) -> str:
+    """``--chat-template``: the template in the file ``text`` names, else ``text`` itself if
+    it reads as a Jinja template.
+
+    Raises:
+        ValueError: neither a file nor a template, or a template that does not parse.
+    """
     from pathlib import Path
 
+    path = Path(text)
+    try:
+        is_file = path.is_file()
+    except OSError:   # a template too long to be a path
+        is_file = False
+    if is_file:
+        template, where = path.read_text(), f"the file {text!r}"
+    elif "{{" in text or "{%" in text:
+        template, where = text, "the template given"
+    else:
+        raise ValueError(f"--chat-template: expected a file or a Jinja template, got {text!r}, "
+                         "which is neither a file nor holds {{ or {%")
+    try:
+        import jinja2
+    except ImportError:   # transformers brings it; without it the template fails at render
+        return template
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template: {where} is not a valid Jinja template: line "
+                         f"{exc.lineno}: {exc.message}") from None
+    return template
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``, for the server to listen on; bound before the model
+    loads, so that a busy port is said at once, and no other program can take it meanwhile.
+
+    Raises:
+        ValueError: the port is in use, or the address cannot be bound (names both).
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"--host: expected an address or a host name of this machine, got "
+                         f"{host!r} ({exc.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    # What uvicorn does: a port whose last server just stopped (TIME_WAIT) binds at once.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port: {host}:{port}: address already in use (another "
+                             "server listens there): stop it, or pick another port with "
+                             "--port") from None
+        raise ValueError(f"--host/--port: cannot bind {host}:{port}: "
+                         f"{exc.strerror or exc}") from None
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.trust_remote_code:
+        print(f"error: {TRUST_REMOTE_CODE_ERROR}", file=sys.stderr)
+        return 2
     problem = api_key_error(args.api_key) or missing_server_extra()
     if problem is not None:  # before the model loads, which can take minutes
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    model = model_argument(args)
+    chat_template = (None if args.chat_template is None
+                     else read_chat_template(args.chat_template))
+    sock = bind(args.host, args.port)
+    try:
+        return _serve(args, model, chat_template, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, model: str, chat_template: str | None,
+           sock: socket.socket) -> int:
+    import logging
+    from pathlib import Path
 
     from mini_paged_attn.server.app import build_app
 
@@ -168,38 +284,41 @@ def run(args: argparse.Namespace) -> int:
                       enforce_eager=args.enforce_eager, seed=args.seed,
                       kv_cache_dtype=args.kv_cache_dtype,
                       tensor_parallel_size=args.tensor_parallel_size,
-                      step_timeout_s=args.step_timeout_s)
+                      step_timeout_s=args.step_timeout_s, tokenizer=args.tokenizer)
     llm_engine = None
     if wants_engine_process(args.engine_process, args.device):
         from mini_paged_attn.engine.mp_engine_client import MPEngineClient
-        engine = MPEngineClient(args.model, llm_kwargs)
+        engine = MPEngineClient(model, llm_kwargs)
         where = "its own process"
     else:
         from mini_paged_attn.engine import LLM
         from mini_paged_attn.engine.engine_client import InprocEngineClient
-        llm_engine = LLM(args.model, **llm_kwargs).engine
+        llm_engine = LLM(model, **llm_kwargs).engine
         where = "a thread of the server"
         if llm_engine.runner.device.type == "cpu":
             log.info("torch uses %d CPU threads (one core left for HTTP)",
                      leave_a_core_for_http())
         engine = InprocEngineClient(llm_engine)
     try:
-        name = args.served_model_name or Path(args.model).resolve().name
-        app = build_app(engine, model_name=name, api_key=args.api_key,
+        names = args.served_model_name or [Path(model).resolve().name]
+        name = names[0]
+        app = build_app(engine, model_name=names, api_key=args.api_key,
                         max_queue=args.max_queue, limits=server_limits(args),
                         allowed_hosts=allowed_hosts(args.host, args.allowed_host),
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser, chat_template=chat_template)
         banner = (f"serving {name!r} on http://{args.host}:{args.port}/v1, engine in {where} "
                   f"({engine.stats().summary()})")
         if args.api_key is None and not _is_loopback(args.host):
             log.warning("listening on %s with no API key: anyone who can reach it can use it",
                         args.host)
-        server = _server(with_access_log(app, _access_logger()), args.host, args.port, banner)
+        if not args.disable_log_requests:
+            app = with_access_log(app, _access_logger())
+        server = _server(app, args.host, args.port, banner)
         # uvicorn shuts down on SIGTERM, then raises the signal again: make that an ordinary
         # exit, so the engine's process is closed below rather than left to notice it is alone.
         previous = signal.signal(signal.SIGTERM, _exit_quietly)
         try:
-            server.run()
+            server.run(sockets=[sock])
         except (KeyboardInterrupt, SystemExit):   # Ctrl-C re-raised, SIGTERM, or no bind
             pass
         finally:
@@ -208,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
         engine.shutdown()  # the engine's thread or process
         if llm_engine is not None:
             llm_engine.shutdown()   # its tensor-parallel workers, if any
-    if not server.started:   # could not bind: uvicorn has logged why
+    if not server.started:   # could not listen: uvicorn has logged why
         return 2
     print(f"stopped serving {name!r} on http://{args.host}:{args.port}", flush=True)
     return 0

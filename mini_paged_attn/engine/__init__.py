@@ -12,12 +12,13 @@ from .engine_client import EngineClient, EngineDeadError, InprocEngineClient
 from .llm import LLM
 from .llm_engine import LLMEngine
 from .mp_engine_client import MPEngineClient
-from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from .outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
 from .prompts import PromptType, TextPrompt, TokensPrompt
 from .sampling_params import SamplingParams
 from .structured import StructuredOutputsParams
 
 __all__ = ["CompletionOutput", "EngineClient", "EngineConfig", "EngineDeadError", "EngineStats",
-           "InprocEngineClient", "LLM", "LLMEngine", "MPEngineClient", "PromptType", "RequestMetrics",
+           "InprocEngineClient", "LLM", "LLMEngine", "Logprob", "MPEngineClient", "PromptType",
+           "RequestMetrics",
            "RequestOutput", "SamplingParams", "StructuredOutputsParams", "TextPrompt",
            "TokensPrompt"]

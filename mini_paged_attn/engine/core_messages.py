@@ -92,6 +92,7 @@ class CompletionDelta(NamedTuple):
     finish_reason: str | None
     cumulative_logprob: float | None
     new_logprobs: list[dict[int, float]] | None
+    stop_reason: str | int | None = None
 
 
 class OutputDelta(NamedTuple):

@@ -67,7 +67,8 @@ def _delta(out: RequestOutput, sent: dict[str, dict[int, _Sent]]) -> OutputDelta
         new_logprobs = None if comp.logprobs is None else list(comp.logprobs[s.tokens:])
         completions.append(CompletionDelta(comp.index, keep, comp.text[keep:],
                                            list(comp.token_ids[s.tokens:]), comp.finish_reason,
-                                           comp.cumulative_logprob, new_logprobs))
+                                           comp.cumulative_logprob, new_logprobs,
+                                           comp.stop_reason))
         s.text, s.tokens = comp.text, len(comp.token_ids)
     return OutputDelta(out.request_id, completions, out.finished, out.metrics,
                        out.prompt_logprobs if first else None)

@@ -34,6 +34,8 @@ class LLM:
             (``kv_cache_dtype="fp8"``: an e4m3 KV cache, twice the tokens in the same memory;
             ``tensor_parallel_size=N``: the model split over N processes, one GPU each on
             CUDA; :meth:`shutdown` stops them).
+        tokenizer: a local model directory whose tokenizer is used instead of the model's
+            (vLLM's ``tokenizer``); its ids must be the model's vocabulary. None: the model's.
         **engine_options: other EngineConfig fields (backend, cpu_kv_cache_bytes, ...).
     """
 
@@ -43,7 +45,7 @@ class LLM:
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, seed: int = 0,
                  kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
-                 **engine_options: Any) -> None:
+                 tokenizer: str | Path | None = None, **engine_options: Any) -> None:
         config = EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
@@ -51,7 +53,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
             kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,
             **engine_options)
-        self.engine = LLMEngine.from_model(model, dtype=dtype, device=device, config=config)
+        self.engine = LLMEngine.from_model(model, dtype=dtype, device=device, config=config,
+                                           tokenizer=tokenizer)
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
@@ -75,7 +78,16 @@ class LLM:
 
     @property
     def tokenizer(self):
+        """The engine's :class:`~mini_paged_attn.models.tokenizer.Tokenizer` (this project's
+        wrapper: encode, decode, chat template, eos ids)."""
         return self.engine.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer (a ``transformers`` ``PreTrainedTokenizerBase``), as
+        vLLM's ``LLM.get_tokenizer()`` returns it: ``encode``, ``decode``,
+        ``apply_chat_template``, ``eos_token_id`` ... The engine's wrapper is
+        :attr:`tokenizer`."""
+        return self.engine.tokenizer.hf
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

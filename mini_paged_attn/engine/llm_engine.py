@@ -109,10 +109,12 @@ class LLMEngine:
 
     @classmethod
     def from_model(cls, model: str | Path, *, dtype="auto", device=None,
-                   config: EngineConfig | None = None) -> LLMEngine:
+                   config: EngineConfig | None = None,
+                   tokenizer: str | Path | None = None) -> LLMEngine:
         """Load a local Hugging Face model directory (or ``"tiny"``) and build the engine;
         with ``config.tensor_parallel_size > 1``, start the other ranks first (see
-        :mod:`.tp_executor`) and load rank 0's shard here.
+        :mod:`.tp_executor`) and load rank 0's shard here. ``tokenizer``: a local directory
+        whose tokenizer replaces the model's (vLLM's ``--tokenizer``); None: the model's.
 
         Raises:
             ValueError: the tensor-parallel size does not split the model, or names more
@@ -124,15 +126,18 @@ class LLMEngine:
         if config.tensor_parallel_size > 1 and (is_gguf_path(model) or is_packaged_model(model)):
             raise ValueError(f"tensor_parallel_size: expected 1 for a GGUF model, got "
                              f"{config.tensor_parallel_size} (model {str(model)!r})")
+        other = None
+        if tokenizer is not None:   # first: a wrong path fails before the weights load
+            from ..models.tokenizer import load_tokenizer
+            other = load_tokenizer(tokenizer)
         if config.tensor_parallel_size == 1:
-            net, model_config, tokenizer = load_model_and_tokenizer(model, dtype=dtype,
-                                                                    device=device)
-            return cls(net, tokenizer, model_config, config)
+            net, model_config, own = load_model_and_tokenizer(model, dtype=dtype, device=device)
+            return cls(net, other or own, model_config, config)
         from .tp_executor import start_tensor_parallel
-        net, model_config, tokenizer, peers = start_tensor_parallel(model, dtype=dtype,
-                                                                     device=device, config=config)
+        net, model_config, own, peers = start_tensor_parallel(model, dtype=dtype,
+                                                               device=device, config=config)
         try:
-            engine = cls(net, tokenizer, model_config, config, peers=peers)
+            engine = cls(net, other or own, model_config, config, peers=peers)
             peers.wait_ready(config.distributed_timeout_s)
             return engine
         except BaseException as exc:

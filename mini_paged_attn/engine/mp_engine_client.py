@@ -62,7 +62,8 @@ class _Rebuilt:
 
     def rebuild(self, delta: OutputDelta, tokenizer: Any) -> RequestOutput:
         outs = []
-        for index, keep, suffix, new_ids, reason, cum_logprob, new_logprobs in delta.completions:
+        for (index, keep, suffix, new_ids, reason, cum_logprob, new_logprobs,
+             stop_reason) in delta.completions:
             text = self.text_of(index, keep, suffix, new_ids, reason, tokenizer)
             tokens = self.tokens.setdefault(index, [])
             tokens += new_ids
@@ -73,11 +74,17 @@ class _Rebuilt:
                 logprobs = GrowingListView(all_logprobs, 0, len(all_logprobs))
             # O(1) snapshots: the lists only grow, and each view keeps its own length.
             outs.append(CompletionOutput(index, text, GrowingListView(tokens, 0, len(tokens)),
-                                         reason, cum_logprob, logprobs))
+                                         reason, cum_logprob, logprobs,
+                                         stop_reason=stop_reason))
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         return RequestOutput(delta.request_id, self.prompt, self.prompt_token_ids, outs,
                              delta.finished, delta.metrics, self.prompt_logprobs)
+
+
+def _engine_text(params: SamplingParams) -> bool:
+    """Whether the engine's process makes the request's text (else the client does)."""
+    return bool(params.stop) or not params.default_text
 
 
 class MPEngineClient(ClientBookkeeping):
@@ -154,8 +161,8 @@ class MPEngineClient(ClientBookkeeping):
                     params: SamplingParams | None = None, *, final_only: bool = False) -> None:
         params, text, ids = self._admit(request_id, prompt, params)
         # Text is made here (_Rebuilt), off the engine's process, unless stop strings need it
-        # there.
-        self._send(AddRequest(request_id, None, ids, params, bool(params.stop), final_only))
+        # there, or it is not made the usual way (special tokens kept, stops included).
+        self._send(AddRequest(request_id, None, ids, params, _engine_text(params), final_only))
 
     def abort_request(self, request_id: str) -> bool:
         known = self._forget(request_id)
@@ -164,7 +171,7 @@ class MPEngineClient(ClientBookkeeping):
         return known
 
     def _new_state(self, params: SamplingParams, text: str | None, ids: list[int]) -> _Rebuilt:
-        return _Rebuilt(text, ids, None if params.stop else {})
+        return _Rebuilt(text, ids, None if _engine_text(params) else {})
 
     def stats(self) -> EngineStats:
         with self._lock:

@@ -5,6 +5,10 @@ outputs, or stop strings to look for); a request that only wants its final outpu
 once, when it finishes. While stop strings may still match, the last ``len(longest stop) - 1``
 characters are held back, so the text of successive outputs only ever grows and never shows
 the start of a stop string that later matches.
+
+``SamplingParams.skip_special_tokens`` decides whether special tokens are decoded, and
+``include_stop_str_in_output`` whether the stop string (or the stop token's text) that ended a
+sample ends its text; ``stop_reason`` records which one it was.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from dataclasses import dataclass, field
 
 from ..core.request import FinishReason, Request, Sequence
 from ..models.tokenizer import IncrementalDetokenizer, Tokenizer
-from .outputs import CompletionOutput, GrowingListView, RequestMetrics, RequestOutput
+from .outputs import (CompletionOutput, GrowingListView, Logprob, RequestMetrics, RequestOutput,
+                      logprob_objects)
 
 
 @dataclass
@@ -22,6 +27,7 @@ class _SampleText:
     num_fed: int = 0               # generated tokens given to the detokenizer
     searched: int = 0              # text before this offset holds no stop string
     final_text: str | None = None  # set when the sample finishes
+    stop_string: str | None = None  # the stop string that ended the sample
 
 
 @dataclass
@@ -80,9 +86,22 @@ class OutputProcessor:
         tokens = seq.token_ids
         num = len(tokens) - seq.request.num_prompt_tokens
         if (num and seq.finish_reason is FinishReason.STOP
-                and tokens[-1] in seq.request.stop_token_ids):
+                and tokens[-1] in seq.request.stop_token_ids
+                and not seq.request.params.include_stop_str_in_output):
             num -= 1
         return num
+
+    @staticmethod
+    def _stop_reason(text: _SampleText | None, seq: Sequence) -> str | int | None:
+        """The stop string or the stop token id (of ``stop_token_ids``) that ended ``seq``;
+        None otherwise (its length, an eos token, an abort, or still running)."""
+        if text is not None and text.stop_string is not None:
+            return text.stop_string
+        if seq.finish_reason is FinishReason.STOP and seq.token_ids:
+            last = seq.token_ids[-1]
+            if last in seq.request.params.stop_token_ids:
+                return last
+        return None
 
     def _ids_to_decode(self, seq: Sequence) -> list[int]:
         start = seq.request.num_prompt_tokens
@@ -96,7 +115,9 @@ class OutputProcessor:
             return False
         text = state.texts.get(seq.index)
         if text is None:
-            det = self.tokenizer.detokenizer(seq.request.prompt_token_ids)
+            det = self.tokenizer.detokenizer(
+                seq.request.prompt_token_ids,
+                skip_special_tokens=seq.request.params.skip_special_tokens)
             text = state.texts[seq.index] = _SampleText(det)
         num = self._num_to_decode(seq)
         if num > text.num_fed:
@@ -109,7 +130,9 @@ class OutputProcessor:
         for stop in state.stop:
             at = full.find(stop, max(0, text.searched - len(stop) + 1))
             if at != -1:
-                text.final_text = full[:at]
+                keep = len(stop) if seq.request.params.include_stop_str_in_output else 0
+                text.final_text = full[:at + keep]
+                text.stop_string = stop
                 if seq.finish_reason is FinishReason.LENGTH:
                     seq.finish_reason = FinishReason.STOP
                 return True
@@ -121,7 +144,9 @@ class OutputProcessor:
         if text is None:
             if not (seq.is_finished and state.detokenize):
                 return ""
-            return self.tokenizer.decode(self._ids_to_decode(seq))
+            return self.tokenizer.decode(
+                self._ids_to_decode(seq),
+                skip_special_tokens=seq.request.params.skip_special_tokens)
         if text.final_text is not None:
             return text.final_text
         full = text.detokenizer.text
@@ -148,6 +173,8 @@ class OutputProcessor:
                 token_ids = tokens[start:]
                 if wants_logprobs:
                     logprobs = list(seq.logprobs or ())
+                    if state.final_only:
+                        logprobs = self._logprob_objects(logprobs, request.params.logprobs)
             else:
                 token_ids = GrowingListView(tokens, start, end)
                 if wants_logprobs:
@@ -159,7 +186,9 @@ class OutputProcessor:
                 index=seq.index, text=self._text_of(state, seq), token_ids=token_ids,
                 finish_reason=reason.value if reason else None,
                 cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-                logprobs=logprobs))
+                logprobs=logprobs,
+                stop_reason=self._stop_reason(state.texts.get(seq.index), seq)
+                if reason else None))
         first = request.sequences[0]
         metrics = RequestMetrics(
             arrival_time=request.arrival_time,
@@ -170,10 +199,29 @@ class OutputProcessor:
             num_cached_tokens=first.num_cached_tokens,
             num_generation_tokens=num_generated,
             last_token_time=request.last_token_time)
+        prompt_logprobs = state.prompt_logprobs_done()
+        if finished and state.final_only and prompt_logprobs is not None:
+            prompt_logprobs = [None, *self._logprob_objects(prompt_logprobs[1:],
+                                                            request.params.prompt_logprobs)]
         return RequestOutput(request_id=request.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids,
                              outputs=completions, finished=finished, metrics=metrics,
-                             prompt_logprobs=state.prompt_logprobs_done())
+                             prompt_logprobs=prompt_logprobs)
+
+    def _logprob_objects(self, entries: list[dict[int, float]], top: int
+                         ) -> list[dict[int, Logprob]]:
+        """Per-position entries as vLLM's Logprob objects (once, in a final-only output: the
+        LLM's; the token texts are decoded once per distinct id)."""
+        texts: dict[int, str] = {}
+
+        def decode(token_id: int) -> str:
+            text = texts.get(token_id)
+            if text is None:
+                text = texts[token_id] = self.tokenizer.decode([token_id],
+                                                               skip_special_tokens=False)
+            return text
+
+        return [logprob_objects(e, top, decode) for e in entries]
 
 
 __all__ = ["OutputProcessor", "RequestState"]

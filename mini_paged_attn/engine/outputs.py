@@ -2,10 +2,55 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .tool_calls import ToolCall
+
+
+class Logprob(float):
+    """One token's log-probability, shaped like vLLM's ``Logprob``: ``logprob``, ``rank``,
+    ``decoded_token``.
+
+    It is also the float itself, so code written for ``{token_id: float}`` entries keeps
+    working: ``entry == -0.5``, ``math.exp(entry)``, ``sorted(d.values())`` and
+    ``json.dumps`` treat it as that number.
+
+    ``rank``: 1 for the most likely token, 2 for the next ... among the returned top tokens;
+    None for a sampled token outside them (its place in the whole vocabulary is not
+    computed). ``decoded_token``: the token's text (special tokens included), or None.
+    """
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None,
+                decoded_token: str | None = None) -> Logprob:
+        obj = super().__new__(cls, logprob)
+        obj.rank = rank
+        obj.decoded_token = decoded_token
+        return obj
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self):
+        return (Logprob, (float(self), self.rank, self.decoded_token))
+
+    def __repr__(self) -> str:
+        return (f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, "
+                f"decoded_token={self.decoded_token!r})")
+
+
+def logprob_objects(entries: dict[int, float], top: int, decode: Callable[[int], str]
+                    ) -> dict[int, Logprob]:
+    """``{token_id: logprob}`` (the top ``top`` tokens and maybe the sampled one) as
+    :class:`Logprob` entries, ranked by logprob among the top ones; ``decode(token_id)``
+    gives a token's text."""
+    ranked = sorted(entries.items(), key=lambda kv: kv[1], reverse=True)
+    top_ids = {tid for tid, _ in ranked[:top]}
+    rank = {tid: i + 1 for i, (tid, _) in enumerate(ranked) if tid in top_ids}
+    return {tid: Logprob(lp, rank.get(tid), decode(tid)) for tid, lp in entries.items()}
 
 
 class GrowingListView(Sequence):
@@ -59,15 +104,23 @@ class CompletionOutput:
     """One sample of a request.
 
     ``text`` and ``token_ids`` only grow between successive outputs of one request. A stop
-    string is not part of ``text``; a stop token is part of ``token_ids`` but not of ``text``.
+    string is not part of ``text``; a stop token is part of ``token_ids`` but not of ``text``
+    (both are, with ``SamplingParams.include_stop_str_in_output``).
     ``logprobs`` (when asked): per generated token, ``{token_id: logprob}`` for the top
-    ``logprobs`` tokens and the sampled one. ``cumulative_logprob``: the sum of the sampled
+    ``logprobs`` tokens and the sampled one. In the outputs of :meth:`LLM.generate
+    <.llm.LLM.generate>` and :meth:`LLM.chat <.llm.LLM.chat>` each logprob is a
+    :class:`Logprob` (``.logprob``, ``.rank``, ``.decoded_token``, as vLLM's), which is also
+    the float; elsewhere (streamed outputs, the server's engine) plain floats. ``cumulative_logprob``: the sum of the sampled
     tokens' logprobs (when asked), else None.
 
     ``token_ids`` and ``logprobs`` are plain lists in a finished output. In the outputs of a
     running request they are :class:`GrowingListView` snapshots instead (read-only, made in O(1)
     so a streaming step costs O(new tokens), not O(tokens so far)); to keep track of what is
     new, keep ``len(token_ids)`` / ``len(text)`` and slice from there next time.
+
+    ``stop_reason`` (as vLLM's): the stop string, or the token id of ``stop_token_ids``, that
+    ended the sample; None when it ended otherwise (its length, an end-of-sequence token, an
+    abort) or still runs.
 
     ``tool_calls``: set only by :meth:`LLM.chat <.llm.LLM.chat>` with ``tools``: the calls
     read from the finished ``text`` (``[]``: none, the text is all content); ``text`` itself
@@ -81,6 +134,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: Sequence[dict[int, float]] | None = None
     tool_calls: list[ToolCall] | None = None
+    stop_reason: str | int | None = None
 
     @property
     def finished(self) -> bool:
@@ -123,7 +177,8 @@ class RequestOutput:
     ``prompt_token_ids`` is one list shared by all the outputs of the request: do not modify it.
     ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``): one entry per prompt token,
     None for the first, else ``{token_id: logprob}`` of the top ``prompt_logprobs`` tokens and
-    the prompt's token there; set once the whole prompt is computed (None before), and shared
+    the prompt's token there (:class:`Logprob` entries in LLM.generate's outputs, as for
+    ``CompletionOutput.logprobs``); set once the whole prompt is computed (None before), and shared
     by the request's later outputs like ``prompt_token_ids``.
     """
 
@@ -176,4 +231,5 @@ class EngineStats:
                 f"generation {self.generation_tokens_per_s:.1f} tok/s")
 
 
-__all__ = ["CompletionOutput", "EngineStats", "GrowingListView", "RequestMetrics", "RequestOutput"]
+__all__ = ["CompletionOutput", "EngineStats", "GrowingListView", "Logprob", "RequestMetrics",
+           "RequestOutput", "logprob_objects"]

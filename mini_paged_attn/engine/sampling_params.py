@@ -27,11 +27,19 @@ class SamplingParams:
             (argmax). Logits are divided by it before softmax.
         top_p: in (0, 1]; keep the smallest set of most likely tokens whose probability sum
             reaches top_p.
-        top_k: -1 (off) or >= 1; keep the k most likely tokens.
+        top_k: -1 or 0 (off, as in vLLM; 0 is stored as -1) or >= 1; keep the k most likely
+            tokens.
         min_p: in [0, 1]; drop tokens less likely than min_p times the most likely one.
         max_tokens: >= 1; generate at most this many tokens per sample.
-        stop: strings that end generation when they appear in the text (not included in it).
-        stop_token_ids: token ids that end generation (included in token_ids, not in the text).
+        stop: strings that end generation when they appear in the text (not included in it,
+            unless ``include_stop_str_in_output``).
+        stop_token_ids: token ids that end generation (included in token_ids; in the text only
+            with ``include_stop_str_in_output``). The output's ``stop_reason`` says which
+            string or id ended a sample.
+        include_stop_str_in_output: the stop string, or the text of the stop token, that ended
+            a sample ends its text too (vLLM's option; default False).
+        skip_special_tokens: leave special tokens (eos, chat markers ...) out of the text
+            (default True, as vLLM); token_ids hold them either way.
         ignore_eos: keep generating past the model's end-of-sequence tokens.
         n: >= 1 samples of the same prompt (they share the prompt's KV blocks).
         seed: makes this request's sampling reproducible (its own random generator).
@@ -83,6 +91,8 @@ class SamplingParams:
     min_tokens: int = 0
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # Whether the sampler must look at the sample's tokens (penalties, min_tokens), add a bias
     # or mask by a grammar: derived, so the common request costs the sampler one attribute read
     # per row.
@@ -102,8 +112,10 @@ class SamplingParams:
             raise fail("temperature", "a number >= 0 (0 is greedy)")
         if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise fail("top_p", "a number in (0, 1]")
-        if not is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
-            raise fail("top_k", "-1 (off) or an int >= 1")
+        if not is_int(self.top_k) or not (self.top_k in (-1, 0) or self.top_k >= 1):
+            raise fail("top_k", "-1 or 0 (off) or an int >= 1")
+        # One spelling of "off" inside, so the sampler and the batch look at one value.
+        self.top_k = -1 if self.top_k == 0 else int(self.top_k)
         if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise fail("min_p", "a number in [0, 1]")
         self.max_tokens = positive_int("max_tokens", self.max_tokens)
@@ -114,6 +126,8 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise fail("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
         check_bool("ignore_eos", self.ignore_eos)
+        check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        check_bool("skip_special_tokens", self.skip_special_tokens)
         stop = self.stop
         if stop is None:
             stop = ()
@@ -164,6 +178,12 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @property
+    def default_text(self) -> bool:
+        """The text is made as usual: special tokens skipped, stop strings and tokens cut off
+        (what an engine client may rebuild from token ids alone)."""
+        return self.skip_special_tokens and not self.include_stop_str_in_output
 
     @property
     def greedy(self) -> bool:

@@ -273,7 +273,7 @@ def check_model_dir(model_dir: str | Path) -> Path:
     hint = ""
     if re.fullmatch(r"[\w.-]+/[\w.-]+", text) and not path.parent.exists():
         hint = (f"; it looks like a Hugging Face hub id, and models are read only from local "
-                f"directories: download one with `huggingface-cli download {text} "
+                f"directories: download one with `hf download {text} "
                 f"--local-dir {path.name}` and pass --model {path.name}")
     raise FileNotFoundError(f"model_dir: {text!r} is not a directory{hint}")
 

@@ -4,8 +4,11 @@
 >>> app = build_app(MPEngineClient("DIR"), model_name="my-model")  # doctest: +SKIP
 >>> uvicorn.run(app, host="127.0.0.1", port=8000)            # doctest: +SKIP
 
-Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (behind the
-API key when one is set), ``GET /health`` and ``GET /metrics`` (open, for probes and scrapers).
+Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
+``POST /v1/chat/completions``, and vLLM's ``POST /tokenize`` and ``POST /detokenize``
+(:mod:`.tokenize_api`), behind the API key when one is set; ``GET /health``, ``GET /metrics``
+and ``GET /version`` are open, for probes and scrapers. (vLLM checks the key on /v1/* only; the
+tokenizer endpoints cost CPU, so here they are behind it too.)
 Every error, a 404 included, carries OpenAI's body ``{"error": {"message", "type", "param",
 "code"}}``: malformed input of any kind is a 4xx, and a 500 says only that the server failed (the
 exception goes to the log, under an id the body quotes). Bodies over ``limits.max_request_bytes``
@@ -23,7 +26,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from starlette.applications import Starlette
@@ -33,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .. import __version__
 from ..engine.engine_client import EngineClient, InprocEngineClient
 from ..engine.llm_engine import LLMEngine
 from ..engine.tool_calls import PARSERS
@@ -44,6 +48,7 @@ from .metrics import ServerMetrics
 from .openai_api import create_chat_completion, create_completion
 from .prepare import ServedModel, model_not_found
 from .prompt_bytes import prompt_byte_cap
+from .tokenize_api import create_detokenize, create_tokenize, version_endpoint
 from .timeouts import IOTimeouts
 
 logger = logging.getLogger(__name__)
@@ -92,20 +97,23 @@ async def _unhandled(request: Request, exc: Exception) -> Response:
     return _internal_error(request)
 
 
-def _model_object(served: ServedModel) -> dict:
-    return {"id": served.name, "object": "model", "created": int(time.time()),
-            "owned_by": "mini_paged_attn", "max_model_len": served.engine.max_model_len}
+def _model_object(served: ServedModel, name: str) -> dict:
+    return {"id": name, "object": "model", "created": int(time.time()),
+            "owned_by": "mini_paged_attn", "root": served.name,
+            "max_model_len": served.engine.max_model_len}
 
 
 async def _models(request: Request, served: ServedModel) -> Response:
-    return JSONResponse({"object": "list", "data": [_model_object(served)]})
+    # One entry per served name, the first first, as vLLM lists them.
+    return JSONResponse({"object": "list",
+                         "data": [_model_object(served, n) for n in served.names]})
 
 
 async def _model(request: Request, served: ServedModel) -> Response:
     name = request.path_params["model_id"]
-    if name != served.name:
+    if name not in served.names:
         raise model_not_found(served, name, None)
-    return JSONResponse(_model_object(served))
+    return JSONResponse(_model_object(served, name))
 
 
 async def _health(request: Request, served: ServedModel) -> Response:
@@ -130,11 +138,13 @@ async def _http_error(request: Request, exc: Exception) -> Response:
                     code=kind).response()
 
 
-def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str | None = None,
+def build_app(engine: LLMEngine | EngineClient, *, model_name: str | Sequence[str],
+              api_key: str | None = None,
               max_queue: int | None = None, max_consecutive_failures: int | None = None,
               limits: ServerLimits | None = None,
               allowed_hosts: Collection[str] | None = None,
-              tool_call_parser: str | None = None) -> Starlette:
+              tool_call_parser: str | None = None,
+              chat_template: str | None = None) -> Starlette:
     """The server for ``engine``, served under ``model_name``.
 
     The app takes the engine's outputs from its startup (ASGI lifespan) to its shutdown;
@@ -145,8 +155,9 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str
         engine: an ``EngineClient`` (``InprocEngineClient`` or ``MPEngineClient``; the caller
             shuts it down), or an ``LLMEngine``, which the app wraps in an
             ``InprocEngineClient`` of its own, shut down with the app.
-        model_name: the id clients pass as ``model``; anything else is a 404
-            (``model_not_found``).
+        model_name: the id clients pass as ``model``, or several (vLLM's
+            ``--served-model-name A B``): a request may name any of them, responses carry the
+            first; anything else is a 404 (``model_not_found``).
         api_key: if set, /v1/* requires ``Authorization: Bearer <api_key>`` (401 otherwise).
         max_queue: at most this many requests wait for their first token; more get 429 (a
             request with more prompts than that gets 400: it could never be admitted).
@@ -157,9 +168,16 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str
             DNS-rebinding web page); ``cross_site.LOOPBACK_HOSTS`` for a server on 127.0.0.1.
         tool_call_parser: the tool-call format ``tool_choice`` "auto" reads
             (``engine.tool_calls.PARSERS``: "hermes", "llama3_json"); None: the chat template's.
+        chat_template: a Jinja chat template chats render with instead of the tokenizer's
+            (/v1/chat/completions and /tokenize); None: the tokenizer's.
     """
-    if not model_name:
-        raise ValueError(f"model_name: expected a non-empty string, got {model_name!r}")
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"model_name: expected a non-empty string or a non-empty list of "
+                         f"them, got {model_name!r}")
+    if chat_template is not None and not (isinstance(chat_template, str) and chat_template):
+        raise ValueError(f"chat_template: expected None or a non-empty string, got "
+                         f"{chat_template!r}")
     if api_key is not None and not api_key.strip():
         raise ValueError(f"api_key: expected None or a non-blank string, got {api_key!r}")
     limits = ServerLimits() if limits is None else limits
@@ -189,8 +207,10 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str
     metrics = ServerMetrics(async_engine)
     async_engine.on_finished = metrics.observe
     workers = ThreadPoolExecutor(_REQUEST_WORKERS, thread_name_prefix="mini-paged-attn-request")
-    served = ServedModel(model_name, async_engine, workers, limits=limits, max_queue=max_queue,
-                         tool_call_parser=tool_call_parser,
+    aliases = tuple(dict.fromkeys(n for n in names[1:] if n != names[0]))
+    served = ServedModel(names[0], async_engine, workers, limits=limits, max_queue=max_queue,
+                         tool_call_parser=tool_call_parser, aliases=aliases,
+                         chat_template=chat_template,
                          max_prompt_bytes=prompt_byte_cap(client.tokenizer, client.max_model_len))
 
     @contextlib.asynccontextmanager
@@ -210,6 +230,10 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str, api_key: str
               methods=["POST"]),
         Route("/v1/chat/completions", _endpoint(create_chat_completion, served, api_key),
               methods=["POST"]),
+        Route("/tokenize", _endpoint(create_tokenize, served, api_key), methods=["POST"]),
+        Route("/detokenize", _endpoint(create_detokenize, served, api_key), methods=["POST"]),
+        Route("/version", _endpoint(version_endpoint(__version__), served, None),
+              methods=["GET"]),
         Route("/health", _endpoint(_health, served, None), methods=["GET"]),
         Route("/metrics", _endpoint(_metrics_endpoint(metrics), served, None), methods=["GET"]),
     ]

@@ -40,6 +40,8 @@ class ServedModel:
     and are refused before they are tokenized (``prompt_bytes.prompt_byte_cap``; None: no cap).
     ``tool_call_parser``: the format of tool calls ``tool_choice`` "auto" looks for (a
     ``engine.tool_calls.PARSERS`` key); None: the one the chat template shows.
+    ``aliases``: more names requests may use for the model (responses carry ``name``);
+    ``chat_template``: the Jinja template chats render with, instead of the tokenizer's.
     """
 
     name: str
@@ -49,6 +51,13 @@ class ServedModel:
     max_queue: int | None = None
     tool_call_parser: str | None = None
     max_prompt_bytes: int | None = None
+    aliases: tuple[str, ...] = ()
+    chat_template: str | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name requests may use, ``name`` first."""
+        return (self.name, *self.aliases)
 
     @property
     def engine(self) -> Any:
@@ -61,13 +70,40 @@ class ServedModel:
 
 def model_not_found(served: ServedModel, name: str, param: str | None) -> APIError:
     """OpenAI's 404 for a model it does not serve."""
+    serves = ", ".join(f"`{n}`" for n in served.names)
     return APIError(404, f"The model `{clip(name)}` does not exist; this server serves "
-                         f"`{served.name}`", param=param, code="model_not_found")
+                         f"{serves}", param=param, code="model_not_found")
 
 
-def _check_model(served: ServedModel, name: str) -> None:
-    if name != served.name:
+def check_model_name(served: ServedModel, name: str) -> None:
+    """404 (``param`` "model") unless ``name`` is one of the served names."""
+    if name not in served.names:
         raise model_not_found(served, name, "model")
+
+
+_check_model = check_model_name
+
+
+def render_chat(served: ServedModel, messages: list[dict[str, Any]], *,
+                tools: list[dict[str, Any]] | None, tokenize: bool = True,
+                **template_kwargs: Any) -> list[int] | str:
+    """``messages`` through the served chat template (token ids, or the text with
+    ``tokenize=False``); a 400 naming ``messages`` when the template refuses them."""
+    if served.chat_template is not None:
+        template_kwargs["chat_template"] = served.chat_template
+    try:
+        return served.engine.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=tokenize, **template_kwargs)
+    except Exception as exc:  # jinja templates raise on what they do not accept (roles, order)
+        raise bad_request(f"messages: the chat template rejected them: {exc}",
+                          param="messages") from None
+
+
+def served_template(served: ServedModel) -> str | None:
+    """The chat template chats render with: the server's, else the tokenizer's."""
+    if served.chat_template is not None:
+        return served.chat_template
+    return getattr(getattr(served.engine.tokenizer, "hf", None), "chat_template", None)
 
 
 def _check_logit_bias(served: ServedModel, req: Any) -> None:
@@ -188,15 +224,10 @@ def prepare_chat(served: ServedModel, raw: bytes) -> Prepared:
     check_prompt_bytes(served.max_prompt_bytes, [m.text() for m in req.messages], "messages",
                        served.engine.max_model_len)
     tokenizer = served.engine.tokenizer
-    parser = served.tool_call_parser or parser_for_template(
-        getattr(getattr(tokenizer, "hf", None), "chat_template", None))
+    parser = served.tool_call_parser or parser_for_template(served_template(served))
     constraint, tools = chat_constraint(req, parser, _grammar_compiler(served))
-    try:
-        ids = tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=True,
-                                            tools=req.template_tools())
-    except Exception as exc:  # jinja templates raise on what they do not accept (roles, order)
-        raise bad_request(f"messages: the chat template rejected them: {exc}",
-                          param="messages") from None
+    ids = render_chat(served, req.template_messages(), tools=req.template_tools(),
+                      add_generation_prompt=True)
     if isinstance(ids, str):
         ids = served.engine.tokenizer.encode(ids)
     ids = _check_prompt_ids(served, list(ids), "messages")

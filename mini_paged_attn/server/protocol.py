@@ -94,14 +94,16 @@ class _SamplingFields(_Strict):
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
 
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int) -> int:
-        if v == 0 or v < -1:
-            raise ValueError("must be -1 (off) or at least 1")
+        if v < -1:
+            raise ValueError("must be -1 or 0 (off) or at least 1")
         return v
 
     @field_validator("stop")
@@ -230,30 +232,40 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """The messages as the chat template wants them: role and plain text content, and the
-        tool calls of assistant messages with their arguments decoded (templates write them
-        with ``tojson``) and the ``tool_call_id`` of tool results."""
-        out = []
-        for m in self.messages:
-            message: dict[str, Any] = {"role": m.role, "content": m.text()}
-            if m.name is not None:
-                message["name"] = m.name
-            if m.tool_calls:
-                message["tool_calls"] = [
-                    {"id": c.id, "type": "function",
-                     "function": {"name": c.function.name,
-                                  "arguments": _decoded(c.function.arguments)}}
-                    for c in m.tool_calls]
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            out.append(message)
-        return out
+        """The messages as the chat template wants them (see :func:`template_messages`)."""
+        return template_messages(self.messages)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """``tools`` as the chat template wants them (OpenAI's shape), or None."""
-        if not self.tools:
-            return None
-        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+        return template_tools(self.tools)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """``messages`` as the chat template wants them: role and plain text content, and the
+    tool calls of assistant messages with their arguments decoded (templates write them with
+    ``tojson``) and the ``tool_call_id`` of tool results."""
+    out = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name,
+                              "arguments": _decoded(c.function.arguments)}}
+                for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """``tools`` as the chat template wants them (OpenAI's shape), or None."""
+    if not tools:
+        return None
+    return [tool.model_dump(exclude_none=True) for tool in tools]
 
 
 def _decoded(arguments: str) -> Any:
@@ -290,12 +302,16 @@ def _param_name(loc: tuple[Any, ...]) -> tuple[str, bool]:
     return out, False
 
 
-RequestT = TypeVar("RequestT", bound=_SamplingFields)
+RequestT = TypeVar("RequestT", bound=_Strict)
 
 
 def parse_request(raw: bytes, model_cls: type[RequestT]) -> RequestT:
     """Parse and validate a request body; :class:`APIError` (400) on anything malformed."""
-    data = parse_json(raw)
+    return validate_request(parse_json(raw), model_cls)
+
+
+def validate_request(data: Any, model_cls: type[RequestT]) -> RequestT:
+    """Validate a parsed JSON body as ``model_cls``; :class:`APIError` (400) naming the field."""
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
@@ -340,7 +356,9 @@ def to_sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int |
                               logit_bias=req.token_biases(), min_tokens=req.min_tokens,
                               stop_token_ids=req.stop_token_ids,
                               prompt_logprobs=prompt_logprobs,
-                              structured_outputs=structured_outputs)
+                              structured_outputs=structured_outputs,
+                              include_stop_str_in_output=req.include_stop_str_in_output,
+                              skip_special_tokens=req.skip_special_tokens)
     except ValueError as exc:  # the engine's checks say "<field>: expected ..., got ..."
         field_name = str(exc).split(":", 1)[0]
         raise bad_request(str(exc), param=field_name if field_name.isidentifier() else None

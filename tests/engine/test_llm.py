@@ -264,7 +264,7 @@ def tiny_llm():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("top_k", -2),
+    ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
     ("min_p", 1.5), ("max_tokens", 0), ("n", 0), ("logprobs", 21), ("stop", [""]),
     ("seed", 1.5), ("temperature", float("nan")),
 ])

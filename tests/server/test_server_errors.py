@@ -26,7 +26,7 @@ BAD_INPUTS = [
     ("completions", {**GOOD, "temperature": -0.5}, 400, "temperature"),
     ("completions", {**GOOD, "top_p": 1.5}, 400, "top_p"),
     ("completions", {**GOOD, "n": 0}, 400, "n"),
-    ("completions", {**GOOD, "top_k": 0}, 400, "top_k"),
+    ("completions", {**GOOD, "top_k": -2}, 400, "top_k"),
     ("completions", {**GOOD, "min_p": 2}, 400, "min_p"),
     ("completions", {**GOOD, "prompt": "x" * 300}, 400, "prompt"),
     ("completions", {**GOOD, "prompt": [5, 999999]}, 400, "prompt"),
