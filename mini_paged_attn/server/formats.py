@@ -7,6 +7,9 @@ since the previous chunk of the same choice (``start``: the first of them).
 Tool calls (chat with ``tools``): a choice's text that may be a call is held back while it
 streams; once the choice finishes, one chunk carries each whole call (``delta.tool_calls``), and
 the choice's ``finish_reason`` is "tool_calls".
+
+Each choice also carries vLLM's ``stop_reason``: the stop string or stop token id that ended
+it, else null (length, end of sequence, abort, or still running).
 """
 
 from __future__ import annotations
@@ -227,10 +230,10 @@ class ResponseFormat:
                     message = {"content": comp.text[text_start:content_end] or None}
                     message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
             choice = {"index": index, "delta": message, "logprobs": logprobs,
-                      "finish_reason": reason}
+                      "finish_reason": reason, "stop_reason": comp.stop_reason}
         else:
             choice = {"index": index, "text": delta, "logprobs": logprobs,
-                      "finish_reason": comp.finish_reason,
+                      "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
                       **(self._prompt_extra(index) if token_start == 0 else {})}
         return self._envelope(self.chunk_object_name, [choice],
                               **({"usage": None} if usage_field else {}))
@@ -257,9 +260,9 @@ class ResponseFormat:
                     if calls:
                         message["tool_calls"] = calls
                 out.append({"index": index, "message": message, "logprobs": logprobs,
-                            "finish_reason": reason})
+                            "finish_reason": reason, "stop_reason": comp.stop_reason})
             else:
                 out.append({"index": index, "text": self._echoed(index, comp.text),
-                            "logprobs": logprobs,
-                            "finish_reason": comp.finish_reason, **self._prompt_extra(index)})
+                            "logprobs": logprobs, "finish_reason": comp.finish_reason,
+                            "stop_reason": comp.stop_reason, **self._prompt_extra(index)})
         return self._envelope(self.object_name, out, usage=usage_)
