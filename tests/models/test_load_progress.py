@@ -233,3 +233,14 @@ def test_timer_adds_up_a_phase_run_twice():
 def test_a_callback_that_is_not_callable_is_refused():
     with pytest.raises(ValueError, match="load_progress: expected a callable"):
         LoadTimer("not a function")
+
+
+def test_the_real_extra_brings_what_transformers_needs_for_gguf():
+    """transformers' from_pretrained(..., gguf_file=...) raises without accelerate."""
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    real = pyproject["project"]["optional-dependencies"]["real"]
+    assert any(req.split(">")[0].split("=")[0].strip() == "accelerate" for req in real)
+    assert any(req.startswith("gguf") for req in real)
