@@ -224,6 +224,9 @@ def load_gguf_model(source: str | Path | GGUFCheckpoint, *,
         tensors, count = parsed.items(), max(1, len(parsed))
     with timer.phase("weights", total=count) as phase:
         for name, tensor in tensors:
+            if tensor is None:
+                phase.advance()
+                continue
             copier.copy(name, lambda part, t=tensor: t if part is None else t[part], str(path))
             phase.advance()
         copier.finish()
@@ -234,11 +237,12 @@ def load_gguf_model(source: str | Path | GGUFCheckpoint, *,
 
 
 def gguf_tensors(checkpoint: GGUFCheckpoint, wanted: set[str], dtype: torch.dtype
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+                 ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """``(Hugging Face name, tensor)`` for each tensor of the file, dequantized to float32 and
     cast to ``dtype`` as transformers' GGUF loader does (its tensor processor undoes llama.cpp's
     permutation of the Llama q / k rows), named through gguf's tensor-name map of the HF
-    names in ``wanted``. A tensor no wanted name maps to comes under its GGUF name."""
+    names in ``wanted``. A tensor no wanted name maps to (Llama 3's ``rope_freqs``: the
+    engine makes its own) comes as ``(GGUF name, None)``, not read, as transformers skips it."""
     import numpy as np
     from gguf import MODEL_ARCH_NAMES, dequantize, get_tensor_name_map
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
@@ -259,6 +263,9 @@ def gguf_tensors(checkpoint: GGUFCheckpoint, wanted: set[str], dtype: torch.dtyp
             to_hf[gguf_name + dot + suffix] = hf_name
     processor = TENSOR_PROCESSORS.get(file.architecture, TensorProcessor)(config=config_dict)
     for info in file.tensors:
+        if info.name not in to_hf:
+            yield info.name, None
+            continue
         weights = dequantize(info.data, info.ggml_type)
         result = processor.process(weights=weights, name=info.name, tensor_key_mapping=to_hf,
                                    parsed_parameters={})
