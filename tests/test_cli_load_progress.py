@@ -68,3 +68,12 @@ def test_generate_takes_threads(torch_threads, capsys):
     assert torch.get_num_threads() == 1
     assert main(["generate", "--model", "tiny", "--prompt", "hi", "--threads", "none"]) == 2
     assert "--threads: expected 'auto' or an int >= 1, got 'none'" in capsys.readouterr().err
+
+
+def test_a_failed_load_does_not_say_loaded():
+    out = io.StringIO()
+    with pytest.raises(RuntimeError):
+        with LoadProgressBar(file=out, disable=False) as bar:
+            with LoadTimer(bar).phase("weights", total=2):
+                raise RuntimeError("truncated")
+    assert "loading: weights" in out.getvalue() and "loaded (" not in out.getvalue()

@@ -52,15 +52,18 @@ class LoadProgressBar:
         """``"config 0.1 s, weights 2.3 s, ..."``: the phases seen, in order."""
         return ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self.seconds.items())
 
-    def close(self) -> None:
-        self.bar.set_description(f"loaded ({self.summary()})", refresh=False)
+    def close(self, *, failed: bool = False) -> None:
+        """Close the bar; its last description says what each phase took (unless the load
+        ``failed``: then it stays at the phase that failed)."""
+        if not failed:
+            self.bar.set_description(f"loaded ({self.summary()})", refresh=False)
         self.bar.close()
 
     def __enter__(self) -> LoadProgressBar:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc_info) -> None:
+        self.close(failed=exc_type is not None)
 
 
 THREADS_HELP = ("torch's CPU threads: an int, or auto (default): one per CPU, half as many "
