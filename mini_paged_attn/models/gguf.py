@@ -323,5 +323,6 @@ def load_gguf(path: str | Path, *, dtype="auto", device: torch.device | str = "c
     return model, config, tokenizer
 
 
-__all__ = ["GGUFCheckpoint", "GGUF_SUFFIX", "INSTALL_HINT", "check_gguf_file", "gguf_tensors", "gguf_missing", "gguf_model_config",
-           "is_gguf_path", "load_gguf", "load_gguf_model", "load_gguf_tokenizer", "read_gguf"]
+__all__ = ["GGUFCheckpoint", "GGUF_SUFFIX", "INSTALL_HINT", "check_gguf_file", "gguf_missing",
+           "gguf_model_config", "gguf_tensors", "is_gguf_path", "load_gguf", "load_gguf_model",
+           "load_gguf_tokenizer", "read_gguf"]
