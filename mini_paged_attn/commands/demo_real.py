@@ -20,11 +20,14 @@ def run_real_engine_demo(seed: int, max_tokens: int = 64) -> None:
     from mini_paged_attn.engine import LLM, SamplingParams
     from mini_paged_attn.models.packaged import PACKAGED_MODELS
 
+    from .progress import LoadProgressBar
+
     spec = PACKAGED_MODELS[REAL_MODEL]
     print(f"\n=== 6. the engine on real weights: {spec.description} " + "=" * 4)
     start = time.perf_counter()
-    llm = LLM(REAL_MODEL, device="cpu", dtype="float32", max_model_len=1024, max_num_seqs=8,
-              seed=seed)
+    with LoadProgressBar() as bar:
+        llm = LLM(REAL_MODEL, device="cpu", dtype="float32", max_model_len=1024,
+                  max_num_seqs=8, seed=seed, load_progress=bar)
     print(f"loaded {REAL_MODEL} in {time.perf_counter() - start:.1f} s "
           f"({llm.engine.model_config.num_layers} layers, dequantized to float32)")
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]

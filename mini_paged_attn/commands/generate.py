@@ -11,9 +11,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from ._args import TRUST_REMOTE_CODE_ERROR, add_engine_arguments, positive_int
+from .progress import LoadProgressBar, add_threads_argument, apply_cpu_threads
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="> 0: divides the positive logits of tokens of the prompt or the "
                                "output, multiplies the negative ones (default 1, off)")
     add_engine_arguments(parser, serving=False)
+    add_threads_argument(parser)
     parser.add_argument("--stats", action="store_true", help="print the engine's stats at the end")
 
 
@@ -59,17 +62,20 @@ def run(args: argparse.Namespace) -> int:
                                 presence_penalty=args.presence_penalty,
                                 frequency_penalty=args.frequency_penalty,
                                 repetition_penalty=args.repetition_penalty)
+        threads = apply_cpu_threads(args.threads, args.device)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    logging.getLogger(__name__).info("torch uses %d CPU threads", threads)
     # One interactive request: a small pool and batch are plenty, and start faster.
     max_model_len = args.max_model_len
     if max_model_len is None:
         max_model_len = _default_max_len(args.model)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=max_model_len,
-              max_num_seqs=4, enforce_eager=args.enforce_eager,
-              kv_cache_dtype=args.kv_cache_dtype,
-              tensor_parallel_size=args.tensor_parallel_size)
+    with LoadProgressBar() as bar:
+        llm = LLM(args.model, dtype=args.dtype, device=args.device,
+                  max_model_len=max_model_len, max_num_seqs=4,
+                  enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
+                  tensor_parallel_size=args.tensor_parallel_size, load_progress=bar)
     try:
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..models.load_progress import LoadTimer, ProgressCallback
 from .config import EngineConfig
 from .llm_engine import LLMEngine
 from .outputs import EngineStats, RequestOutput
@@ -14,6 +16,8 @@ from .prompts import PromptType, parse_prompts
 from .sampling_params import SamplingParams
 from .tool_calls import PARSERS, ToolCallMode, parser_for_template
 from .tools import tool_constraint
+
+logger = logging.getLogger(__name__)
 
 Messages = list[dict[str, Any]]
 
@@ -36,6 +40,11 @@ class LLM:
             CUDA; :meth:`shutdown` stops them).
         tokenizer: a local model directory whose tokenizer is used instead of the model's
             (vLLM's ``tokenizer``); its ids must be the model's vocabulary. None: the model's.
+        load_progress: called with a :class:`~mini_paged_attn.models.load_progress.LoadEvent`
+            as each phase of the load (config, tokenizer, weights, KV pool, CUDA graphs,
+            warm-up) starts, advances and ends: what a progress bar needs
+            (``commands/progress.py`` draws one). Whatever it is, the time each phase took
+            is logged at INFO once the engine is built.
         **engine_options: other EngineConfig fields (backend, cpu_kv_cache_bytes, ...).
     """
 
@@ -45,7 +54,10 @@ class LLM:
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, seed: int = 0,
                  kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
-                 tokenizer: str | Path | None = None, **engine_options: Any) -> None:
+                 tokenizer: str | Path | None = None,
+                 load_progress: ProgressCallback | None = None,
+                 **engine_options: Any) -> None:
+        timer = LoadTimer(load_progress)
         config = EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
@@ -54,7 +66,8 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,
             **engine_options)
         self.engine = LLMEngine.from_model(model, dtype=dtype, device=device, config=config,
-                                           tokenizer=tokenizer)
+                                           tokenizer=tokenizer, load_timer=timer)
+        logger.info("%s %s", model, timer.summary())
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:

@@ -20,6 +20,7 @@ from ..cache.memory_map import MemoryMap
 from ..core.request import PLACEHOLDER_TOKEN, FinishReason, Request
 from ..core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ..models.config import ModelConfig
+from ..models.load_progress import LoadTimer
 from ..models.loader import TINY_MODEL, load_model_and_tokenizer
 from ..models.tokenizer import Tokenizer
 from .admission import Admission
@@ -57,7 +58,8 @@ class LLMEngine:
     """
 
     def __init__(self, model, tokenizer: Tokenizer, model_config: ModelConfig,
-                 config: EngineConfig | None = None, *, peers=None) -> None:
+                 config: EngineConfig | None = None, *, peers=None,
+                 load_timer: LoadTimer | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.model_config = model_config
@@ -65,7 +67,8 @@ class LLMEngine:
         self.max_model_len = max_len
         # Rank 0 under tensor parallelism: the other ranks (stopped by shutdown()).
         self.peers = peers
-        self.runner = ModelRunner(model, model_config, config, max_len, peers=peers)
+        self.runner = ModelRunner(model, model_config, config, max_len, peers=peers,
+                                  load_timer=load_timer)
         # The one KV cache (pool, block tables, copy-on-write) and its block-level logic.
         self.cache = self.runner.cache
         self.kv_manager = self.cache.kv_manager
@@ -110,11 +113,13 @@ class LLMEngine:
     @classmethod
     def from_model(cls, model: str | Path, *, dtype="auto", device=None,
                    config: EngineConfig | None = None,
-                   tokenizer: str | Path | None = None) -> LLMEngine:
+                   tokenizer: str | Path | None = None,
+                   load_timer: LoadTimer | None = None) -> LLMEngine:
         """Load a local Hugging Face model directory (or ``"tiny"``) and build the engine;
         with ``config.tensor_parallel_size > 1``, start the other ranks first (see
         :mod:`.tp_executor`) and load rank 0's shard here. ``tokenizer``: a local directory
         whose tokenizer replaces the model's (vLLM's ``--tokenizer``); None: the model's.
+        ``load_timer`` times the load's phases (see ``models/load_progress.py``).
 
         Raises:
             ValueError: the tensor-parallel size does not split the model, or names more
@@ -131,8 +136,9 @@ class LLMEngine:
             from ..models.tokenizer import load_tokenizer
             other = load_tokenizer(tokenizer)
         if config.tensor_parallel_size == 1:
-            net, model_config, own = load_model_and_tokenizer(model, dtype=dtype, device=device)
-            return cls(net, other or own, model_config, config)
+            net, model_config, own = load_model_and_tokenizer(
+                model, dtype=dtype, device=device, timer=load_timer)
+            return cls(net, other or own, model_config, config, load_timer=load_timer)
         from .tp_executor import start_tensor_parallel
         net, model_config, own, peers = start_tensor_parallel(model, dtype=dtype,
                                                                device=device, config=config)

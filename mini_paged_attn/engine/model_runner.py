@@ -28,6 +28,7 @@ from ..core.args import cdiv
 from ..core.scheduler import SchedulerOutput
 from ..models.attention import AttentionMetadata
 from ..models.config import ModelConfig
+from ..models.load_progress import LoadTimer, timer_or_new
 from ..ops.dispatch import resolve_backend
 from ..ops.kv_quant import kv_cache_torch_dtype
 from ..ops.projection import SplitKWorkspace
@@ -84,7 +85,8 @@ class ModelRunner:
     """
 
     def __init__(self, model, model_config: ModelConfig, config: EngineConfig,
-                 max_model_len: int, *, peers=None) -> None:
+                 max_model_len: int, *, peers=None, load_timer: LoadTimer | None = None
+                 ) -> None:
         self.model = model
         self.model_config = model_config
         self.config = config
@@ -114,16 +116,18 @@ class ModelRunner:
         # The projections' split-K scratch (ops.linear), shared by eager steps and graphs.
         self.linear_workspace = SplitKWorkspace(device) if device.type == "cuda" else None
 
-        self.num_blocks = config.num_kv_blocks or auto_num_blocks(self, max_model_len)
-        # The one KV cache: pool, block tables, copy-on-write (the scheduler allocates through
-        # its kv_manager; other ranks use the pool and copy-on-write only).
-        self.cache = PagedAttentionManager(
-            config.max_num_seqs, self.layout.num_q_heads, model_config.head_size, bs,
-            self.num_blocks, device=device, dtype=self.kv_dtype,
-            num_kv_heads=self.layout.num_kv_heads, max_blocks_per_seq=self.table_width,
-            num_layers=model_config.num_layers,
-            enable_prefix_caching=config.enable_prefix_caching,
-            sliding_window=model_config.uniform_sliding_window)
+        timer = timer_or_new(load_timer)
+        with timer.phase("kv pool"):
+            self.num_blocks = config.num_kv_blocks or auto_num_blocks(self, max_model_len)
+            # The one KV cache: pool, block tables, copy-on-write (the scheduler allocates
+            # through its kv_manager; other ranks use the pool and copy-on-write only).
+            self.cache = PagedAttentionManager(
+                config.max_num_seqs, self.layout.num_q_heads, model_config.head_size, bs,
+                self.num_blocks, device=device, dtype=self.kv_dtype,
+                num_kv_heads=self.layout.num_kv_heads, max_blocks_per_seq=self.table_width,
+                num_layers=model_config.num_layers,
+                enable_prefix_caching=config.enable_prefix_caching,
+                sliding_window=model_config.uniform_sliding_window)
         self.kv_caches = self.cache.layer_caches
         # A decode graph pads the batch to its bucket: room for max_num_seqs tokens at least.
         max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
@@ -140,7 +144,8 @@ class ModelRunner:
                                        max_batch=config.max_num_seqs, backend=self.backend,
                                        decode_workspace=self.workspace,
                                        linear_workspace=self.linear_workspace)
-            self.graphs.capture()
+            with timer.phase("graphs"):
+                self.graphs.capture()
             if peers is not None:       # also at garbage collection, before NCCL closes
                 peers.track_graphs(self.graphs)
             # Whole prompts attend over their new K/V only with a cache in the model's dtype
@@ -152,12 +157,14 @@ class ModelRunner:
                     max_tokens=min(config.max_num_batched_tokens, max_model_len),
                     backend=self.backend, contiguous=self.kv_dtype == model.dtype,
                     linear_workspace=self.linear_workspace)
-                self.prefill_graphs.capture(self.graphs.pool)
+                with timer.phase("graphs"):
+                    self.prefill_graphs.capture(self.graphs.pool)
         if device.type == "cuda":
             # After the capture, so that the caching allocator holds the blocks eager steps
             # take beside the graphs' memory: run before it, the first 512-token prompt on an
             # H100 asked CUDA for three new segments; run after it, for none.
-            self._warm_up(max_model_len)
+            with timer.phase("warm-up"):
+                self._warm_up(max_model_len)
             # The pool sizing's and the warm-up's sampling drew from the engine's generator:
             # requests start from the seed, whatever the limits those steps were sized by.
             self.sampler.generator.manual_seed(config.seed)

@@ -22,6 +22,7 @@ from .checkpoint import check_unquantized, read_part
 from .config import ModelConfig, check_model_dir, read_json, resolve_dtype
 from .gguf import is_gguf_path, load_gguf_model
 from .llama import CausalLM
+from .load_progress import LoadTimer, timer_or_new
 from .registry import init_empty_model
 
 logger = logging.getLogger(__name__)
@@ -54,9 +55,10 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def load_weights(model: CausalLM, files: list[Path], device: torch.device | str) -> None:
+def load_weights(model: CausalLM, files: list[Path], device: torch.device | str,
+                 timer: LoadTimer | None = None) -> None:
     """Copy every tensor of ``files`` (this rank's part of it) into ``model`` (cast to its
-    dtype).
+    dtype); ``timer`` times it as the "weights" phase, one unit a file.
 
     Raises:
         ValueError: a tensor the model needs is absent from every file, or a tensor's shape does
@@ -70,18 +72,20 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device | str)
         device = torch.device("cuda", torch.cuda.current_device())
     device_str = str(device)
     copier = TensorCopier(model, str(files[0].parent))
-    for path in files:
-        try:
-            opened = safe_open(str(path), framework="pt", device=device_str)
-        except SafetensorError as exc:
-            raise ModelLoadError(
-                f"{path}: expected a safetensors file, got one that cannot be read ({exc}); "
-                "it may be truncated: download it again") from exc
-        with opened as f:
-            for name in f.keys():
-                copier.copy(name, lambda part, f=f, name=name: read_part(f, name, part),
-                            str(path))
-    copier.finish()
+    with timer_or_new(timer).phase("weights", total=len(files)) as phase:
+        for path in files:
+            try:
+                opened = safe_open(str(path), framework="pt", device=device_str)
+            except SafetensorError as exc:
+                raise ModelLoadError(
+                    f"{path}: expected a safetensors file, got one that cannot be read "
+                    f"({exc}); it may be truncated: download it again") from exc
+            with opened as f:
+                for name in f.keys():
+                    copier.copy(name, lambda part, f=f, name=name: read_part(f, name, part),
+                                str(path))
+            phase.advance()
+        copier.finish()
 
 
 class TensorCopier:
@@ -135,7 +139,8 @@ class TensorCopier:
 
 def load_model(model_dir: str | Path, *, dtype: torch.dtype | str | None = None,
                device: torch.device | str = "cpu",
-               tp: TPGroup | None = None) -> tuple[CausalLM, ModelConfig]:
+               tp: TPGroup | None = None, timer: LoadTimer | None = None
+               ) -> tuple[CausalLM, ModelConfig]:
     """Read a Hugging Face model directory into a :class:`CausalLM` on ``device`` (``tp``'s
     shard of it: each rank calls this with its group).
 
@@ -145,6 +150,7 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype | str | None = None,
         dtype: torch.float32 / float16 / bfloat16 (or their names); None or "auto" keeps the
             checkpoint's (config.json ``torch_dtype`` / ``dtype``).
         device: where the weights go (read there directly).
+        timer: times the "config" and "weights" phases (see :mod:`.load_progress`).
 
     Returns:
         ``(model, config)``, the model in eval mode without autograd.
@@ -156,16 +162,18 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype | str | None = None,
             quant_method, or the quantized tensor, named; before any weight is read).
     """
     if is_gguf_path(model_dir):
-        return load_gguf_model(model_dir, dtype=dtype, device=device, tp=tp)
-    config = ModelConfig.from_model_dir(model_dir)
-    files = checkpoint_files(model_dir)
-    # Before the model is allocated: a quantized checkpoint read as plain weights answers
-    # garbage.
-    config_path = Path(model_dir) / "config.json"
-    check_unquantized(read_json(config_path), files, str(config_path))
+        return load_gguf_model(model_dir, dtype=dtype, device=device, tp=tp, timer=timer)
+    timer = timer_or_new(timer)
+    with timer.phase("config"):
+        config = ModelConfig.from_model_dir(model_dir)
+        files = checkpoint_files(model_dir)
+        # Before the model is allocated: a quantized checkpoint read as plain weights
+        # answers garbage.
+        config_path = Path(model_dir) / "config.json"
+        check_unquantized(read_json(config_path), files, str(config_path))
     load_dtype = resolve_dtype(dtype, config)
     model = init_empty_model(config, dtype=load_dtype, device=device, tp=tp)
-    load_weights(model, files, device)
+    load_weights(model, files, device, timer)
     rank = "" if tp is None or tp.world_size == 1 else f" (rank {tp.rank} of {tp.world_size})"
     logger.info("loaded %s from %s: %d layers, hidden %d, %s on %s%s", config.architecture,
                 model_dir, config.num_layers, config.hidden_size, load_dtype, device, rank)
@@ -176,21 +184,29 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype | str | None = None,
 TINY_MODEL = "tiny"
 
 
-def load_model_and_tokenizer(model: str | Path, *, dtype="auto", device=None):
+def load_model_and_tokenizer(model: str | Path, *, dtype="auto", device=None,
+                             timer: LoadTimer | None = None):
     """``(CausalLM, ModelConfig, Tokenizer)`` from a local Hugging Face directory, a ``.gguf``
     file, a packaged model's name (``"smollm2-135m"``, see models/packaged.py), or the
-    embedded tiny random Llama for ``model="tiny"``."""
+    embedded tiny random Llama for ``model="tiny"``.
+
+    ``timer`` (see :mod:`.load_progress`) times the phases "config", "tokenizer" and
+    "weights" (one unit a tensor of a GGUF file, a file of a safetensors checkpoint)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    timer = timer_or_new(timer)
     if str(model) == TINY_MODEL:
         from .config import parse_dtype
         from .tiny import tiny_llama
-        return tiny_llama(device, torch.float32 if dtype in (None, "auto") else parse_dtype(dtype))
+        with timer.phase("weights"):
+            return tiny_llama(device, torch.float32 if dtype in (None, "auto")
+                              else parse_dtype(dtype))
     from .gguf import load_gguf
     from .packaged import resolve_model
     model = resolve_model(model)
     if is_gguf_path(model):
-        return load_gguf(model, dtype=dtype, device=device)
+        return load_gguf(model, dtype=dtype, device=device, timer=timer)
     from .tokenizer import load_tokenizer
-    tokenizer = load_tokenizer(model)
-    net, config = load_model(model, dtype=dtype, device=device)
+    with timer.phase("tokenizer"):
+        tokenizer = load_tokenizer(model)
+    net, config = load_model(model, dtype=dtype, device=device, timer=timer)
     return net, config, tokenizer
