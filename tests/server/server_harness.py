@@ -99,6 +99,21 @@ CHAT_GOOD = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}
              "max_tokens": 2}
 
 
+def wait_until_serving(proc: Any, url: str, timeout_s: float = 120.0) -> None:
+    """Wait until the ``serve`` process ``proc`` (a Popen, stdout piped) answers ``/health``
+    at ``url``; AssertionError with its output if it exits or takes over ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"serve did not come up: {proc.stdout.read()}")
+        time.sleep(0.2)
+
+
 def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
     """``r`` has ``status`` and OpenAI's error body; returns its ``error`` object."""
     assert r.status_code == status, r.text

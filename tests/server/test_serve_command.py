@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+from server_harness import wait_until_serving
+
 from mini_paged_attn.commands.serve import wants_engine_process
 from mini_paged_attn.engine import LLM, SamplingParams
 
@@ -70,16 +72,7 @@ def test_serve_with_the_engine_in_its_own_process_answers_like_generate():
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"serve did not come up: {proc.stdout.read()}")
-            time.sleep(0.2)
+        wait_until_serving(proc, url)
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 6, "temperature": 0}
         got = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
         llm = LLM("tiny", device="cpu", dtype="float32", num_kv_blocks=32)

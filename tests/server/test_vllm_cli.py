@@ -9,10 +9,11 @@ import pathlib
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+
+from server_harness import wait_until_serving
 
 from mini_paged_attn.cli import build_parser, main
 
@@ -157,16 +158,7 @@ def test_serve_model_positional_with_vllm_flags_end_to_end(tmp_path):
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"serve did not come up: {proc.stdout.read()}")
-            time.sleep(0.2)
+        wait_until_serving(proc, url)
         models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
         done = httpx.post(f"{url}/v1/completions", timeout=60, json={
             "model": "second", "prompt": "hi", "max_tokens": 2})
