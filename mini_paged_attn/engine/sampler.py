@@ -28,7 +28,7 @@ from operator import attrgetter
 
 import torch
 
-from ..ops.sample import sample_tokens
+from ..ops.sample import nothing_to_sample, sample_tokens
 from .penalties import TokenHistory, add_logit_bias, apply_penalties, mask_tokens
 from .penalties import upload as _upload
 from .sampling_params import SamplingParams
@@ -226,7 +226,7 @@ class Sampler:
         if all(greedy):
             # max (not argmax): the best logit also says whether the row had a candidate.
             best, sampled = logits.max(dim=-1)
-            invalid = ~(best > float("-inf"))
+            invalid = nothing_to_sample(best)
         else:
             sampled, invalid = self._sample(logits, params, seeds, greedy)
         if overlap is not None:
@@ -310,7 +310,7 @@ class Sampler:
         # One pass gives the greedy rows' ids and every row's flag (the temperature, > 0 and
         # finite, moves no logit across -inf or NaN).
         best, greedy_ids = logits.max(dim=-1)
-        invalid = ~(best > float("-inf"))
+        invalid = nothing_to_sample(best)
         temps = _upload([1.0 if p.greedy else p.temperature for p in params],
                         torch.float32, device)
         logits.div_(temps[:, None])

@@ -22,6 +22,12 @@ from .backend import resolve_backend
 from .checks import FLOAT_DTYPES, check_last_dim_contiguous, check_tensor
 
 
+def nothing_to_sample(best: torch.Tensor) -> torch.Tensor:
+    """bool, like ``best``: where a row's best score (its max logit, or its best race score)
+    says it had no candidate: ``-inf`` (every logit ``-inf``) or NaN (a NaN logit)."""
+    return ~(best > float("-inf"))
+
+
 def sample_tokens_reference(logits: torch.Tensor, temperatures: torch.Tensor,
                             generator: torch.Generator | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,7 +44,7 @@ def sample_tokens_reference(logits: torch.Tensor, temperatures: torch.Tensor,
     best, sampled = (logits.float() / scale[:, None] - noise.log_()).max(dim=-1)
     greedy_best, greedy_ids = logits.max(dim=-1)
     best = torch.where(greedy, greedy_best.float(), best)
-    return torch.where(greedy, greedy_ids, sampled), ~(best > float("-inf"))
+    return torch.where(greedy, greedy_ids, sampled), nothing_to_sample(best)
 
 
 def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, *,
@@ -82,4 +88,4 @@ def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, *,
     return (ids, invalid) if return_invalid else ids
 
 
-__all__ = ["sample_tokens", "sample_tokens_reference"]
+__all__ = ["nothing_to_sample", "sample_tokens", "sample_tokens_reference"]

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ..core.args import cdiv
 from .launch import launch
+from .sample import nothing_to_sample
 
 BLOCK = 2048  # vocabulary entries per loop step of a program
 
@@ -111,9 +112,9 @@ def triton_sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor,
         logits, temperatures, seed, best, best_ids, vocab, slice_len, logits.stride(0), slices),
         dict(BLOCK=block, num_warps=8 if block == BLOCK else 4))
     if slices == 1:
-        return best_ids[:, 0].long(), ~(best[:, 0] > float("-inf"))
+        return best_ids[:, 0].long(), nothing_to_sample(best[:, 0])
     # amax and argmax both take a NaN slice: the flag is set, the id still one of the row's.
-    invalid = ~(best.amax(dim=1) > float("-inf"))
+    invalid = nothing_to_sample(best.amax(dim=1))
     return best_ids.gather(1, best.argmax(dim=1, keepdim=True))[:, 0].long(), invalid
 
 
