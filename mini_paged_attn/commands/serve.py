@@ -287,12 +287,12 @@ def _serve(args: argparse.Namespace, model: str, chat_template: str | None,
                       step_timeout_s=args.step_timeout_s, tokenizer=args.tokenizer)
     llm_engine = None
     if wants_engine_process(args.engine_process, args.device):
-        from mini_paged_attn.engine.mp_engine_client import MPEngineClient
+        from mini_paged_attn.engine.process.mp_client import MPEngineClient
         engine = MPEngineClient(model, llm_kwargs)
         where = "its own process"
     else:
         from mini_paged_attn.engine import LLM
-        from mini_paged_attn.engine.engine_client import InprocEngineClient
+        from mini_paged_attn.engine.process.client import InprocEngineClient
         llm_engine = LLM(model, **llm_kwargs).engine
         where = "a thread of the server"
         if llm_engine.runner.device.type == "cpu":

@@ -8,10 +8,10 @@ add and abort requests and receive outputs; the core steps the engine.
 """
 
 from .config import EngineConfig
-from .engine_client import EngineClient, EngineDeadError, InprocEngineClient
+from .process.client import EngineClient, EngineDeadError, InprocEngineClient
 from .llm import LLM
 from .llm_engine import LLMEngine
-from .mp_engine_client import MPEngineClient
+from .process.mp_client import MPEngineClient
 from .outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
 from .prompts import PromptType, TextPrompt, TokensPrompt
 from .sampling_params import SamplingParams

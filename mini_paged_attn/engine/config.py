@@ -45,7 +45,7 @@ class EngineConfig:
             before the engine fails as if a rank had died (a rank stopped or hung would
             otherwise hold every request for ``distributed_timeout_s``); None: no limit of
             its own. 60 s: far beyond a step of the models served here (a full 8192-token
-            prefill), short of the group's timeout (``engine/tp_watchdog.py``).
+            prefill), short of the group's timeout (``engine/worker/tp_watchdog.py``).
         async_scheduling: schedule and launch step t + 1 before step t's tokens reach the
             host (they stay on the device as t + 1's inputs), so the host's scheduling and
             output handling run while the GPU computes. ``step()`` then returns a step's

@@ -4,8 +4,8 @@ scheduling, ``EngineConfig.async_scheduling``).
 The engine keeps at most one. Its next ``step()`` call first advances the scheduler past it
 (``Scheduler.advance_in_flight``: progress counted, a placeholder token per sample), schedules
 and launches the following step, whose inputs take those tokens from the device
-(:class:`~.input_batch.TokenFill`), and only then reads the tokens
-(:meth:`~.sampler.PendingSample.read`, by then mostly done) and hands them to the scheduler and
+(:class:`~mini_paged_attn.engine.worker.input_batch.TokenFill`), and only then reads the tokens
+(:meth:`~mini_paged_attn.engine.sample.sampler.PendingSample.read`, by then mostly done) and hands them to the scheduler and
 the outputs (``Scheduler.resolve_in_flight``). The host's scheduling, input building and output
 handling so run while the GPU computes, instead of between its steps.
 
@@ -32,7 +32,7 @@ from enum import Enum
 import torch
 
 from ..core.scheduler import SchedulerOutput
-from .sampler import PendingSample, SampleRow
+from .sample.sampler import PendingSample, SampleRow
 
 
 class StepMode(Enum):
@@ -48,7 +48,7 @@ class InFlightStep:
     """``out``'s forward is enqueued, and so is its sampling once ``sample`` (its ids on the
     device) is set; until then the step is held and ``logits`` (float32
     ``[sum(out.num_samples), vocab_size]`` on the device) and ``rows`` (the sampler's
-    :meth:`~.model_runner.ModelRunner.history_rows`, taken at launch) wait for it.
+    :meth:`~mini_paged_attn.engine.worker.model_runner.ModelRunner.history_rows`, taken at launch) wait for it.
 
     ``where``: set once the scheduler advanced past it, per sequence of ``out`` the index of
     its placeholder token, or -1. ``start``: ``time.perf_counter()`` when the step began (for

@@ -14,8 +14,8 @@ from .llm_engine import LLMEngine
 from .outputs import EngineStats, RequestOutput
 from .prompts import PromptType, parse_prompts
 from .sampling_params import SamplingParams
-from .tool_calls import PARSERS, ToolCallMode, parser_for_template
-from .tools import tool_constraint
+from .tools.parsers import PARSERS, ToolCallMode, parser_for_template
+from .tools.choice import tool_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class LLM:
             tool_choice: "auto" (the default with tools: the model may call), "none",
                 "required" (the output is constrained to one or more valid calls) or
                 ``{"type": "function", "function": {"name": ...}}`` (constrained to that
-                function's arguments); see ``engine/tools.py``. "required" and a named
+                function's arguments); see ``engine/tools/choice.py``. "required" and a named
                 function need llguidance and no ``structured_outputs`` in sampling_params.
             parallel_tool_calls: False: "required" allows one call only.
             tool_call_parser: the call format "auto" reads ("hermes", "llama3_json"); None:

@@ -26,7 +26,7 @@ from ..models.tokenizer import Tokenizer
 from .admission import Admission
 from .config import EngineConfig, resolve_max_model_len
 from .in_flight import InFlightStep, StepMode
-from .model_runner import ModelRunner, Released
+from .worker.model_runner import ModelRunner, Released
 from .output_processor import OutputProcessor, RequestState
 from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
@@ -53,7 +53,7 @@ class LLMEngine:
         tokenizer: its :class:`~mini_paged_attn.models.tokenizer.Tokenizer`.
         model_config: its :class:`ModelConfig`.
         config: the :class:`EngineConfig`.
-        peers: under tensor parallelism, the other ranks' :class:`~.tp_executor.TPWorkers`
+        peers: under tensor parallelism, the other ranks' :class:`~mini_paged_attn.engine.worker.tp_executor.TPWorkers`
             (``model`` is then rank 0's shard); built by :meth:`from_model`.
     """
 
@@ -117,7 +117,7 @@ class LLMEngine:
                    load_timer: LoadTimer | None = None) -> LLMEngine:
         """Load a local Hugging Face model directory (or ``"tiny"``) and build the engine;
         with ``config.tensor_parallel_size > 1``, start the other ranks first (see
-        :mod:`.tp_executor`) and load rank 0's shard here. ``tokenizer``: a local directory
+        :mod:`mini_paged_attn.engine.worker.tp_executor`) and load rank 0's shard here. ``tokenizer``: a local directory
         whose tokenizer replaces the model's (vLLM's ``--tokenizer``); None: the model's.
         ``load_timer`` times the load's phases (see ``models/load_progress.py``).
 
@@ -139,7 +139,7 @@ class LLMEngine:
             net, model_config, own = load_model_and_tokenizer(
                 model, dtype=dtype, device=device, timer=load_timer)
             return cls(net, other or own, model_config, config, load_timer=load_timer)
-        from .tp_executor import start_tensor_parallel
+        from .worker.tp_executor import start_tensor_parallel
         net, model_config, own, peers = start_tensor_parallel(model, dtype=dtype,
                                                                device=device, config=config)
         try:

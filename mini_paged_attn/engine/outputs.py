@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .tool_calls import ToolCall
+from .tools.parsers import ToolCall
 
 
 class Logprob(float):

@@ -7,7 +7,7 @@ error body, the logged 500s), ``limits.py`` (per-request caps, the response-size
 body-size middleware), ``prompt_bytes.py`` (too long for the context, before tokenizing),
 ``timeouts.py`` (body and send time limits), ``cross_site.py`` (Content-Type and Host checks),
 ``formats.py`` (response objects), ``bodies.py`` (whole responses off the event loop, in
-pieces), ``async_engine.py``
+pieces), ``async_client.py``
 (per-request output queues over an ``engine.EngineClient``; the engine steps in its core, never
 here), ``metrics.py`` (/metrics). ``mini-paged-attn serve`` runs it with uvicorn.
 """

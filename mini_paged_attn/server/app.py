@@ -37,10 +37,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .. import __version__
-from ..engine.engine_client import EngineClient, InprocEngineClient
+from ..engine.process.client import EngineClient, InprocEngineClient
 from ..engine.llm_engine import LLMEngine
-from ..engine.tool_calls import PARSERS
-from .async_engine import AsyncEngine
+from ..engine.tools.parsers import PARSERS
+from .async_client import AsyncClient
 from .cross_site import CrossSiteGuard
 from .errors import ENGINE_DEAD, APIError, clip, internal_error
 from .limits import RequestSizeLimit, ServerLimits
@@ -117,7 +117,7 @@ async def _model(request: Request, served: ServedModel) -> Response:
 
 
 async def _health(request: Request, served: ServedModel) -> Response:
-    engine = served.async_engine
+    engine = served.async_client
     if not engine.alive:
         raise APIError(503, ENGINE_DEAD, type="server_error", code="engine_dead")
     return JSONResponse({"status": "ok"})
@@ -148,8 +148,8 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | Sequence[st
     """The server for ``engine``, served under ``model_name``.
 
     The app takes the engine's outputs from its startup (ASGI lifespan) to its shutdown;
-    ``app.state.async_engine`` is what routes them. The server never steps the engine: its
-    core does (``engine/engine_core.py``).
+    ``app.state.async_client`` is what routes them. The server never steps the engine: its
+    core does (``engine/process/core.py``).
 
     Args:
         engine: an ``EngineClient`` (``InprocEngineClient`` or ``MPEngineClient``; the caller
@@ -199,27 +199,27 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | Sequence[st
         raise ValueError(f"engine: expected an LLMEngine or an EngineClient, got "
                          f"{type(engine).__name__}")
     try:
-        async_engine = AsyncEngine(client, max_queue=max_queue, owns_client=owns_client)
+        async_client = AsyncClient(client, max_queue=max_queue, owns_client=owns_client)
     except ValueError:
         if owns_client:
             client.shutdown()
         raise
-    metrics = ServerMetrics(async_engine)
-    async_engine.on_finished = metrics.observe
+    metrics = ServerMetrics(async_client)
+    async_client.on_finished = metrics.observe
     workers = ThreadPoolExecutor(_REQUEST_WORKERS, thread_name_prefix="mini-paged-attn-request")
     aliases = tuple(dict.fromkeys(n for n in names[1:] if n != names[0]))
-    served = ServedModel(names[0], async_engine, workers, limits=limits, max_queue=max_queue,
+    served = ServedModel(names[0], async_client, workers, limits=limits, max_queue=max_queue,
                          tool_call_parser=tool_call_parser, aliases=aliases,
                          chat_template=chat_template,
                          max_prompt_bytes=prompt_byte_cap(client.tokenizer, client.max_model_len))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async_engine.start()
+        async_client.start()
         try:
             yield
         finally:
-            async_engine.shutdown()
+            async_client.shutdown()
             workers.shutdown(wait=False, cancel_futures=True)
 
     routes = [
@@ -243,7 +243,7 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | Sequence[st
                                 Middleware(CrossSiteGuard, allowed_hosts=allowed_hosts),
                                 Middleware(RequestSizeLimit, max_bytes=limits.max_request_bytes)],
                     exception_handlers={HTTPException: _http_error, Exception: _unhandled})
-    app.state.async_engine = async_engine
+    app.state.async_client = async_client
     app.state.metrics = metrics
     app.state.served = served
     return app

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.tool_calls import ToolCallMode
+from ..engine.tools.parsers import ToolCallMode
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -19,7 +19,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from ..engine.outputs import RequestOutput
-from .async_engine import AsyncEngine
+from .async_client import AsyncClient
 
 PREFIX = "mini_paged_attn_"
 
@@ -66,7 +66,7 @@ _HISTOGRAMS: tuple[tuple[str, str, tuple[float, ...]], ...] = (
 class _EngineCollector(Collector):
     """The engine's statistics and the server's counters, read at each scrape."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncClient) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
@@ -93,11 +93,11 @@ class ServerMetrics:
     """The registry behind one app's /metrics.
 
     Args:
-        engine: the app's :class:`AsyncEngine` (its ``stats()``, ``alive`` and ``counters`` are
+        engine: the app's :class:`AsyncClient` (its ``stats()``, ``alive`` and ``counters`` are
             read at each scrape).
     """
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncClient) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
 

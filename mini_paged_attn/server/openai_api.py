@@ -2,7 +2,7 @@
 
 Both follow one path: parse, validate and tokenize (on a worker thread: a big prompt takes
 seconds to tokenize, and the event loop must go on serving everyone else meanwhile) ->
-``AsyncEngine.submit`` -> either collect the final outputs into one JSON response, or stream
+``AsyncClient.submit`` -> either collect the final outputs into one JSON response, or stream
 Server-Sent Events, one chunk per text delta and choice, then ``data: [DONE]``. A streamed
 response starts once the first token exists, so a failure before it is still a plain HTTP error.
 A task watches the connection the whole time: a client that goes away has its requests aborted
@@ -21,8 +21,8 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
-from ..engine.engine_client import EngineDeadError
-from .async_engine import ClientGoneError, QueueFullError, RequestFailedError, Submission
+from ..engine.process.client import EngineDeadError
+from .async_client import ClientGoneError, QueueFullError, RequestFailedError, Submission
 from .bodies import json_body
 from .errors import ENGINE_DEAD, ENGINE_FAILED, APIError, bad_request, internal_error
 from .formats import ResponseFormat, usage
@@ -56,7 +56,7 @@ async def _watch_disconnect(request: Request, submission: Submission) -> None:
 
 def _submit(served: ServedModel, prompts: list[list[int]], params: Any) -> Submission:
     try:
-        return served.async_engine.submit(prompts, params)
+        return served.async_client.submit(prompts, params)
     except QueueFullError as exc:
         raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
     except EngineDeadError:

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..engine.tool_calls import parser_for_template
-from .async_engine import AsyncEngine
+from ..engine.tools.parsers import parser_for_template
+from .async_client import AsyncClient
 from .formats import Logprobs, ResponseFormat
 from .limits import (LogprobDemand, ServerLimits, check_logprobs, check_request,
                      check_response_size)
@@ -45,7 +45,7 @@ class ServedModel:
     """
 
     name: str
-    async_engine: AsyncEngine
+    async_client: AsyncClient
     workers: ThreadPoolExecutor
     limits: ServerLimits = field(default_factory=ServerLimits)
     max_queue: int | None = None
@@ -61,7 +61,7 @@ class ServedModel:
 
     @property
     def engine(self) -> Any:
-        return self.async_engine.client
+        return self.async_client.client
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a worker thread; the event loop serves other requests meanwhile."""
@@ -163,7 +163,7 @@ def _logprobs_format(served: ServedModel, top: int | None) -> Logprobs | None:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A validated, tokenized request, ready for ``AsyncEngine.submit``."""
+    """A validated, tokenized request, ready for ``AsyncClient.submit``."""
 
     prompts: list[list[int]]
     params: Any  # SamplingParams
@@ -233,7 +233,7 @@ def prepare_chat(served: ServedModel, raw: bytes) -> Prepared:
     ids = _check_prompt_ids(served, list(ids), "messages")
     max_tokens = req.max_tokens or req.max_completion_tokens
     if max_tokens is None:  # OpenAI's default: whatever the context (and the KV pool) leaves
-        stats = served.async_engine.stats()
+        stats = served.async_client.stats()
         room = min(served.engine.max_model_len, stats.kv_blocks_total * stats.block_size)
         max_tokens = max(1, room - len(ids))
     _check_fits(served, [ids], max_tokens,

@@ -6,7 +6,7 @@ within its budget, a function that does not exist, a ``tool_choice`` without ``t
 ``min_tokens`` the constraint must end before are 400s naming the parameter. Given the engine's
 ``GrammarCompiler`` the constraint is compiled here for good, into the engine's cache (the
 engine's stepping thread then only copies it). What ``tools`` / ``tool_choice`` mean is
-``engine/tools.py``'s, shared with ``LLM.chat``.
+``engine/tools/choice.py``'s, shared with ``LLM.chat``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 from ..engine.admission import check_min_tokens
 from ..engine.structured import GrammarCompiler, StructuredOutputsParams
-from ..engine.tool_calls import ToolCallMode
-from ..engine.tools import ToolArgumentError, checked_constraint, tool_constraint
+from ..engine.tools.parsers import ToolCallMode
+from ..engine.tools.choice import ToolArgumentError, checked_constraint, tool_constraint
 from .errors import bad_request
 from .protocol import ChatCompletionRequest, _SamplingFields
 

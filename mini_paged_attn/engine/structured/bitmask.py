@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..penalties import upload
+from ..sample.penalties import upload
 
 
 def bitmask_words(vocab_size: int) -> int:

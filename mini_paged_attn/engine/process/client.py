@@ -1,13 +1,13 @@
 """What a frontend (the HTTP server, a benchmark) sees of an engine: an :class:`EngineClient`.
 
-A client validates and sends requests to an :class:`~mini_paged_attn.engine.engine_core.
+A client validates and sends requests to an :class:`~mini_paged_attn.engine.process.core.
 EngineCore`, which steps the engine on its own, and hands the outputs to an
 :class:`OutputHandler`, one step's outputs per call, on a thread of the client's (never the
 caller's). The frontend never steps an engine. Two implementations:
 
 - :class:`InprocEngineClient`: the core runs on a thread of this process; the engine makes the
   text. Cheapest on a CPU, where the engine's own threads use the cores.
-- :class:`~mini_paged_attn.engine.mp_engine_client.MPEngineClient`: the core runs in a child
+- :class:`~mini_paged_attn.engine.process.mp_client.MPEngineClient`: the core runs in a child
   process; the client makes the text from token ids, off the engine's interpreter lock.
 """
 
@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
-from .core_messages import AbortRequest, AddRequest, Message, Shutdown
-from .engine_core import EngineCore
-from .outputs import EngineStats, RequestOutput
-from .sampling_params import SamplingParams
+from .messages import AbortRequest, AddRequest, Message, Shutdown
+from .core import EngineCore
+from ..outputs import EngineStats, RequestOutput
+from ..sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """The asyncio face of an engine client: per-request output queues for the request handlers.
 
-The engine steps in its core (``engine/engine_core.py``), on a thread or in a child process,
+The engine steps in its core (``engine/process/core.py``), on a thread or in a child process,
 never here: requests from every client join its one continuous batch. Handlers call
-:meth:`AsyncEngine.submit`, which adds one engine request per prompt through the
+:meth:`AsyncClient.submit`, which adds one engine request per prompt through the
 ``EngineClient``, and await their outputs on an ``asyncio.Queue``, filled from the client's
 output thread through ``loop.call_soon_threadsafe`` (one wake-up per step and event loop).
 
@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.engine_client import EngineClient, EngineDeadError
+from ..engine.process.client import EngineClient, EngineDeadError
 from ..engine.outputs import EngineStats, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ _CANCELLED = object()
 @dataclass
 class _Route:
     """Where the outputs of one HTTP request's engine requests go (the route itself is looked
-    up under AsyncEngine._lock; ``queue`` and ``latest`` are touched on ``loop`` only).
+    up under AsyncClient._lock; ``queue`` and ``latest`` are touched on ``loop`` only).
 
     ``queue`` holds request ids (an output is ready), failures and the cancel mark; ``latest``
     the newest output of each request not yet taken. Outputs are cumulative, so one that
@@ -83,7 +83,7 @@ class Submission:
     in a ``finally``.
     """
 
-    def __init__(self, engine: AsyncEngine, request_ids: list[str], route: _Route):
+    def __init__(self, engine: AsyncClient, request_ids: list[str], route: _Route):
         self.request_ids = request_ids
         self._engine = engine
         self._queue = route.queue
@@ -137,8 +137,8 @@ class Submission:
         self._queue.put_nowait(_CANCELLED)
 
 
-class AsyncEngine:
-    """Submits requests to an :class:`~mini_paged_attn.engine.engine_client.EngineClient` and
+class AsyncClient:
+    """Submits requests to an :class:`~mini_paged_attn.engine.process.client.EngineClient` and
     routes its outputs to asyncio queues (it is the client's output handler while started).
 
     Args:

@@ -2,7 +2,7 @@
 
 A decode step of a small model is dominated by kernel launch overhead (hundreds of launches of
 microsecond kernels); replaying a captured graph issues them all at once. The graphs read their
-inputs in place from the fixed device regions :class:`~.input_batch.InputBuilder` uploads into,
+inputs in place from the fixed device regions :class:`~mini_paged_attn.engine.worker.input_batch.InputBuilder` uploads into,
 and a static block table; a batch of ``n`` sequences replays the smallest bucket ``>= n`` with
 the extra rows padded (slot -1: nothing written; context length 0: nothing read).
 
@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from ..models.attention import Attention, AttentionMetadata
-from ..ops.projection import SplitKWorkspace
+from ...models.attention import Attention, AttentionMetadata
+from ...ops.projection import SplitKWorkspace
 from .input_batch import InputBuilder, StepInputs, batch_buckets, smallest_bucket
 
 logger = logging.getLogger(__name__)
@@ -83,8 +83,8 @@ class DecodeGraphs:
     def _plans(self, b: int, width: int) -> tuple:
         """The (tiles, splits) of the model's decode launches for ``b`` sequences and a
         ``width``-block table (one per distinct attention window)."""
-        from ..ops.decode import workspace_size
-        from ..ops.explain import explain_decode
+        from ...ops.decode import workspace_size
+        from ...ops.explain import explain_decode
         key_cache = self.kv_caches[0][0]
         block_size, num_kv_heads, head_size = key_cache.shape[1:]
         max_splits = None

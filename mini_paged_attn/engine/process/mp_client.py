@@ -1,4 +1,4 @@
-"""The client of an engine core in a child process (:mod:`.core_process`).
+"""The client of an engine core in a child process (:mod:`mini_paged_attn.engine.process.child`).
 
 :class:`MPEngineClient` starts the child, validates each request with the child's own limits
 (:class:`~mini_paged_attn.engine.admission.Admission`) before sending it, so a bad request still
@@ -16,12 +16,12 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .core_messages import (AbortRequest, AddRequest, EngineDead, Message, OutputDelta, Outputs,
+from .messages import (AbortRequest, AddRequest, EngineDead, Message, OutputDelta, Outputs,
                             Ready, Shutdown, StepFailed, decode, encode)
-from .core_process import CoreLaunch, run_core_process
-from .engine_client import ClientBookkeeping
-from .outputs import CompletionOutput, EngineStats, GrowingListView, RequestOutput
-from .sampling_params import SamplingParams
+from .child import CoreLaunch, run_core_process
+from .client import ClientBookkeeping
+from ..outputs import CompletionOutput, EngineStats, GrowingListView, RequestOutput
+from ..sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class MPEngineClient(ClientBookkeeping):
         llm_kwargs: the other ``LLM`` arguments (dtype, device, block_size, ...).
         start_timeout: seconds to wait for the engine to load (RuntimeError after).
         engine_factory: ``"module:function"`` that builds the engine in the child instead of
-            ``LLM`` (see :class:`~mini_paged_attn.engine.core_process.CoreLaunch`).
+            ``LLM`` (see :class:`~mini_paged_attn.engine.process.child.CoreLaunch`).
         max_consecutive_failures: failed steps in a row after which the engine is dead.
 
     Raises:

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.scheduler import SchedulerOutput
-from ..models.attention import AttentionMetadata
-from ..ops.projection import SplitKWorkspace
+from ...core.scheduler import SchedulerOutput
+from ...models.attention import AttentionMetadata
+from ...ops.projection import SplitKWorkspace
 from .input_batch import InputBuilder, smallest_bucket
 
 logger = logging.getLogger(__name__)

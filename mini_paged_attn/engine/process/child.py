@@ -5,7 +5,7 @@ GPU, where a step is mostly Python waiting on short kernels, the event loop's pe
 made steps 8-46% longer (BENCHMARKS.md). Here the engine steps in a child process, unhindered,
 and sends each step's outputs as deltas (new token ids; text only where stop strings need it)
 while its next step runs on the GPU. The parent's side is
-:class:`~mini_paged_attn.engine.mp_engine_client.MPEngineClient`.
+:class:`~mini_paged_attn.engine.process.mp_client.MPEngineClient`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .core_messages import (CompletionDelta, EngineDead, Message, OutputDelta, Outputs, Ready,
+from .messages import (CompletionDelta, EngineDead, Message, OutputDelta, Outputs, Ready,
                             StepFailed, decode, encode)
-from .engine_core import EngineCore
-from .outputs import EngineStats, RequestOutput
+from .core import EngineCore
+from ..outputs import EngineStats, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class CoreLaunch:
 
     def build_engine(self) -> Any:
         if self.engine_factory is None:
-            from .llm import LLM
+            from ..llm import LLM
             return LLM(self.model, **self.llm_kwargs).engine
         module, _, name = self.engine_factory.partition(":")
         return getattr(importlib.import_module(module), name)(self.model, **self.llm_kwargs)

@@ -9,7 +9,7 @@ Formats:
   "parameters": {...}}`` (several separated by ``;``), after an optional ``<|python_tag|>``.
 
 With ``tool_choice`` "required" or a named function the grammar shapes the output instead (see
-``engine/tools.py``), and :class:`ToolCallMode` reads that shape.
+``engine/tools/choice.py``), and :class:`ToolCallMode` reads that shape.
 """
 
 from __future__ import annotations

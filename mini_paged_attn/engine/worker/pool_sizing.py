@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..core.sliding_window import max_blocks_in_use
-from ..models.config import ModelConfig
+from ...core.sliding_window import max_blocks_in_use
+from ...models.config import ModelConfig
 from .input_batch import batch_buckets, padded_rows
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from .model_runner import ModelRunner
@@ -84,7 +84,7 @@ def _gather_reserve(runner: ModelRunner) -> int:
     only; on CUDA, torch brings Triton)."""
     if runner.backend != "triton":
         return 0
-    from ..ops.prefill_gather import gather_reserve_bytes
+    from ...ops.prefill_gather import gather_reserve_bytes
     return gather_reserve_bytes(
         runner.device, max_num_seqs=runner.config.max_num_seqs, width=runner.table_width,
         block_size=runner.block_size, num_kv_heads=runner.layout.num_kv_heads,

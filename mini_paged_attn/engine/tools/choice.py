@@ -1,6 +1,6 @@
 """Tools of a chat request (OpenAI's ``tools`` / ``tool_choice``): the function specs checked,
 and what ``tool_choice`` asks of the engine, one :class:`StructuredOutputsParams` (or none) and
-how the calls are read back (:class:`~.tool_calls.ToolCallMode`).
+how the calls are read back (:class:`~mini_paged_attn.engine.tools.parsers.ToolCallMode`).
 
 Shared by :meth:`LLM.chat <mini_paged_attn.engine.llm.LLM.chat>` and the server, which turns
 the :class:`ToolArgumentError` raised here into a 400 naming the same parameter.
@@ -18,8 +18,8 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .structured import INSTALL_HINT, GrammarCompiler, StructuredOutputsParams, check_grammar
-from .tool_calls import PARSERS, ToolCallMode
+from ..structured import INSTALL_HINT, GrammarCompiler, StructuredOutputsParams, check_grammar
+from .parsers import PARSERS, ToolCallMode
 
 # OpenAI's rule for function names.
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -101,7 +101,7 @@ def tool_constraint(tools: Sequence[dict[str, Any]] | None, tool_choice: str | d
         tools: OpenAI-style function specs (see :func:`tool_functions`), or None.
         tool_choice: "none", "auto", "required", ``{"type": "function", "function":
             {"name": ...}}``, or None ("auto" when there are tools).
-        parser: the format "auto" looks for (a :data:`~.tool_calls.PARSERS` key).
+        parser: the format "auto" looks for (a :data:`~mini_paged_attn.engine.tools.parsers.PARSERS` key).
         parallel_tool_calls: False: "required" allows one call only.
         constrained_by: the name of a constraint the request already has (it cannot be
             combined with "required" or a named function), or None.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.scheduler import SchedulerOutput
+from ...core.scheduler import SchedulerOutput
 
 # Prompt positions whose full-vocabulary logits exist at once.
 PROMPT_LOGPROBS_CHUNK = 256

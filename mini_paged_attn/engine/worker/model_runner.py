@@ -23,26 +23,26 @@ from collections.abc import Callable
 
 import torch
 
-from ..cache.manager import PagedAttentionManager
-from ..core.args import cdiv
-from ..core.scheduler import SchedulerOutput
-from ..models.attention import AttentionMetadata
-from ..models.config import ModelConfig
-from ..models.load_progress import LoadTimer, timer_or_new
-from ..ops.dispatch import resolve_backend
-from ..ops.kv_quant import kv_cache_torch_dtype
-from ..ops.projection import SplitKWorkspace
-from .config import EngineConfig
+from ...cache.manager import PagedAttentionManager
+from ...core.args import cdiv
+from ...core.scheduler import SchedulerOutput
+from ...models.attention import AttentionMetadata
+from ...models.config import ModelConfig
+from ...models.load_progress import LoadTimer, timer_or_new
+from ...ops.dispatch import resolve_backend
+from ...ops.kv_quant import kv_cache_torch_dtype
+from ...ops.projection import SplitKWorkspace
+from ..config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .input_batch import InputBuilder, batch_buckets, dummy_inputs, table_width
 from .pool_sizing import auto_num_blocks
 from .prefill_graphs import PrefillGraphs, PromptGraph
-from .prompt_logprobs import (PendingPromptLogprobs, PromptLogprobs, PromptRows,
+from ..sample.prompt_logprobs import (PendingPromptLogprobs, PromptLogprobs, PromptRows,
                               compute_prompt_logprobs, prompt_logprob_rows)
-from .sampler import PendingSample, SampleRow, Sampler
-from .sampling_params import SamplingParams
-from .step_message import StepMessage
-from .structured.bitmask import TokenMasks
+from ..sample.sampler import PendingSample, SampleRow, Sampler
+from ..sampling_params import SamplingParams
+from .tp_messages import StepMessage
+from ..structured.bitmask import TokenMasks
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class ModelRunner:
         self._prompt_device: PendingPromptLogprobs | None = None
         self.workspace = None
         if self.backend == "triton":
-            from ..ops.decode import workspace_size
+            from ...ops.decode import workspace_size
             size = workspace_size(config.max_num_seqs, self.layout.num_q_heads,
                                   model_config.head_size, WORKSPACE_SPLITS_PER_SEQ)
             self.workspace = torch.empty(size, dtype=torch.float32, device=device)

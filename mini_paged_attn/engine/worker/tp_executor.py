@@ -2,7 +2,7 @@
 
 Processes: rank 0 is the caller's process (it holds the scheduler, the block manager, the
 tokenizer and the sampler); ranks ``1 .. N-1`` are ``spawn``-ed children running
-:func:`~.tp_worker.run_worker`, one pipe each. The ranks join one process group (gloo on
+:func:`~mini_paged_attn.engine.worker.tp_worker.run_worker`, one pipe each. The ranks join one process group (gloo on
 CPU, NCCL on CUDA with ``cuda:r`` for rank ``r``) for the all-reduces inside the layers and the
 logits gather; the per-step inputs go down the pipes, pickled once per step.
 
@@ -11,7 +11,7 @@ Failures: before each step every worker is checked alive (a dead one makes the s
 code); a rank dying inside a step breaks the collective on rank 0 (gloo sees the closed
 socket; NCCL waits out ``distributed_timeout_s``), which raises the same error. A rank that
 is alive but does not take part (stopped with SIGSTOP, hung) would hold the step until the
-group's own timeout: a :class:`~.tp_watchdog.StepWatchdog` gives each step
+group's own timeout: a :class:`~mini_paged_attn.engine.worker.tp_watchdog.StepWatchdog` gives each step
 ``step_timeout_s``, then kills the workers, which breaks the step's collective the same way
 and names the stalled ranks. After one failure the engine stays failed. :meth:`TPWorkers.close` (``LLM.shutdown()``, garbage
 collection, interpreter exit) stops every worker: a stop message, then terminate, then kill.
@@ -32,11 +32,11 @@ from typing import Any, NoReturn
 
 import torch
 
-from ..distributed.group import TPGroup, init_tp_group, serve_store
-from ..distributed.sharding import check_tensor_parallel_size
-from ..errors import TensorParallelError
-from .config import EngineConfig, resolve_max_model_len
-from .step_message import StepMessage, StopMessage
+from ...distributed.group import TPGroup, init_tp_group, serve_store
+from ...distributed.sharding import check_tensor_parallel_size
+from ...errors import TensorParallelError
+from ..config import EngineConfig, resolve_max_model_len
+from .tp_messages import StepMessage, StopMessage
 from .tp_watchdog import StepWatchdog
 from .tp_worker import WorkerLaunch, run_worker
 
@@ -200,9 +200,9 @@ def start_tensor_parallel(model: str | Path, *, dtype: str, device: str | None,
             KV heads / MLP), or exceeds the GPUs, before any process starts.
         TensorParallelError: a worker could not start (its error is in the message).
     """
-    from ..models.config import ModelConfig
-    from ..models.loader import TINY_MODEL, load_model
-    from ..models.tokenizer import load_tokenizer
+    from ...models.config import ModelConfig
+    from ...models.loader import TINY_MODEL, load_model
+    from ...models.tokenizer import load_tokenizer
 
     n = config.tensor_parallel_size
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -210,7 +210,7 @@ def start_tensor_parallel(model: str | Path, *, dtype: str, device: str | None,
     cleanup: list[Path] = []
     tiny = str(model) == TINY_MODEL
     if tiny:
-        from ..models.tiny import tiny_llama_config
+        from ...models.tiny import tiny_llama_config
         model_config = tiny_llama_config()
     else:
         model_config = ModelConfig.from_model_dir(model)
@@ -218,7 +218,7 @@ def start_tensor_parallel(model: str | Path, *, dtype: str, device: str | None,
                                model_config.intermediate_size)
     resolve_max_model_len(config, model_config.max_position_embeddings)   # raises if too long
     if tiny:
-        from ..models.tiny import write_tiny_llama
+        from ...models.tiny import write_tiny_llama
         tmp = Path(tempfile.mkdtemp(prefix="mini-paged-attn-tiny-"))
         cleanup.append(tmp)
         model = write_tiny_llama(tmp)

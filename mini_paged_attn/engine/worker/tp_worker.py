@@ -2,8 +2,8 @@
 
 The worker is a child process (``spawn``) with a pipe to rank 0. It says ``("ready", None)``
 once its shard and KV pool exist (or ``("error", text)`` and exits), then loops: receive a
-:class:`~.step_message.StepMessage`, run :meth:`ModelRunner.execute_message`. It leaves the
-loop on a :class:`~.step_message.StopMessage`, when rank 0's end of the pipe closes (rank 0
+:class:`~mini_paged_attn.engine.worker.tp_messages.StepMessage`, run :meth:`ModelRunner.execute_message`. It leaves the
+loop on a :class:`~mini_paged_attn.engine.worker.tp_messages.StopMessage`, when rank 0's end of the pipe closes (rank 0
 exited, however it exited), or after a failed step (reported on the pipe first). Ctrl-C is
 ignored here: rank 0 hears it and stops the workers.
 """
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from .config import EngineConfig, resolve_max_model_len
-from .step_message import StopMessage
+from ..config import EngineConfig, resolve_max_model_len
+from .tp_messages import StopMessage
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,8 @@ def run_worker(launch: WorkerLaunch, conn: Any) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.world_size))
     tp = None
     try:
-        from ..distributed.group import init_tp_group
-        from ..models.loader import load_model
+        from ...distributed.group import init_tp_group
+        from ...models.loader import load_model
         from .model_runner import ModelRunner
 
         tp = init_tp_group(launch.rank, launch.world_size, device, host=launch.host,

@@ -18,8 +18,8 @@ import pickle
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, NamedTuple, Union
 
-from .outputs import EngineStats, RequestMetrics
-from .sampling_params import SamplingParams
+from ..outputs import EngineStats, RequestMetrics
+from ..sampling_params import SamplingParams
 
 
 class MessageKind(enum.Enum):

@@ -1,17 +1,17 @@
 """The engine core: the busy loop that owns an ``LLMEngine`` and steps it whenever it has work.
 
-Between steps it applies what its client sent (:mod:`.core_messages`: add, abort, shutdown); it
+Between steps it applies what its client sent (:mod:`mini_paged_attn.engine.process.messages`: add, abort, shutdown); it
 waits for a message only when no request is unfinished, so requests from every client join the
 engine's one continuous batch. It runs on a thread of its own next to
-:class:`~mini_paged_attn.engine.engine_client.InprocEngineClient`, or in the child process of
-:class:`~mini_paged_attn.engine.mp_engine_client.MPEngineClient`; the two differ only in their
+:class:`~mini_paged_attn.engine.process.client.InprocEngineClient`, or in the child process of
+:class:`~mini_paged_attn.engine.process.mp_client.MPEngineClient`; the two differ only in their
 :class:`CoreInbox` and :class:`CoreOutbox`.
 
 Failures: the engine cannot say which request made a ``step()`` raise, so every request live at
 that moment is aborted at once (a retried step would fail again) and reported as failed; the
 loop goes on with later requests. After ``max_consecutive_failures`` failed steps in a row, or
 an error outside ``step()``, the core is dead: live requests are aborted, the outbox hears
-:class:`~mini_paged_attn.engine.core_messages.EngineDead` and the loop ends.
+:class:`~mini_paged_attn.engine.process.messages.EngineDead` and the loop ends.
 
 Structured outputs: a request whose constraint is not compiled yet is held back while a worker
 thread compiles it into the engine's grammar cache (bounded and contained, see
@@ -27,9 +27,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-from ..errors import TensorParallelError
-from .core_messages import AbortRequest, AddRequest, Message, Shutdown
-from .outputs import EngineStats, RequestOutput
+from ...errors import TensorParallelError
+from .messages import AbortRequest, AddRequest, Message, Shutdown
+from ..outputs import EngineStats, RequestOutput
 
 logger = logging.getLogger(__name__)
 

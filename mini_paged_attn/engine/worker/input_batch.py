@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..cache.block_table import BlockTable
-from ..core.args import cdiv
-from ..core.scheduler import SchedulerOutput
-from .step_message import STEP_ARRAYS
+from ...cache.block_table import BlockTable
+from ...core.args import cdiv
+from ...core.scheduler import SchedulerOutput
+from .tp_messages import STEP_ARRAYS
 
 
 # Elements each staging region starts at a multiple of (256 bytes for int32).
@@ -273,13 +273,13 @@ class InputBuilder:
         ``pending``: ``seq_id -> row`` of the previous step's sampled ids, for sequences whose
         input token is still a placeholder (always their one token this step): the inputs'
         :class:`TokenFill`. ``pad_prompt_to`` (a step of one sequence, for a prefill graph,
-        see :mod:`.prefill_graphs`): the regions also hold rows ``num_tokens ..
+        see :mod:`mini_paged_attn.engine.worker.prefill_graphs`): the regions also hold rows ``num_tokens ..
         pad_prompt_to - 1`` as a second sequence (token 0, position 0, slot -1) of
         ``pad_prompt_to - num_tokens`` new tokens; the views returned are the step's own.
         ``paged_prompt`` (with ``pad_prompt_to``, for a graph that reads the cache through the
         block tables): both block-table rows are ``max_blocks_per_seq`` wide and the
         padding's row is the prompt's, so the padding attends over the prompt's first
-        ``pad_prompt_to - num_tokens`` positions (see :mod:`.prefill_graphs` for what they
+        ``pad_prompt_to - num_tokens`` positions (see :mod:`mini_paged_attn.engine.worker.prefill_graphs` for what they
         hold)."""
         seqs = out.seqs
         n = len(seqs)
