@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure offline and server this many times each, alternating; "
                         "report the best of each and the median of paired ratios")
     p.add_argument("--engine-process", action="store_true",
-                   help="run the engine in its own process (engine/mp_engine_client.py)")
+                   help="run the engine in its own process (engine/process/mp_client.py)")
     p.add_argument("--step-times", action="store_true",
                    help="print step / gap / batch statistics of each offline and server run")
     p.add_argument("--json", help="also write the results here")
@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.step_times and not args.engine_process:
         steps = StepTimes(engine)
     server, thread, url = start_server(engine, "bench", args.loop, args.http)
-    server_handler = server.config.app.state.async_engine
+    server_handler = server.config.app.state.async_client
     try:
         run_clients(url, "bench", sets[args.clients[0]][:2], 2)  # warm the HTTP path
         if steps:

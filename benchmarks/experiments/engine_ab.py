@@ -35,7 +35,7 @@ def patched(obj, name: str, value):
 
 def eager_sampling(stack: ExitStack, llm) -> None:
     """Temperature rows sampled by the torch reference (seven eager passes over the logits)."""
-    import mini_paged_attn.engine.sampler as sampler_module
+    import mini_paged_attn.engine.sample.sampler as sampler_module
     from mini_paged_attn.ops.sample import sample_tokens
     stack.enter_context(patched(sampler_module, "sample_tokens",
                                 functools.partial(sample_tokens, backend="torch")))
@@ -43,7 +43,7 @@ def eager_sampling(stack: ExitStack, llm) -> None:
 
 def float32_logits(stack: ExitStack, llm) -> None:
     """The LM head's output widened to float32 before every sampler."""
-    from mini_paged_attn.engine.sampler import Sampler
+    from mini_paged_attn.engine.sample.sampler import Sampler
     stack.enter_context(patched(Sampler, "reads_model_dtype",
                                 staticmethod(lambda params, seeds: False)))
 

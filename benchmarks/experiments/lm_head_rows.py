@@ -40,7 +40,7 @@ QUEUED_CYCLES = 40_000_000     # ~20 ms of torch.cuda._sleep at 2 GHz
 
 
 def gemm() -> None:
-    from mini_paged_attn.engine.input_batch import batch_buckets
+    from mini_paged_attn.engine.worker.input_batch import batch_buckets
     weight = torch.randn(151936, 1024, device="cuda", dtype=torch.bfloat16)
     hidden = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
     buckets = batch_buckets(256)

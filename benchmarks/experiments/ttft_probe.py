@@ -43,7 +43,7 @@ def main() -> None:
     if args.compare_paths:
         import dataclasses
 
-        from mini_paged_attn.engine.input_batch import InputBuilder
+        from mini_paged_attn.engine.worker.input_batch import InputBuilder
         build = InputBuilder.build
 
         def build_as_told(self, *a, **k):

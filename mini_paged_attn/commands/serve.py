@@ -26,6 +26,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ._args import TRUST_REMOTE_CODE_ERROR, add_engine_arguments, port_number, positive_int
+from .progress import LoadProgressBar
 
 if TYPE_CHECKING:
     from mini_paged_attn.server.limits import ServerLimits
@@ -286,15 +287,18 @@ def _serve(args: argparse.Namespace, model: str, chat_template: str | None,
                       tensor_parallel_size=args.tensor_parallel_size,
                       step_timeout_s=args.step_timeout_s, tokenizer=args.tokenizer)
     llm_engine = None
-    if wants_engine_process(args.engine_process, args.device):
-        from mini_paged_attn.engine.process.mp_client import MPEngineClient
-        engine = MPEngineClient(model, llm_kwargs)
-        where = "its own process"
-    else:
-        from mini_paged_attn.engine import LLM
-        from mini_paged_attn.engine.process.client import InprocEngineClient
-        llm_engine = LLM(model, **llm_kwargs).engine
-        where = "a thread of the server"
+    with LoadProgressBar() as bar:
+        if wants_engine_process(args.engine_process, args.device):
+            from mini_paged_attn.engine.process.mp_client import MPEngineClient
+            engine = MPEngineClient(model, llm_kwargs, load_progress=bar)
+            where = "its own process"
+        else:
+            from mini_paged_attn.engine import LLM
+            from mini_paged_attn.engine.process.client import InprocEngineClient
+            llm_engine = LLM(model, load_progress=bar, **llm_kwargs).engine
+            where = "a thread of the server"
+    log.info("%s loaded: %s", model, bar.summary())
+    if llm_engine is not None:
         if llm_engine.runner.device.type == "cpu":
             log.info("torch uses %d CPU threads (one core left for HTTP)",
                      leave_a_core_for_http())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mini_paged_attn.engine import SamplingParams
-from mini_paged_attn.engine.core_messages import (
+from mini_paged_attn.engine.process.messages import (
     PAYLOADS, AbortRequest, AddRequest, CompletionDelta, EngineDead, MessageKind, OutputDelta,
     Outputs, Ready, Shutdown, StepFailed, decode, encode)
 from mini_paged_attn.engine.outputs import EngineStats, RequestMetrics

@@ -11,7 +11,7 @@ from helpers.engines import make_engine
 
 from mini_paged_attn.engine import LLM, SamplingParams
 from mini_paged_attn.engine.config import EngineConfig
-from mini_paged_attn.engine.cuda_graphs import DecodeGraphs
+from mini_paged_attn.engine.worker.cuda_graphs import DecodeGraphs
 
 HEADS = dict(num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
 
@@ -25,7 +25,7 @@ def _graphs(tiny_model_factory, kv_cache_dtype: str, max_model_len: int) -> Deco
                             max_num_seqs=64, cpu_kv_cache_bytes=1 << 22))
     runner = engine.runner
     # The engine's workspace (made on CUDA only): it caps the splits the plans may take.
-    from mini_paged_attn.engine.model_runner import WORKSPACE_SPLITS_PER_SEQ
+    from mini_paged_attn.engine.worker.model_runner import WORKSPACE_SPLITS_PER_SEQ
     from mini_paged_attn.ops.decode import workspace_size
     workspace = torch.empty(workspace_size(64, HEADS["num_attention_heads"],
                                            runner.model_config.head_size,

@@ -12,7 +12,7 @@ from helpers.json_checks import assert_valid
 from helpers.tool_specs import CLOCK, HERMES_CALL, MESSAGES, SCHEMAS, TOOLS, WEATHER
 
 from mini_paged_attn.engine import LLM, SamplingParams, StructuredOutputsParams
-from mini_paged_attn.engine.tool_calls import ToolCall
+from mini_paged_attn.engine.tools.parsers import ToolCall
 
 pytest.importorskip("llguidance", reason='tool calls need pip install -e ".[structured]"')
 

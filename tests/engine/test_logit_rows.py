@@ -10,7 +10,7 @@ import torch
 from helpers.engines import assert_pool_whole, make_engine, run_to_finish
 
 from mini_paged_attn.engine import SamplingParams
-from mini_paged_attn.engine.input_batch import batch_buckets
+from mini_paged_attn.engine.worker.input_batch import batch_buckets
 
 BUCKETS = [1, 4, 8]
 OPTIONS = dict(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=24,

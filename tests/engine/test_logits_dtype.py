@@ -9,7 +9,7 @@ import torch
 
 from mini_paged_attn.engine import LLMEngine
 from mini_paged_attn.engine.config import EngineConfig
-from mini_paged_attn.engine.sampler import Sampler
+from mini_paged_attn.engine.sample.sampler import Sampler
 from mini_paged_attn.engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -57,7 +57,7 @@ def test_model_dtype_logits_sample_as_their_float32_values(params):
 def test_other_paths_widen_model_dtype_logits_first(params):
     """Filters, seeds, logprobs and processors see float32 values: the ids and logprobs are
     those of the float32 copy of the same logits."""
-    from mini_paged_attn.engine.sampler import SampleRow
+    from mini_paged_attn.engine.sample.sampler import SampleRow
     logits = _logits(len(params))
     seeds = [None if p.seed is None else (f"r{i}", 0) for i, p in enumerate(params)]
     rows = [SampleRow((f"r{i}", 0), [1, 2], 0, frozenset()) for i in range(len(params))]

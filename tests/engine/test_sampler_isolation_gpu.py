@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mini_paged_attn.engine import LLM, SamplingParams
-from mini_paged_attn.engine.sampler import Sampler
+from mini_paged_attn.engine.sample.sampler import Sampler
 from mini_paged_attn.ops.sample import sample_tokens
 
 pytestmark = pytest.mark.gpu

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers.sampling_reference import reference_logits
 
-from mini_paged_attn.engine.sampler import SampleRow, Sampler
+from mini_paged_attn.engine.sample.sampler import SampleRow, Sampler
 from mini_paged_attn.engine.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -75,7 +75,7 @@ def test_penalised_logits_equal_the_reference_values():
     for i, out in enumerate(outputs):
         for t in out:
             sampler.history.record(history[i:i + 1], torch.tensor([t]))
-    from mini_paged_attn.engine.penalties import apply_penalties
+    from mini_paged_attn.engine.sample.penalties import apply_penalties
     got = apply_penalties(logits, sampler.history.counts[history],
                           sampler.history.in_prompt[history], torch.full((3,), 0.4),
                           torch.full((3,), 0.9), torch.full((3,), 1.3))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mini_paged_attn.engine.sampler import Sampler
+from mini_paged_attn.engine.sample.sampler import Sampler
 from mini_paged_attn.engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")

@@ -14,7 +14,7 @@ import pytest
 from mini_paged_attn.engine import LLM, SamplingParams
 from mini_paged_attn.engine.admission import Admission
 from mini_paged_attn.engine.config import EngineConfig
-from mini_paged_attn.engine.tp_watchdog import StepWatchdog, describe_stall
+from mini_paged_attn.engine.worker.tp_watchdog import StepWatchdog, describe_stall
 from mini_paged_attn.errors import TensorParallelError
 
 

@@ -109,7 +109,7 @@ def test_get_tokenizer_is_the_hugging_face_tokenizer(llm):
 def test_an_engine_in_its_own_process_reports_the_same(llm):
     from helpers.engine_clients import run_requests
 
-    from mini_paged_attn.engine.mp_engine_client import MPEngineClient
+    from mini_paged_attn.engine.process.mp_client import MPEngineClient
 
     full, stop = _a_stop_string(llm)
     ids = list(_one(llm, **GREEDY).token_ids)

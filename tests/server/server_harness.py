@@ -28,8 +28,8 @@ class Server:
     app: Any
 
     @property
-    def async_engine(self):
-        return self.app.state.async_engine
+    def async_client(self):
+        return self.app.state.async_client
 
     def client(self, api_key: str | None = API_KEY) -> httpx.Client:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -34,7 +34,7 @@ def test_a_client_keeps_its_own_failure_limit(llm):
         with pytest.raises(ValueError, match="max_consecutive_failures"):
             build_app(client, model_name="m", max_consecutive_failures=2)
         app = build_app(client, model_name="m")
-        assert app.state.async_engine.client is client
+        assert app.state.async_client.client is client
     finally:
         client.shutdown()
     assert client.dead_reason == "the engine core was shut down"

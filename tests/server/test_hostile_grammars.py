@@ -45,7 +45,7 @@ def _post(c, endpoint: str, extra: dict):
 
 
 def _adds(server) -> int:
-    return server.async_engine.client._core.adds_seen
+    return server.async_client.client._core.adds_seen
 
 
 CHILD = textwrap.dedent("""

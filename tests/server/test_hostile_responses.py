@@ -15,7 +15,7 @@ import threading
 import httpx
 import pytest
 
-from mini_paged_attn.engine.engine_client import InprocEngineClient
+from mini_paged_attn.engine.process.client import InprocEngineClient
 from mini_paged_attn.server import bodies
 from mini_paged_attn.server.formats import ResponseFormat
 from mini_paged_attn.server.limits import ServerLimits

@@ -95,10 +95,10 @@ def test_client_gone_before_its_first_token_aborts_it(llm, stream):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{s.url}/v1/completions", json={**GOOD, "stream": stream},
                        timeout=httpx.Timeout(TIMEOUT_S, read=0.3))
-        _wait_until(lambda: s.async_engine.counters.requests_aborted == 1, "it is aborted")
+        _wait_until(lambda: s.async_client.counters.requests_aborted == 1, "it is aborted")
         engine.gate.set()
         s.wait_all_free()
-        assert s.async_engine.counters.requests_finished == 0
+        assert s.async_client.counters.requests_finished == 0
 
 
 def test_engine_failure_fails_its_requests_and_the_engine_goes_on(llm):
@@ -127,7 +127,7 @@ def test_engine_failure_fails_its_requests_and_the_engine_goes_on(llm):
         engine.failures_to_inject = 2
         r = httpx.post(f"{s.url}/v1/completions", json=GOOD, timeout=TIMEOUT_S)
         assert r.status_code == 500
-        _wait_until(lambda: not s.async_engine.alive, "the engine is dead")
+        _wait_until(lambda: not s.async_client.alive, "the engine is dead")
         health = httpx.get(f"{s.url}/health", timeout=TIMEOUT_S)
         assert assert_error(health, 503)["code"] == "engine_dead"
         assert assert_error(httpx.post(f"{s.url}/v1/completions", json=GOOD,

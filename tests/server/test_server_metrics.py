@@ -57,7 +57,7 @@ def test_two_registries_in_one_process_keep_apart(server):
     from types import SimpleNamespace
 
     from mini_paged_attn.engine.outputs import EngineStats, RequestMetrics, RequestOutput
-    from mini_paged_attn.server.async_engine import ServerCounters
+    from mini_paged_attn.server.async_client import ServerCounters
     from mini_paged_attn.server.metrics import ServerMetrics
 
     engine = SimpleNamespace(stats=lambda: EngineStats(kv_blocks_total=8, kv_blocks_free=8),

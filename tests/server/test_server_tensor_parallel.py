@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from mini_paged_attn.engine import LLM
-from mini_paged_attn.engine.engine_client import InprocEngineClient
+from mini_paged_attn.engine.process.client import InprocEngineClient
 from server_harness import GOOD, TIMEOUT_S, assert_error, served
 
 

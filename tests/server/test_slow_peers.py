@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from mini_paged_attn.server.async_engine import AsyncEngine
+from mini_paged_attn.server.async_client import AsyncClient
 from mini_paged_attn.server.limits import ServerLimits
 from server_harness import API_KEY, GOOD, TIMEOUT_S, served
 
@@ -116,7 +116,7 @@ def test_outputs_waiting_for_a_slow_consumer_are_coalesced():
     from mini_paged_attn.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
     client = _QuietClient()
-    engine = AsyncEngine(client)
+    engine = AsyncClient(client)
     engine.start()
 
     async def scenario():

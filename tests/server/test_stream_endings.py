@@ -16,8 +16,8 @@ import httpx
 import pytest
 from helpers.tool_specs import MESSAGES, TOOLS
 
-from mini_paged_attn.engine.engine_client import InprocEngineClient
-from mini_paged_attn.engine.tool_calls import (MAX_JSON_DEPTH, PARSERS, ToolCallMode,
+from mini_paged_attn.engine.process.client import InprocEngineClient
+from mini_paged_attn.engine.tools.parsers import (MAX_JSON_DEPTH, PARSERS, ToolCallMode,
                                                json_depth)
 from mini_paged_attn.server.formats import ResponseFormat
 from server_harness import API_KEY, CHAT_GOOD, GOOD, TIMEOUT_S, served

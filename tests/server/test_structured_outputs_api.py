@@ -31,7 +31,7 @@ MAX_TOKENS = 80
 
 def _adds(server) -> int:
     """Requests the engine has been sent so far."""
-    return server.async_engine.client._core.adds_seen
+    return server.async_client.client._core.adds_seen
 
 
 def _stream_texts(stream, chat: bool) -> tuple[dict[int, str], dict[int, str]]:

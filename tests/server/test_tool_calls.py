@@ -120,7 +120,7 @@ def test_a_conversation_with_tool_results_is_accepted(client):
 
 
 def _adds(server) -> int:
-    return server.async_engine.client._core.adds_seen
+    return server.async_client.client._core.adds_seen
 
 
 BAD = [

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mini_paged_attn.engine.tool_calls import (PARSERS, ToolCallMode, parser_for_template)
+from mini_paged_attn.engine.tools.parsers import (PARSERS, ToolCallMode, parser_for_template)
 
 hermes = PARSERS["hermes"]
 llama = PARSERS["llama3_json"]

@@ -33,10 +33,11 @@ def no_model_loads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model started to load")
 
-    from mini_paged_attn.engine import llm, mp_engine_client
+    from mini_paged_attn.engine import llm
+    from mini_paged_attn.engine.process import mp_client
 
     monkeypatch.setattr(llm.LLMEngine, "from_model", refuse)
-    monkeypatch.setattr(mp_engine_client.MPEngineClient, "__init__", refuse)
+    monkeypatch.setattr(mp_client.MPEngineClient, "__init__", refuse)
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:

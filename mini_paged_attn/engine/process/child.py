@@ -16,10 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .messages import (CompletionDelta, EngineDead, Message, OutputDelta, Outputs, Ready,
-                            StepFailed, decode, encode)
-from .core import EngineCore
+from ...models.load_progress import ProgressCallback
 from ..outputs import EngineStats, RequestOutput
+from .core import EngineCore
+from .messages import (CompletionDelta, EngineDead, Loading, Message, OutputDelta, Outputs, Ready,
+                       StepFailed, decode, encode)
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +30,8 @@ class CoreLaunch:
     """How the child builds its engine.
 
     ``engine_factory``: ``"module:function"``, called as ``function(model, **llm_kwargs)`` to
-    make the ``LLMEngine`` (importable in the child); None: ``LLM(model, **llm_kwargs).engine``.
-    Tests use it to build engines that fail on purpose.
+    make the ``LLMEngine`` (importable in the child); None: ``LLM(model, **llm_kwargs).engine``,
+    whose load progress goes to the client. Tests use it to build engines that fail on purpose.
     """
 
     model: str
@@ -38,10 +39,10 @@ class CoreLaunch:
     engine_factory: str | None = None
     max_consecutive_failures: int = 3
 
-    def build_engine(self) -> Any:
+    def build_engine(self, load_progress: ProgressCallback | None = None) -> Any:
         if self.engine_factory is None:
             from ..llm import LLM
-            return LLM(self.model, **self.llm_kwargs).engine
+            return LLM(self.model, load_progress=load_progress, **self.llm_kwargs).engine
         module, _, name = self.engine_factory.partition(":")
         return getattr(importlib.import_module(module), name)(self.model, **self.llm_kwargs)
 
@@ -134,7 +135,7 @@ def run_core_process(launch: CoreLaunch, commands: Any, results: Any) -> None:
     """
     outbox = PipeOutbox(results)
     try:
-        engine = launch.build_engine()
+        engine = launch.build_engine(lambda event: outbox.send(Loading(event)))
         outbox.send(Ready(engine.tokenizer, engine.model_config, engine.max_model_len,
                           engine.admission, engine.stats()))
         core = EngineCore(engine, PipeInbox(commands), outbox,

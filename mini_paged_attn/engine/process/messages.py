@@ -1,7 +1,8 @@
 """The messages between an engine core and its client: one kind per payload.
 
 Client to core: :class:`AddRequest`, :class:`AbortRequest`, :class:`Shutdown`. Core to client:
-:class:`Ready` (once, when the engine is built), :class:`Outputs` (one per step),
+:class:`Loading` (while the engine loads: its progress), :class:`Ready` (once, when the engine is
+built), :class:`Outputs` (one per step),
 :class:`StepFailed` (a step raised; its requests were aborted), :class:`EngineDead` (the core
 stopped for good, or could not start).
 
@@ -18,6 +19,7 @@ import pickle
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, NamedTuple, Union
 
+from ...models.load_progress import LoadEvent
 from ..outputs import EngineStats, RequestMetrics
 from ..sampling_params import SamplingParams
 
@@ -29,6 +31,7 @@ class MessageKind(enum.Enum):
     ADD = "add"
     ABORT = "abort"
     SHUTDOWN = "shutdown"
+    LOADING = "loading"
     READY = "ready"
     OUTPUTS = "outputs"
     STEP_FAILED = "step_failed"
@@ -66,6 +69,14 @@ class Shutdown:
 
 
 # ---- core -> client --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Loading:
+    """One step of the engine's load (the client's progress bar draws it)."""
+
+    event: LoadEvent
+    kind: ClassVar[MessageKind] = MessageKind.LOADING
+
+
 @dataclass(frozen=True)
 class Ready:
     """What a client needs of the engine to validate and detokenize without it."""
@@ -140,9 +151,10 @@ class EngineDead:
     kind: ClassVar[MessageKind] = MessageKind.ENGINE_DEAD
 
 
-Message = Union[AddRequest, AbortRequest, Shutdown, Ready, Outputs, StepFailed, EngineDead]
+Message = Union[AddRequest, AbortRequest, Shutdown, Loading, Ready, Outputs, StepFailed,
+                EngineDead]
 PAYLOADS: dict[MessageKind, type] = {cls.kind: cls for cls in (
-    AddRequest, AbortRequest, Shutdown, Ready, Outputs, StepFailed, EngineDead)}
+    AddRequest, AbortRequest, Shutdown, Loading, Ready, Outputs, StepFailed, EngineDead)}
 _FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in PAYLOADS.values()}
 
 
@@ -167,6 +179,6 @@ def decode(data: bytes) -> Message:
                          ) from None
 
 
-__all__ = ["AbortRequest", "AddRequest", "CompletionDelta", "EngineDead", "Message",
+__all__ = ["AbortRequest", "AddRequest", "CompletionDelta", "EngineDead", "Loading", "Message",
            "MessageKind", "OutputDelta", "Outputs", "PAYLOADS", "Ready", "Shutdown",
            "StepFailed", "decode", "encode"]

@@ -13,15 +13,17 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .messages import (AbortRequest, AddRequest, EngineDead, Message, OutputDelta, Outputs,
-                            Ready, Shutdown, StepFailed, decode, encode)
-from .child import CoreLaunch, run_core_process
-from .client import ClientBookkeeping
+from ...models.load_progress import ProgressCallback
 from ..outputs import CompletionOutput, EngineStats, GrowingListView, RequestOutput
 from ..sampling_params import SamplingParams
+from .child import CoreLaunch, run_core_process
+from .client import ClientBookkeeping
+from .messages import (AbortRequest, AddRequest, EngineDead, Loading, Message, OutputDelta,
+                       Outputs, Ready, Shutdown, StepFailed, decode, encode)
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,8 @@ class MPEngineClient(ClientBookkeeping):
         engine_factory: ``"module:function"`` that builds the engine in the child instead of
             ``LLM`` (see :class:`~mini_paged_attn.engine.process.child.CoreLaunch`).
         max_consecutive_failures: failed steps in a row after which the engine is dead.
+        load_progress: called with each :class:`~mini_paged_attn.models.load_progress.LoadEvent`
+            of the child's load, on this thread, before the constructor returns.
 
     Raises:
         RuntimeError: the child did not start, or its engine could not be built.
@@ -106,7 +110,8 @@ class MPEngineClient(ClientBookkeeping):
 
     def __init__(self, model: str, llm_kwargs: dict | None = None, *,
                  start_timeout: float = 900.0, engine_factory: str | None = None,
-                 max_consecutive_failures: int = 3) -> None:
+                 max_consecutive_failures: int = 3,
+                 load_progress: ProgressCallback | None = None) -> None:
         if max_consecutive_failures < 1:
             raise ValueError("max_consecutive_failures: expected >= 1, "
                              f"got {max_consecutive_failures}")
@@ -124,7 +129,7 @@ class MPEngineClient(ClientBookkeeping):
         self.process.start()
         child_commands.close()
         child_results.close()
-        ready = self._await_ready(start_timeout)
+        ready = self._await_ready(start_timeout, load_progress)
         super().__init__(ready.tokenizer, ready.admission)
         self.model_config = ready.model_config
         self.max_model_len = ready.max_model_len
@@ -136,11 +141,17 @@ class MPEngineClient(ClientBookkeeping):
                                         daemon=True)
         self._reader.start()
 
-    def _await_ready(self, timeout: float) -> Ready:
+    def _await_ready(self, timeout: float, load_progress: ProgressCallback | None) -> Ready:
+        deadline = time.monotonic() + timeout
         try:
-            if not self._results.poll(timeout):
-                raise RuntimeError(f"the engine process did not start within {timeout} s")
-            message = decode(self._results.recv_bytes())
+            while True:
+                if not self._results.poll(max(0.0, deadline - time.monotonic())):
+                    raise RuntimeError(f"the engine process did not start within {timeout} s")
+                message = decode(self._results.recv_bytes())
+                if not isinstance(message, Loading):
+                    break
+                if load_progress is not None:
+                    load_progress(message.event)
         except (EOFError, OSError) as exc:
             message = EngineDead(f"the engine process exited while starting "
                                  f"({type(exc).__name__})")
