@@ -62,7 +62,7 @@ def run_worker(tree: str, model: Path, args: argparse.Namespace) -> dict:
 
 
 def revision(tree: str) -> str:
-    done = subprocess.run(["git", "-C", tree, "describe", "--always", "--dirty"],
+    done = subprocess.run(["git", "-C", tree, "describe", "--always", "--dirty"], check=False,
                           capture_output=True, text=True)
     return done.stdout.strip() or "?"
 
