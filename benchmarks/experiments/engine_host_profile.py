@@ -1,4 +1,4 @@
-"""Where the engine's host time goes in steady decode (GPU experiment).
+"""Where does the engine's host time go in steady decode? (GPU)
 
 bench_engine's profile shows more wall time per decode step than GPU kernel time (Qwen3-0.6B
 shapes, 256 sequences of ~1k tokens: 16 ms against 12 ms): this runs such steps under cProfile
@@ -49,8 +49,7 @@ def gpu_ms_per_step(engine, steps: int = 5) -> float:
 def profile_case(name: str, root: Path, args) -> str:
     from benchmarks.bench_engine import random_model_dir, step_to_steady_decode, wall_ms_per_step
     from benchmarks.bench_structured import SCHEMA
-    from mini_paged_attn.engine import LLM, SamplingParams
-    from mini_paged_attn.engine.structured import StructuredOutputsParams
+    from mini_paged_attn.engine import LLM, SamplingParams, StructuredOutputsParams
 
     shape, batch, prompt_len, structured = CASES[name]
     llm = LLM(str(random_model_dir(shape, root)), dtype="bfloat16", max_model_len=4096,

@@ -1,5 +1,5 @@
-"""Where workload (a)'s wall time goes, over the whole run: GPU time by kernel kind, the time
-the GPU is idle, and the run's steps by phase (GPU).
+"""Where does workload (a)'s wall time go, over the whole run? GPU time by kernel kind, the
+time the GPU is idle, and the run's steps by phase (GPU).
 
 Workload (a) of ``bench_engine`` (256 requests, prompts and outputs uniform in 100..1024,
 temperature 0.6, Qwen3-0.6B shapes with random bf16 weights) runs once untimed (warm), once
@@ -11,7 +11,7 @@ Alongside, every ``step()`` call's host wall time is summed by the phase of the 
 launched (a batch with prompt tokens, or decode only).
 
     python -m benchmarks.experiments.engine_timeline [--kv-cache-dtype auto fp8]
-        [--prefix-caching off on] [--decode-order longest-first batch] [--out DIR]
+        [--prefix-caching off on] [--out DIR]
 """
 
 from __future__ import annotations
@@ -135,21 +135,10 @@ def profile_run(llm, prompts, params) -> dict:
                                 key=lambda x: -x[1])[:12]}
 
 
-def unordered(runner) -> None:
-    """Decode programs of ``runner``'s steps take the sequences in batch order (the graphs
-    are captured again)."""
-    runner.inputs.order_decode = False
-    if runner.graphs is not None:
-        runner.graphs.capture()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto", "fp8"])
     parser.add_argument("--prefix-caching", nargs="+", default=["off"], choices=("off", "on"))
-    parser.add_argument("--decode-order", nargs="+", default=["longest-first"],
-                        choices=("longest-first", "batch"),
-                        help="the order decode programs take the sequences in")
     parser.add_argument("--out", default="engine_timeline_out")
     args = parser.parse_args()
     start_gpu_run(args.out, "engine_timeline")
@@ -161,20 +150,16 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as root:
         path = random_model_dir("qwen3-0.6b", Path(root))
-        for dtype, caching, order in itertools.product(args.kv_cache_dtype, args.prefix_caching,
-                                                       args.decode_order):
+        for dtype, caching in itertools.product(args.kv_cache_dtype, args.prefix_caching):
             llm = engine_llm(path, engine_options(kv_cache_dtype=dtype),
                              enable_prefix_caching=caching == "on")
-            if order == "batch":
-                unordered(llm.engine.runner)
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
             first, _ = timed_generate(llm, others[0], params)
             seconds, _ = timed_generate(llm, prompts, params)
             row = {"seconds": seconds, "tok_per_s": sum(limits) / seconds,
                    "first_run_tok_per_s": sum(limits) / first,
                    **profile_run(llm, others[1], params)}
-            label = dtype + (", prefix caching" if caching == "on" else "")
-            results[label + (", decode in batch order" if order == "batch" else "")] = row
+            results[dtype + (", prefix caching" if caching == "on" else "")] = row
             del llm
             torch.cuda.empty_cache()
     Path(args.out, "engine_timeline.json").write_text(json.dumps(results, indent=1))

@@ -1,5 +1,5 @@
-"""What an engine's first requests pay once (GPU): Triton compiles and kernel loads, modules
-imported, and the longest host operations, during ``bench_engine``'s timed requests.
+"""What do an engine's first requests pay once? (GPU) Triton compiles and kernel loads,
+modules imported, and the longest host operations, during ``bench_engine``'s timed requests.
 
 After the engine's start-up and ``bench_engine``'s own warm-up request, each workload runs as
 ``bench_engine`` times it, with Triton's JIT hooks recording every kernel specialisation

@@ -1,21 +1,22 @@
-"""A/B of the prefill kernel (GPU): another version of ``ops/prefill_kernel.py`` against the
-library's, alternated in one process, on paged and contiguous K/V.
+"""Is one source tree's prefill faster than another's? (GPU)
 
-``--baseline FILE`` is a copy of ``prefill_kernel.py`` (for example ``git show
-REV:mini_paged_attn/ops/prefill_kernel.py > /tmp/old.py``); it is loaded as a module of
-``mini_paged_attn.ops`` and its ``_prefill_kernel`` launched through the library's own launcher,
-so both run the same tiles and arguments. Each round times, per case, the baseline and the
-current kernel on paged K/V (``paged_prefill``'s launch) and on contiguous K/V
-(``flash_attn_varlen_func``'s launch, tensor descriptors on Hopper), then cuDNN and flash SDPA;
-the table gives the median of the rounds and each kernel's largest difference from the other.
+``paged_prefill`` (paged K/V, blocks in random order) and ``flash_attn_varlen_func``
+(contiguous K/V) of two checkouts, each imported under a name of its own in this process, on
+``bench_prefill``'s cases (32 query / 8 KV heads, head_size 128, bf16, causal), alternated
+round by round, with cuDNN and flash SDPA in the same rounds for scale. Each tree plans and
+launches its own calls as a user's repeated call does, so whatever the trees differ in (the
+kernel, its tiles, the plan, the page copy) shows. The table gives each column's median of the
+rounds in TFLOP/s of the attention's FLOPs, and per case the largest difference between the
+two trees' outputs.
 
-    python -m benchmarks.experiments.prefill_ab --baseline /tmp/old.py [--rounds 3] [--out DIR]
+    git worktree add /tmp/base main
+    python -m benchmarks.experiments.prefill_ab --baseline /tmp/base [--current .]
+        [--rounds 3] [--cases "causal 4x4k,chunk 512 on 8k x8"] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 from dataclasses import asdict
@@ -23,88 +24,89 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_prefill import CASES, D, contiguous_kv, paged_batch, sdpa_tflops
+from benchmarks.bench_prefill import CASES, contiguous_kv, paged_batch, sdpa_tflops
 from benchmarks.common import environment, start_gpu_run, time_us
-from mini_paged_attn.ops import prefill as prefill_module
-from mini_paged_attn.ops.checks import check_paged_prefill_args
+from benchmarks.experiments import import_tree
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYOUTS = ("paged", "contiguous")
 
 
-def load_kernel(path: Path):
-    """``_prefill_kernel`` of a copy of ``prefill_kernel.py`` (relative imports resolve
-    against ``mini_paged_attn.ops``)."""
-    spec = importlib.util.spec_from_file_location("mini_paged_attn.ops._prefill_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module._prefill_kernel
+def tree_calls(ops, batch, contiguous) -> dict:
+    """``{layout: (call, result)}``: the public prefill calls of one tree's ``ops`` package
+    over ``batch`` (``bench_prefill.paged_batch``) and its ``contiguous`` K/V; ``result()``
+    is the last call's output, ``[total_q, num_q_heads, head_size]`` in the query's dtype."""
+    q, kc, vc, tables, cu, ctx = batch
+    k, v, cu_k = contiguous
+    max_q, max_k = int((cu[1:] - cu[:-1]).max()), int(ctx.max())
+    paged_out = torch.empty_like(q)
+    varlen_out = [None]     # the call allocates its output, as a user's does
 
+    def paged():
+        ops.paged_prefill(q, kc, vc, tables, cu, ctx, causal=True, out=paged_out,
+                          max_seqlen_q=max_q)
 
-def prepared(kernel, batch, contiguous, paged: bool):
-    """A repeatable launch of ``kernel`` through the library's launcher, and its output."""
-    saved = prefill_module._prefill_kernel
-    prefill_module._prefill_kernel = kernel
-    try:
-        q, kc, vc, tables, cu, ctx = batch
-        out = torch.empty_like(q)
-        if paged:
-            shapes = check_paged_prefill_args(q, kc, vc, tables, cu, ctx, None, out)
-            launch = prefill_module.triton_paged_prefill(q, kc, vc, tables, cu, ctx, shapes,
-                                                         causal=True, out=out, lse=None)
-            args = (q, kc, vc, kc, kc, out, out, tables, cu, ctx, q)
-        else:
-            k, v, cu_k = contiguous
-            launch = prefill_module.triton_varlen_contiguous(q, k, v, cu, cu_k, 0, 0, causal=True,
-                                                             scale=D ** -0.5, out=out)
-            args = (q, k, v, k, k, out, out, cu_k, cu, cu_k, q)
-    finally:
-        prefill_module._prefill_kernel = saved
-    return (lambda: launch(args)), out
-
+    def varlen():
+        varlen_out[0] = ops.flash_attn_varlen_func(q, k, v, cu, cu_k, max_q, max_k, causal=True)
+    return {"paged": (paged, lambda: paged_out), "contiguous": (varlen, lambda: varlen_out[0])}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--baseline", type=Path, required=True,
-                        help="a copy of prefill_kernel.py to compare against")
+    parser.add_argument("--baseline", required=True, help="the checkout to compare against")
+    parser.add_argument("--current", default=str(ROOT),
+                        help="the checkout under test (default: this one)")
     parser.add_argument("--rounds", type=int, default=3, help="alternations per case")
     parser.add_argument("--cases", default=",".join(c.name for c in CASES),
                         help="comma-separated case names of bench_prefill")
     parser.add_argument("--out", type=Path, default=Path("bench_out"),
                         help="directory for prefill_ab.json")
     args = parser.parse_args()
+    names = [c.name for c in CASES]
+    unknown = [n for n in args.cases.split(",") if n not in names]
+    if unknown:
+        parser.error(f"--cases: expected names among {names}, got {unknown}")
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected at least 1, got {args.rounds}")
+    trees = {}
+    for name in ("baseline", "current"):
+        try:
+            trees[name] = import_tree(getattr(args, name), f"mini_paged_attn_{name}").ops
+        except ValueError as exc:
+            parser.error(f"--{name}: {exc}")
     from torch.nn.attention import SDPBackend
-    kernels = {"baseline": load_kernel(args.baseline), "current": prefill_module._prefill_kernel}
     ceilings = start_gpu_run(args.out, "benchmarks.experiments.prefill_ab")
     env = environment()
     rows = []
     for case in [c for c in CASES if c.name in args.cases.split(",")]:
         batch = paged_batch(case)
         contiguous = contiguous_kv(batch)
-        fns, outs = {}, {}
-        for paged in (True, False):
-            for name, kernel in kernels.items():
-                key = f"{name} {'paged' if paged else 'contiguous'}"
-                fns[key], outs[key] = prepared(kernel, batch, contiguous, paged)
-                fns[key]()
-        times = {key: [] for key in [*fns, "cudnn", "flash"]}
+        calls = {f"{tree} {layout}": fn_out
+                 for tree, ops in trees.items()
+                 for layout, fn_out in tree_calls(ops, batch, contiguous).items()}
+        for fn, _ in calls.values():    # compiled and prepared before any timing
+            fn()
+        times = {key: [] for key in [*calls, "cudnn", "flash"]}
         for _ in range(args.rounds):
-            for key, fn in fns.items():
+            for key, (fn, _) in calls.items():
                 times[key].append(case.flops / time_us(fn) / 1e6)
             times["cudnn"].append(sdpa_tflops(case, SDPBackend.CUDNN_ATTENTION) or float("nan"))
             times["flash"].append(sdpa_tflops(case, SDPBackend.FLASH_ATTENTION) or float("nan"))
         torch.cuda.synchronize()
-        diff = {layout: float((outs[f"current {layout}"].float()
-                               - outs[f"baseline {layout}"].float()).abs().max())
-                for layout in ("paged", "contiguous")}
+        diff = {layout: float((calls[f"current {layout}"][1]().float()
+                               - calls[f"baseline {layout}"][1]().float()).abs().max())
+                for layout in LAYOUTS}
         row = {"case": case.name, "tflops": times,
                "median": {k: statistics.median(v) for k, v in times.items()}, "max_diff": diff}
         rows.append(row)
         print(json.dumps(row), flush=True)
     (args.out / "prefill_ab.json").write_text(json.dumps(
-        {"env": env, "ceilings": asdict(ceilings), "baseline": str(args.baseline),
+        {"env": env, "ceilings": asdict(ceilings),
+         "trees": {name: str(Path(getattr(args, name)).resolve()) for name in trees},
          "rows": rows}, indent=1))
     print(f"\n{env['device']} torch {env['torch']} triton {env['triton']}; "
           f"matmul {ceilings.matmul_tflops:.0f} TFLOP/s; median of {args.rounds} rounds, TFLOP/s")
-    keys = ["baseline paged", "current paged", "baseline contiguous", "current contiguous",
-            "cudnn", "flash"]
+    keys = [f"{tree} {layout}" for layout in LAYOUTS for tree in ("baseline", "current")]
+    keys += ["cudnn", "flash"]
     print(f"{'case':20}" + "".join(f"{k:>21}" for k in keys) + f"{'cur contig/cuDNN':>18}")
     for r in rows:
         m = r["median"]

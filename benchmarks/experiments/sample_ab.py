@@ -1,5 +1,6 @@
-"""Temperature sampling (GPU): the one-pass Triton kernel against the eager exponential race
-(the torch reference, seven passes over float32 logits), Qwen3's 151,936-token vocabulary.
+"""How much faster is temperature sampling's one-pass Triton kernel than the eager
+exponential race (the torch reference, seven passes over float32 logits)? (GPU) Qwen3's
+151,936-token vocabulary, ``sample_tokens`` with ``backend="torch"`` and ``"triton"``.
 
 GPU time (CUDA events, L2 flushed) and eager back-to-back time per call, by row count.
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import environment, start_gpu_run, time_us
-from mini_paged_attn.ops.sample import sample_tokens
+from mini_paged_attn.ops import sample_tokens
 
 VOCAB = 151_936
 

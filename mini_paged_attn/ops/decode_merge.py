@@ -3,8 +3,8 @@ their log-sum-exp (the online-softmax merge), in one of two places.
 
 - A second, tiny launch (:func:`prepare_merge`): one program per (sequence, query head), with
   its own launch options. Under CUDA graphs only GPU time counts, and there an earlier merge
-  inside the decode kernel measured 3-5 us slower at batch 1 (docs/performance-notes.md);
-  ``benchmarks/experiments/fused_merge_ab.py`` times this one against it.
+  inside the decode kernel measured 3-5 us slower at batch 1 (docs/performance-notes.md, with
+  the two compared at eager calls).
 - Inside the decode kernel (:func:`merge_group_splits`, ``FUSED_MERGE``): the program that
   finishes a (sequence, KV head) last merges that group's query heads. One launch instead of
   two saves the host the second launch (eager calls are host-bound at small batches).
@@ -23,7 +23,7 @@ from .launch import PreparedLaunch
 
 MERGE_VALUES_PER_THREAD = 64
 """Partial-output values one thread holds per chunk of a fused merge (see :func:`merge_chunk`).
-Compiled for sm_90 (``experiments/decode_compile_check.py``, split tiles, 4 warps): at GQA 4,
+Compiled for sm_90 ahead of time on a CPU (split tiles, 4 warps): at GQA 4,
 head 128, chunks of 16 splits keep the kernel at its unfused 96 registers; chunks of all 32
 (one round trip at batch 1) took 165. None spills."""
 

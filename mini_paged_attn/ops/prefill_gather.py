@@ -9,7 +9,7 @@ kernel over them is faster: the copy reads and writes the sequences' K/V once (a
 the attention's time at 512 queries a sequence, less for longer ones), and the attention
 then runs at the contiguous rate. On an H100, causal 1x4k: 363 -> 482 TFLOP/s, 4x4k 370 ->
 507, 1x16k 434 -> 590, a 512-token chunk on 8k cached tokens x8: 426 -> 501
-(``benchmarks/experiments/prefill_gather.py``).
+(docs/performance-notes.md, "Paged K/V by copy").
 
 The copy (``_gather_kv_kernel``) writes sequence ``i``'s ``context_lens[i]`` tokens to rows
 ``cu_k[i] ...`` of K and V buffers ``[rows, num_kv_heads, head_size]`` in the query's dtype

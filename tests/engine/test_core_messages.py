@@ -6,9 +6,10 @@ import pytest
 
 from mini_paged_attn.engine import SamplingParams
 from mini_paged_attn.engine.process.messages import (
-    PAYLOADS, AbortRequest, AddRequest, CompletionDelta, EngineDead, MessageKind, OutputDelta,
-    Outputs, Ready, Shutdown, StepFailed, decode, encode)
+    PAYLOADS, AbortRequest, AddRequest, CompletionDelta, EngineDead, Loading, MessageKind,
+    OutputDelta, Outputs, Ready, Shutdown, StepFailed, decode, encode)
 from mini_paged_attn.engine.outputs import EngineStats, RequestMetrics
+from mini_paged_attn.models.load_progress import LoadEvent
 
 STATS = EngineStats(kv_blocks_total=8, kv_blocks_free=5, num_running=2, num_waiting=1)
 MESSAGES = [
@@ -17,6 +18,7 @@ MESSAGES = [
     AddRequest("b", "hi", [4], SamplingParams(n=2, seed=1), False, final_only=True),
     AbortRequest("a"),
     Shutdown(),
+    Loading(LoadEvent("weights", 3, 10, False, 0.25)),
     Ready("tokenizer", {"vocab_size": 10}, 64, "admission", STATS),
     Outputs([OutputDelta("a", [CompletionDelta(0, 2, "lo", [7, 8], None, -1.5, [{7: -0.5}]),
                                CompletionDelta(1, 0, "", [9], "stop", None, None)],

@@ -87,7 +87,7 @@ def test_auto_and_torch_run_f_linear_on_cpu():
 
 
 def test_plan_at_qwen3_decode_shapes():
-    # Measured on an H100 (benchmarks/experiments/decode_linear.py): split only the layers
+    # Measured on an H100 (docs/performance-notes.md): split only the layers
     # with few output tiles, more at a few rows.
     ws = SplitKWorkspace("cpu")
     shapes = {"qkv": (4096, 1024, False), "o": (1024, 2048, False),

@@ -23,10 +23,20 @@ LLM_KWARGS = dict(device="cpu", block_size=16, num_kv_blocks=64, max_num_seqs=48
 
 @pytest.fixture(scope="module")
 def core(model_dir):
-    client = MPEngineClient(str(model_dir), LLM_KWARGS, start_timeout=120)
+    events = []
+    client = MPEngineClient(str(model_dir), LLM_KWARGS, start_timeout=120,
+                            load_progress=events.append)
+    client.load_events = events
     yield client
     client.shutdown()
     assert client.process.exitcode is not None  # the child is gone
+
+
+def test_the_childs_load_progress_reaches_the_client(core):
+    finished = [e.phase for e in core.load_events if e.finished]
+    assert {"tokenizer", "weights", "kv pool"} <= set(finished)
+    weights = [e for e in core.load_events if e.phase == "weights"]
+    assert weights[-1].done == weights[-1].total > 0
 
 
 def test_engine_process_matches_in_process_generate(core, llm):
