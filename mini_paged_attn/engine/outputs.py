@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from .tools.parsers import ToolCall
 
@@ -168,6 +169,14 @@ class RequestMetrics:
         end = self.last_token_time if self.last_token_time is not None else self.first_token_time
         elapsed = end - self.first_token_time
         return (self.num_generation_tokens - 1) / elapsed if elapsed > 0 else None
+
+    def __reduce__(self):
+        # The engine process sends every live request's metrics every step: as a plain
+        # tuple of fields they pickle ~4x faster than through the dataclass's __dict__.
+        return (RequestMetrics, _metric_fields(self))
+
+
+_metric_fields = operator.attrgetter(*(f.name for f in fields(RequestMetrics)))
 
 
 @dataclass

@@ -84,6 +84,14 @@ class _Rebuilt:
                              delta.finished, delta.metrics, self.prompt_logprobs)
 
 
+def _import_tokenizer_modules() -> None:
+    try:
+        import transformers
+        transformers.AutoTokenizer  # noqa: B018 (a lazy module: the attribute imports it)
+    except Exception:    # a missing or broken install shows where the tokenizer is used
+        logger.debug("could not import transformers' tokenizers ahead", exc_info=True)
+
+
 def _engine_text(params: SamplingParams) -> bool:
     """Whether the engine's process makes the request's text (else the client does)."""
     return bool(params.stop) or not params.default_text
@@ -129,6 +137,10 @@ class MPEngineClient(ClientBookkeeping):
         self.process.start()
         child_commands.close()
         child_results.close()
+        # Ready brings the tokenizer, whose unpickling imports transformers' tokenizer stack
+        # (seconds on a cold host); import it here while the child loads, not after.
+        threading.Thread(target=_import_tokenizer_modules, name="engine-client-imports",
+                         daemon=True).start()
         ready = self._await_ready(start_timeout, load_progress)
         super().__init__(ready.tokenizer, ready.admission)
         self.model_config = ready.model_config
