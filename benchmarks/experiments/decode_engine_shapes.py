@@ -27,7 +27,7 @@ from benchmarks.common import environment, start_gpu_run, time_us
 from mini_paged_attn.ops import decode as decode_module
 from mini_paged_attn.ops.checks import check_paged_decode_args
 from mini_paged_attn.ops.decode import workspace_size
-from mini_paged_attn.ops.explain import DecodeTiles, num_sms_of, plan_decode
+from mini_paged_attn.ops.attention.decode_plan import DecodeTiles, num_sms_of, plan_decode
 from mini_paged_attn.ops.kv_quant import FP8_DTYPE
 
 HKV, D, BLOCK = 8, 128, 16

@@ -36,7 +36,7 @@ from benchmarks.bench_attention import (DecodeCase, DecodeInputs, check_and_time
 from benchmarks.common import (Ceilings, print_table, start_gpu_run, time_graph_us, time_us,
                                write_csv)
 from mini_paged_attn.ops import decode_kernel, decode_merge
-from mini_paged_attn.ops.explain import DecodeTiles
+from mini_paged_attn.ops.attention.decode_plan import DecodeTiles
 
 
 def kernel_stats(seen: set) -> str:

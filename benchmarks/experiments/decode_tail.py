@@ -22,7 +22,7 @@ from benchmarks.experiments.decode_engine_shapes import BLOCK, D, HKV, make_batc
 from mini_paged_attn.ops import decode as decode_module
 from mini_paged_attn.ops.checks import check_paged_decode_args
 from mini_paged_attn.ops.decode import workspace_size
-from mini_paged_attn.ops.explain import DecodeTiles, num_sms_of, plan_decode
+from mini_paged_attn.ops.attention.decode_plan import DecodeTiles, num_sms_of, plan_decode
 from mini_paged_attn.ops.kv_quant import FP8_DTYPE
 
 HQ, WIDTH, LENS = 16, 128, (1000, 2000)

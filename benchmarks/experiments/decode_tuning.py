@@ -18,7 +18,7 @@ from benchmarks.bench_attention import (ROTATE_BYTES, DecodeCase, make_inputs, o
                                         sdpa_on_contiguous)
 from benchmarks.common import (Ceilings, print_table, start_gpu_run, time_graph_us, time_us,
                                write_csv)
-from mini_paged_attn.ops.explain import DecodeTiles
+from mini_paged_attn.ops.attention.decode_plan import DecodeTiles
 
 
 def run_tune(args, ceilings: Ceilings) -> None:

@@ -73,7 +73,8 @@ def store_kv_launch(stack: ExitStack, llm) -> None:
 def _replan(llm) -> None:
     """Plan the decode launches again: clear the plan and launch caches, then choose the
     decode graphs' table widths and capture them again."""
-    from mini_paged_attn.ops import dispatch, explain
+    from mini_paged_attn.ops import dispatch
+    from mini_paged_attn.ops.attention import decode_plan as explain
     plan = explain.plan_decode
     while not hasattr(plan, "cache_clear"):    # patched: the cached function it wraps
         plan = plan.__wrapped__
@@ -89,7 +90,7 @@ def _replan(llm) -> None:
 def fp8_short_unsplit(stack: ExitStack, llm) -> None:
     """fp8 launches of short sequences planned as before the "fp8 short" rule (unsplit, or
     split toward 8 programs a SM); the decode graphs are planned and captured again."""
-    from mini_paged_attn.ops import explain
+    from mini_paged_attn.ops.attention import decode_plan as explain
     stack.callback(_replan, llm)
     stack.enter_context(patched(explain, "FP8_SHORT_TILES", 0))
     _replan(llm)
@@ -100,7 +101,7 @@ def fp8_ordered_unsplit_wide(stack: ExitStack, llm) -> None:
     ``FP8_SPLIT_BELOW`` programs a SM instead of from ``FP8_ORDERED_UNSPLIT`` (at (a)'s tail
     lengths, 1000..2000 tokens, 96 sequences read 89.1% of copy bandwidth unsplit against
     83.8% in 2 splits; ``decode_tail``); the decode graphs are planned and captured again."""
-    from mini_paged_attn.ops import explain
+    from mini_paged_attn.ops.attention import decode_plan as explain
     stack.callback(_replan, llm)
     stack.enter_context(patched(explain, "FP8_ORDERED_UNSPLIT", explain.FP8_SPLIT_BELOW))
     _replan(llm)
@@ -110,7 +111,8 @@ def fp8_unordered_plan(stack: ExitStack, llm) -> None:
     """Decode launches planned as if their sequences came in batch order (over an fp8 cache:
     short sequences split in two at any count of programs); the decode graphs are planned
     and captured again."""
-    from mini_paged_attn.ops import decode, explain
+    from mini_paged_attn.ops import decode
+    from mini_paged_attn.ops.attention import decode_plan as explain
     plan = explain.plan_decode
 
     @functools.wraps(plan)

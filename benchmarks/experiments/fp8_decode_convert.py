@@ -139,7 +139,7 @@ def split_rows(copy: float) -> list[dict]:
     from mini_paged_attn.ops import paged_decode
     from mini_paged_attn.ops.checks import check_paged_decode_args
     from mini_paged_attn.ops.decode import triton_paged_decode
-    from mini_paged_attn.ops.explain import DecodeTiles, num_sms_of, plan_decode
+    from mini_paged_attn.ops.attention.decode_plan import DecodeTiles, num_sms_of, plan_decode
     from mini_paged_attn.ops.kv_quant import FP8_DTYPE
 
     rows = []

@@ -31,7 +31,7 @@ from benchmarks.experiments.decode_engine_shapes import D, HKV, make_batch
 from mini_paged_attn.ops import paged_decode
 from mini_paged_attn.ops.checks import check_paged_decode_args
 from mini_paged_attn.ops.decode import triton_paged_decode
-from mini_paged_attn.ops.explain import DecodeTiles
+from mini_paged_attn.ops.attention.decode_plan import DecodeTiles
 from mini_paged_attn.ops.kv_quant import FP8_DTYPE
 
 

@@ -25,7 +25,8 @@ import torch
 from benchmarks.bench_attention import DecodeCase, make_inputs
 from benchmarks.bench_host import host_and_eager_us
 from benchmarks.common import print_table, start_gpu_run, time_graph_us, time_us, write_csv
-from mini_paged_attn.ops import dispatch, explain, paged_decode
+from mini_paged_attn.ops import dispatch, paged_decode
+from mini_paged_attn.ops.attention import decode_plan as explain
 from mini_paged_attn.ops.checks import check_paged_decode_args
 from mini_paged_attn.ops.decode import triton_paged_decode
 

@@ -26,7 +26,7 @@
 """
 
 from .dispatch import paged_decode, paged_prefill, resolve_backend, store_kv
-from .explain import explain_decode
+from .attention.decode_plan import explain_decode
 from .fused import KVWrite, apply_rotary, rms_norm, silu_and_mul
 from .heuristics import num_splits_heuristic
 from .projection import SplitKWorkspace, linear

@@ -84,7 +84,7 @@ class DecodeGraphs:
         """The (tiles, splits) of the model's decode launches for ``b`` sequences and a
         ``width``-block table (one per distinct attention window)."""
         from ...ops.decode import workspace_size
-        from ...ops.explain import explain_decode
+        from ...ops.attention.decode_plan import explain_decode
         key_cache = self.kv_caches[0][0]
         block_size, num_kv_heads, head_size = key_cache.shape[1:]
         max_splits = None
