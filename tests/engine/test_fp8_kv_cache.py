@@ -15,7 +15,7 @@ import torch
 from helpers.engines import assert_pool_whole, make_engine
 from mini_paged_attn.engine import LLM, SamplingParams
 from mini_paged_attn.engine.config import EngineConfig
-from mini_paged_attn.engine.pool_sizing import kv_block_bytes
+from mini_paged_attn.engine.worker.pool_sizing import kv_block_bytes
 from mini_paged_attn.ops.kv_quant import FP8_DTYPE
 
 HAS_CUDA = torch.cuda.is_available()

@@ -11,7 +11,7 @@ from helpers.engines import make_engine
 
 from mini_paged_attn.engine import LLM, SamplingParams
 from mini_paged_attn.engine.config import EngineConfig
-from mini_paged_attn.engine.cuda_graphs import DecodeGraphs
+from mini_paged_attn.engine.worker.cuda_graphs import DecodeGraphs
 
 HEADS = dict(num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
 

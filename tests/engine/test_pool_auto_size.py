@@ -13,7 +13,7 @@ from mini_paged_attn.core.sliding_window import max_blocks_in_use, window_blocks
 from mini_paged_attn.engine import LLMEngine
 from mini_paged_attn.engine.config import EngineConfig
 from mini_paged_attn.engine.llm_engine import load_model_and_tokenizer
-from mini_paged_attn.engine.pool_sizing import kv_block_bytes
+from mini_paged_attn.engine.worker.pool_sizing import kv_block_bytes
 from mini_paged_attn.engine.sampling_params import SamplingParams
 
 LIMITS = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,

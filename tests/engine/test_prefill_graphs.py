@@ -13,7 +13,7 @@ import torch
 from helpers.engines import GREEDY, make_engine
 
 from mini_paged_attn.engine import LLM
-from mini_paged_attn.engine.prefill_graphs import (MAX_GRAPH_TOKENS, PrefillGraphs,
+from mini_paged_attn.engine.worker.prefill_graphs import (MAX_GRAPH_TOKENS, PrefillGraphs,
                                                    PromptGraph, prefill_buckets)
 from mini_paged_attn.models.attention import AttentionMetadata
 
