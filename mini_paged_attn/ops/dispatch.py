@@ -169,7 +169,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     check_seq_order(seq_order, shapes.num_seqs, query.device)
     check_bool("return_lse", return_lse)
     check_bool("explain", explain)
-    impl = backend_for_call(backend, query.device, shapes.head_size, query.dtype)
+    impl = backend_for_call(backend, query.device, shapes.head_size, query.dtype,
+                            prefill=False)
     out, lse, run = impl.decode(query, key_cache, value_cache, block_tables, context_lens,
                                 shapes, out=out, return_lse=return_lse, num_splits=num_splits,
                                 workspace=workspace, explain=explain, k_scale=k_scale,

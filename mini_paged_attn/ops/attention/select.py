@@ -67,13 +67,16 @@ def choose_backend(spec: AttentionSpec, requested: str = "auto") -> AttentionBac
 
 
 def backend_for_call(backend: str, device: torch.device, head_size: int,
-                     dtype: torch.dtype) -> AttentionBackend:
+                     dtype: torch.dtype, *, prefill: bool = True) -> AttentionBackend:
     """The backend of one public op call (arguments already checked): the reference, or
-    the Triton backend, or on sm_90 the Hopper one, by :func:`resolve_backend` and the Gluon
-    kernel's device-side predicate. Runs on a call that missed the dispatcher's cache only."""
+    the Triton backend, or for a prefill on sm_90 the Hopper one, by :func:`resolve_backend`
+    and the Gluon kernel's device-side predicate (a decode call never asks it: the Hopper
+    backend's decode is Triton's). Runs on a call that missed the dispatcher's cache only."""
     if resolve_backend(backend, device) == "torch":
         return TORCH
-    return HOPPER if hopper_prefill_runs_on(device, head_size, dtype) else TRITON
+    if prefill and hopper_prefill_runs_on(device, head_size, dtype):
+        return HOPPER
+    return TRITON
 
 
 __all__ = ["BACKEND_NAMES", "backend_for_call", "choose_backend", "select_backend"]
