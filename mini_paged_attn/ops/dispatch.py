@@ -34,8 +34,8 @@ from .kv_quant import check_kv_scales, scale_pointers
 from .launch import ALIGNMENT, LaunchCache
 from .variants import NO_WINDOW, check_variant
 from .checks import (FLOAT_DTYPES, PagedShapes, check_cache_pair, check_index_vector,
-                     check_paged_decode_args, check_paged_prefill_args, check_paged_values,
-                     check_seq_order, check_seq_order_values, check_tensor)
+                     check_paged_decode_args, check_paged_prefill_args, check_seq_order,
+                     check_tensor)
 
 logger = logging.getLogger(__name__)
 
