@@ -51,7 +51,7 @@ from benchmarks.plots import plot_lines
 from mini_paged_attn.ops import paged_decode
 from mini_paged_attn.ops.checks import check_paged_decode_args
 from mini_paged_attn.ops.decode import triton_paged_decode, workspace_size
-from mini_paged_attn.ops.explain import MAX_SPLITS, DecodeTiles, explain_decode
+from mini_paged_attn.ops.attention.decode_plan import MAX_SPLITS, DecodeTiles, explain_decode
 
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION,
                  "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,

@@ -52,7 +52,7 @@ def _decode_row(batch: int, context: int, copy_gbps: float, seed: int) -> dict:
     from benchmarks.bench_attention import DecodeCase, make_inputs
     from benchmarks.common import time_us
     from mini_paged_attn.ops import paged_decode
-    from mini_paged_attn.ops.explain import num_sms_of, plan_decode
+    from mini_paged_attn.ops.attention.decode_plan import num_sms_of, plan_decode
     from mini_paged_attn.ops.kv_quant import FP8_DTYPE
 
     case = DecodeCase(batch, context)

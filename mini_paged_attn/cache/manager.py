@@ -43,8 +43,8 @@ from ..core.args import as_int, cdiv, check_bool, positive_int
 from ..core.block_manager import BlockManager
 from ..core.kv_cache_manager import KVCacheManager
 from .block_table import BlockTable
+from .fp8 import is_fp8, quantize
 from .memory_map import MemoryMap, build_memory_map
-from ..ops.kv_quant import is_fp8, quantize
 from .slots import slot_mapping, write_slots
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class PagedAttentionManager:
         block_size: tokens per block.
         num_blocks: physical blocks in the pool.
         device, dtype: of the pool (``torch.float8_e4m3fn`` for an fp8 cache, see
-            ``ops.kv_quant``) and the tables (tables are int32).
+            :mod:`.fp8`) and the tables (tables are int32).
         num_kv_heads: K/V heads stored (default ``num_heads``; fewer for GQA / MQA).
         max_blocks_per_seq: columns of the block table (default ``num_blocks``).
         num_layers: layers whose K/V the pool holds (a block id names the same block in each).

@@ -68,7 +68,7 @@ def write_slots(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
 
     Args:
         key, value: ``[num_tokens, num_kv_heads, head_size]`` in the caches' dtype and device
-            (for an fp8 cache: already quantized, see ``ops.kv_quant``).
+            (for an fp8 cache: already quantized, see :mod:`.fp8`).
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, any
             strides (e.g. the views of ``PagedAttentionManager.kv_cache``); written in place.
         slot_mapping: int32 or int64 ``[num_tokens]``; token ``t`` goes to block

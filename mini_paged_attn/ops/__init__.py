@@ -4,14 +4,16 @@
   arguments and runs the ``torch`` reference (``reference.py``, arithmetic in
   ``reference_attend.py``) or a Triton kernel (launchers ``decode.py``, ``prefill.py``,
   ``kv_write.py``; kernels ``decode_kernel.py``, ``decode_merge.py``, ``prefill_kernel.py``),
-  as :func:`resolve_backend` (``backend.py``) picks. The three take an fp8 (e4m3) KV cache
-  with ``k_scale`` / ``v_scale`` (``kv_quant.py``).
+  as :func:`resolve_backend` (``backend.py``) picks; the attention ops run it through an
+  attention backend object (``attention/``: torch, Triton, Hopper, each declaring what it
+  runs; an engine chooses one once and asks it for its workspaces and warm-up). The three
+  take an fp8 (e4m3) KV cache with ``k_scale`` / ``v_scale`` (``kv_quant.py``).
 - :func:`flash_attn_varlen_func`: FlashAttention's function of that name (``varlen.py``).
 - Attention variants, for every attention op and backend (``variants.py``): sliding windows
   (``window_size``), logit soft-capping (``softcap``) and attention sinks (``sinks``).
 - :func:`merge_attention_states`: the online-softmax combine of two partial results.
 - :func:`num_splits_heuristic`, :func:`explain_decode`: how decode splits the KV sequence
-  (its tiles: ``decode_tiles.py``).
+  (the plan: ``attention/decode_plan.py``; its tiles: ``decode_tiles.py``).
 - :func:`fused_moe`: a mixture-of-experts layer's experts, a Triton grouped GEMM over tokens
   sorted by expert (``moe_triton.py``) next to its torch reference (``moe.py``).
 - :func:`rms_norm` (optionally fused with the residual add), :func:`apply_rotary` (optionally
@@ -26,7 +28,7 @@
 """
 
 from .dispatch import paged_decode, paged_prefill, resolve_backend, store_kv
-from .explain import explain_decode
+from .attention.decode_plan import explain_decode
 from .fused import KVWrite, apply_rotary, rms_norm, silu_and_mul
 from .heuristics import num_splits_heuristic
 from .projection import SplitKWorkspace, linear

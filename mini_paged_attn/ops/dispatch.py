@@ -6,6 +6,10 @@ Backends:
   - ``"auto"`` (default): ``"triton"`` for CUDA tensors when Triton imports, else ``"torch"``
     (:func:`~.backend.resolve_backend`, the rule every op family shares).
 
+The attention ops run the backend object :func:`~.attention.select.backend_for_call` picks
+for the call (the reference, Triton, or on sm_90 Hopper, :mod:`.attention`), once per call
+that misses the cache below.
+
 A backend never falls back silently: asking for ``"triton"`` where it cannot run is an error.
 
 Host cost: on CUDA, a call whose arguments have the shapes, strides, dtypes, device and options
@@ -23,14 +27,15 @@ import torch
 
 from ..core.args import check_bool, non_negative_int
 from . import reference
+from .attention.base import outputs
+from .attention.select import backend_for_call
 from .backend import BACKENDS, resolve_backend, triton_available
 from .kv_quant import check_kv_scales, scale_pointers
-from . import explain as _explain
 from .launch import ALIGNMENT, LaunchCache
 from .variants import NO_WINDOW, check_variant
 from .checks import (FLOAT_DTYPES, PagedShapes, check_cache_pair, check_index_vector,
-                     check_paged_decode_args, check_paged_prefill_args, check_paged_values,
-                     check_seq_order, check_seq_order_values, check_tensor)
+                     check_paged_decode_args, check_paged_prefill_args, check_seq_order,
+                     check_tensor)
 
 logger = logging.getLogger(__name__)
 
@@ -69,27 +74,6 @@ def _variant_options(window_size: object, softcap: object) -> tuple | None:
     if type(window_size) is not tuple or len(window_size) != 2:
         return None
     return (*window_size, softcap)
-
-
-def _outputs(query: torch.Tensor, out: torch.Tensor | None, return_lse: bool, rows: int,
-             num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if out is None:
-        out = torch.empty_like(query)
-    lse = (torch.empty(rows, num_q_heads, dtype=torch.float32, device=query.device)
-           if return_lse else None)
-    return out, lse
-
-
-def _reference_outputs(query: torch.Tensor, out: torch.Tensor | None, return_lse: bool,
-                       result: tuple[torch.Tensor, torch.Tensor]):
-    """The reference's float32 (out ``[rows, num_q_heads, head_size]``, lse ``[rows,
-    num_q_heads]``) written into the caller's ``out`` (or a new tensor in the query's dtype)."""
-    o, l = result
-    out, lse = _outputs(query, out, return_lse, o.shape[0], o.shape[1])
-    out.copy_(o)
-    if lse is not None:
-        lse.copy_(l)
-    return out, lse
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -185,35 +169,16 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     check_seq_order(seq_order, shapes.num_seqs, query.device)
     check_bool("return_lse", return_lse)
     check_bool("explain", explain)
-    chosen = resolve_backend(backend, query.device)
-    if chosen == "torch":
-        if num_splits is not None or workspace is not None:
-            raise ValueError("num_splits/workspace: only the triton backend takes them, "
-                             f"got num_splits={num_splits}, workspace given={workspace is not None}")
-        check_paged_values(shapes, block_tables, context_lens)
-        if seq_order is not None:
-            check_seq_order_values(seq_order)
-        out, lse = _reference_outputs(query, out, return_lse, reference.paged_decode_gather(
-            query, key_cache, value_cache, block_tables, context_lens, scale=shapes.scale,
-            k_scale=k_scale, v_scale=v_scale, window_size=window, softcap=softcap,
-            sinks=sinks))
-    else:
-        from .decode import triton_paged_decode
-        out, lse = _outputs(query, out, return_lse, shapes.num_seqs, shapes.num_q_heads)
-        if capturing is None:
-            capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
-        # Calls without a workspace merge the splits in the decode kernel (FUSED_MERGE); a
-        # workspace, what CUDA-graph capture takes, keeps the merge kernel, so the eager
-        # warm-up before a capture compiles the kernels the capture uses.
-        run = triton_paged_decode(query, key_cache, value_cache, block_tables, context_lens,
-                                  shapes, out=out, lse=lse, num_splits=num_splits,
-                                  workspace=workspace, explain=explain, k_scale=k_scale,
-                                  v_scale=v_scale, window_size=window, softcap=softcap,
-                                  sinks=sinks, seq_order=seq_order,
-                                  fused_merge=_explain.FUSED_MERGE and workspace is None,
-                                  keep_scratch=key is not None and not capturing)
-        if run is not None and key is not None:
-            _DECODE_RUNS.put(key, run)
+    impl = backend_for_call(backend, query.device, shapes.head_size, query.dtype,
+                            prefill=False)
+    out, lse, run = impl.decode(query, key_cache, value_cache, block_tables, context_lens,
+                                shapes, out=out, return_lse=return_lse, num_splits=num_splits,
+                                workspace=workspace, explain=explain, k_scale=k_scale,
+                                v_scale=v_scale, window=window, softcap=softcap, sinks=sinks,
+                                seq_order=seq_order, cacheable=key is not None,
+                                capturing=capturing)
+    if run is not None and key is not None:
+        _DECODE_RUNS.put(key, run)
     return (out, lse) if return_lse else out
 
 
@@ -275,7 +240,7 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
             key = (key, torch.cuda.is_current_stream_capturing())
         launch = _PREFILL_RUNS.get(key) if key is not None else None
         if launch is not None:
-            out_, lse = _outputs(query, out, return_lse, query.shape[0], query.shape[1])
+            out_, lse = outputs(query, out, return_lse, query.shape[0], query.shape[1])
             if launch((query, key_cache, value_cache,
                        *scale_pointers(key_cache, k_scale, v_scale), out_,
                        lse if return_lse else out_, block_tables, cu_seqlens_q, context_lens,
@@ -290,24 +255,14 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     check_bool("return_lse", return_lse)
     if max_seqlen_q is not None:
         non_negative_int("max_seqlen_q", max_seqlen_q)
-    chosen = resolve_backend(backend, query.device)
-    total_q = query.shape[0]
-    if chosen == "torch":
-        check_paged_values(shapes, block_tables, context_lens, cu_seqlens_q, total_q)
-        out, lse = _reference_outputs(query, out, return_lse, reference.paged_prefill_gather(
-            query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens,
-            causal=causal, scale=shapes.scale, k_scale=k_scale, v_scale=v_scale,
-            window_size=window, softcap=softcap, sinks=sinks))
-    else:
-        from .prefill import triton_paged_prefill
-        out, lse = _outputs(query, out, return_lse, total_q, shapes.num_q_heads)
-        launch = triton_paged_prefill(query, key_cache, value_cache, block_tables,
-                                      cu_seqlens_q, context_lens, shapes, causal=causal,
-                                      out=out, lse=lse, max_seqlen_q=max_seqlen_q,
-                                      k_scale=k_scale, v_scale=v_scale, window_size=window,
-                                      softcap=softcap, sinks=sinks)
-        if launch is not None and key is not None:
-            _PREFILL_RUNS.put(key, launch)
+    impl = backend_for_call(backend, query.device, shapes.head_size, query.dtype)
+    out, lse, launch = impl.prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q,
+                                    context_lens, shapes, causal=causal, out=out,
+                                    return_lse=return_lse, max_seqlen_q=max_seqlen_q,
+                                    k_scale=k_scale, v_scale=v_scale, window=window,
+                                    softcap=softcap, sinks=sinks)
+    if launch is not None and key is not None:
+        _PREFILL_RUNS.put(key, launch)
     return (out, lse) if return_lse else out
 
 

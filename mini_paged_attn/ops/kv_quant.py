@@ -9,26 +9,20 @@ finite (their values are not checked: that would read them on the host). A scale
 takes None.
 
 Rounding is to nearest even and saturates at +-448 (e4m3's largest finite value), so an
-out-of-range input never becomes NaN; NaN stays NaN.
+out-of-range input never becomes NaN; NaN stays NaN. The stored format itself (the dtype,
+quantize / dequantize) is the cache's, :mod:`mini_paged_attn.cache.fp8`, re-exported here; this
+module adds what the ops need on top: the dtype names, the scale checks and launch arguments.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..cache.fp8 import FP8_DTYPE, FP8_MAX, dequantize, is_fp8, quantize
 from ..core.args import arg_error
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-"""The largest finite e4m3 value; quantization saturates here."""
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 """Names of a KV cache dtype: "auto" (the model's dtype), "fp8" = "fp8_e4m3"."""
-
-
-def is_fp8(dtype: torch.dtype) -> bool:
-    """Whether a cache of this dtype is quantized (takes scales)."""
-    return dtype == FP8_DTYPE
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -82,27 +76,6 @@ def index_cache(cache: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
     if is_fp8(cache.dtype):
         return cache.view(torch.uint8)[index].view(cache.dtype)
     return cache[index]
-
-
-def _per_head(scale: torch.Tensor) -> torch.Tensor:
-    """``[]`` or ``[num_kv_heads]`` -> a float32 tensor that broadcasts over ``[..., H, D]``."""
-    return scale.float().reshape(-1, 1)
-
-
-def quantize(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """``x`` ``[..., num_kv_heads, head_size]`` (any float dtype) -> e4m3 of ``x / scale``,
-    saturated at +-448, same shape."""
-    x = x.float()
-    if scale is not None:
-        x = x / _per_head(scale)
-    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-
-
-def dequantize(stored: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """``stored`` ``[..., num_kv_heads, head_size]`` (any dtype) -> float32 ``stored * scale``
-    (no scaling for None)."""
-    x = stored.float()
-    return x if scale is None else x * _per_head(scale)
 
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "KV_CACHE_DTYPES", "check_kv_scales", "dequantize", "index_cache", "is_fp8",

@@ -44,14 +44,14 @@ def _launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens, *, num_seqs:
             num_kv_heads: int, scale: float, causal: bool, paged: bool, block_size: int,
             config: PrefillConfig | None, k_scale: torch.Tensor | None = None,
             v_scale: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
-            softcap: float = 0.0, sinks: torch.Tensor | None = None) -> PreparedLaunch | None:
+            softcap: float = 0.0, sinks: torch.Tensor | None = None,
+            hopper: bool = True) -> PreparedLaunch | None:
     total_q, num_q_heads, head_size = q.shape
     if total_q == 0 or num_seqs == 0:
         return None
     right = effective_right(window_size, causal)
-    if not paged and config is None and _hopper_runs(q, k, v, out, num_seqs, None, right,
-                                                     k_scale, v_scale, window_size, softcap,
-                                                     sinks):
+    if hopper and not paged and config is None and _hopper_runs(
+            q, k, v, out, num_seqs, None, right, k_scale, v_scale, window_size, softcap, sinks):
         from .prefill_hopper import hopper_launch    # Gluon: only where it runs
         return hopper_launch(q, k, v, out, lse, block_tables, cu_seqlens_q, kv_lens,
                              num_seqs=num_seqs, scale=scale, causal=right == 0)
@@ -100,7 +100,7 @@ def triton_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cac
                          v_scale: torch.Tensor | None = None,
                          window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                          sinks: torch.Tensor | None = None,
-                         gather: bool | None = None
+                         gather: bool | None = None, hopper: bool = True
                          ) -> PreparedLaunch | GatheredPrefill | None:
     """Paged varlen prefill into ``out`` (and ``lse``); arguments already checked by dispatch.
 
@@ -121,6 +121,9 @@ def triton_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cac
             (:mod:`.prefill_gather`; the cache's tokens must have their heads adjacent);
             None (and ``config`` None): the Hopper kernel (:mod:`.prefill_hopper`) where it
             runs, else copy where :func:`~.prefill_gather.should_gather` says so.
+        hopper: whether this call may take the Hopper kernel at all (the attention
+            backend's choice, :mod:`.attention.hopper_backend`; False skips its per-call
+            plan where it never runs).
 
     Returns:
         The launch, repeatable for other tensors of the same shapes with the tensors in the
@@ -130,7 +133,7 @@ def triton_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     """
     del max_seqlen_q  # the flattened tile schedule makes it unnecessary
     right = effective_right(window_size, causal)
-    if gather is None and config is None and _hopper_runs(
+    if hopper and gather is None and config is None and _hopper_runs(
             query, key_cache, value_cache, out, shapes.num_seqs, shapes.block_size, right,
             k_scale, v_scale, window_size, softcap, sinks):
         from .prefill_hopper import hopper_launch    # Gluon: only where it runs
@@ -147,15 +150,16 @@ def triton_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     if gather and shapes.num_seqs and query.shape[0]:
         return _gathered(query, key_cache, value_cache, block_tables, context_lens,
                          cu_seqlens_q, shapes, causal=causal, out=out, lse=lse, config=config,
-                         **variant)
+                         hopper=hopper, **variant)
     return _launch(query, key_cache, value_cache, out, lse, block_tables, cu_seqlens_q, context_lens,
             num_seqs=shapes.num_seqs, num_kv_heads=shapes.num_kv_heads, scale=shapes.scale,
-            causal=causal, paged=True, block_size=shapes.block_size, config=config, **variant)
+            causal=causal, paged=True, block_size=shapes.block_size, config=config,
+            hopper=hopper, **variant)
 
 
 def _gathered(query, key_cache, value_cache, block_tables, context_lens, cu_seqlens_q,
-              shapes: PagedShapes, *, causal: bool, out, lse, config, **variant
-              ) -> GatheredPrefill | None:
+              shapes: PagedShapes, *, causal: bool, out, lse, config, hopper: bool,
+              **variant) -> GatheredPrefill | None:
     """:func:`triton_paged_prefill` by copy (see :mod:`.prefill_gather`)."""
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         if not heads_adjacent(cache):
@@ -169,7 +173,7 @@ def _gathered(query, key_cache, value_cache, block_tables, context_lens, cu_seql
     gather = prepare_gather(key_cache, value_cache, block_tables, context_lens, k, v, cu_k)
     attend = _launch(query, k, v, out, lse, cu_k, cu_seqlens_q, cu_k, num_seqs=shapes.num_seqs,
                      num_kv_heads=shapes.num_kv_heads, scale=shapes.scale, causal=causal,
-                     paged=False, block_size=1, config=config, **variant)
+                     paged=False, block_size=1, config=config, hopper=hopper, **variant)
     if attend is None or not gather.ready:     # the interpreter: nothing to repeat
         return None
     return GatheredPrefill(gather, attend, layout, (variant["k_scale"] is not None,

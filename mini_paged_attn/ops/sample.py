@@ -79,7 +79,7 @@ def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, *,
     if resolve_backend(backend, logits.device) == "torch":
         ids, invalid = sample_tokens_reference(logits, temperatures, generator)
     else:
-        from .explain import num_sms_of
+        from .attention.decode_plan import num_sms_of
         from .sample_triton import triton_sample_tokens
         check_last_dim_contiguous("logits", logits)
         seed = torch.randint(0, 2**62, (1,), generator=generator, device=logits.device)

@@ -25,11 +25,8 @@ def _graphs(tiny_model_factory, kv_cache_dtype: str, max_model_len: int) -> Deco
                             max_num_seqs=64, cpu_kv_cache_bytes=1 << 22))
     runner = engine.runner
     # The engine's workspace (made on CUDA only): it caps the splits the plans may take.
-    from mini_paged_attn.engine.worker.model_runner import WORKSPACE_SPLITS_PER_SEQ
-    from mini_paged_attn.ops.decode import workspace_size
-    workspace = torch.empty(workspace_size(64, HEADS["num_attention_heads"],
-                                           runner.model_config.head_size,
-                                           WORKSPACE_SPLITS_PER_SEQ))
+    from mini_paged_attn.ops.attention import TRITON
+    workspace = TRITON.decode_workspace(runner.attention_limits)
     return DecodeGraphs(runner.model, runner.kv_caches, runner.inputs, max_batch=64,
                         backend="triton", decode_workspace=workspace)
 

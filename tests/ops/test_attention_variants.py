@@ -25,7 +25,7 @@ from helpers.paged_batch import (PagedBatch, make_decode_batch, make_paged_batch
 from mini_paged_attn.ops import reference
 from mini_paged_attn.ops.decode import workspace_size
 from mini_paged_attn.ops.dispatch import paged_decode, paged_prefill
-from mini_paged_attn.ops.explain import explain_decode, plan_decode, window_kv_tiles
+from mini_paged_attn.ops.attention.decode_plan import explain_decode, plan_decode, window_kv_tiles
 from mini_paged_attn.ops.varlen import flash_attn_varlen_func
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

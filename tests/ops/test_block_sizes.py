@@ -17,7 +17,7 @@ from helpers.reference_checks import assert_decode_matches_reference, run_and_co
 from mini_paged_attn.ops import flash_attn_varlen_func, paged_prefill, store_kv
 from mini_paged_attn.ops.checks import check_paged_decode_args
 from mini_paged_attn.ops.decode import triton_paged_decode
-from mini_paged_attn.ops.explain import DecodeTiles
+from mini_paged_attn.ops.attention.decode_plan import DecodeTiles
 from mini_paged_attn.ops.prefill_plan import PrefillConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

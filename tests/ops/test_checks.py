@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mini_paged_attn.ops import paged_decode, paged_prefill, store_kv
-from mini_paged_attn.ops.explain import DecodeTiles
+from mini_paged_attn.ops.attention.decode_plan import DecodeTiles
 from mini_paged_attn.ops.prefill_plan import PrefillConfig
 
 NUM_BLOCKS, BLOCK_SIZE, HKV, HQ, D = 6, 4, 2, 4, 8

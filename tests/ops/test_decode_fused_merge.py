@@ -15,7 +15,7 @@ from helpers.cuda_graphs import capture
 from helpers.paged_batch import make_decode_batch
 from helpers.reference_checks import assert_decode_matches_reference
 from mini_paged_attn.ops import decode as decode_mod
-from mini_paged_attn.ops import explain
+from mini_paged_attn.ops.attention import decode_plan as explain
 from mini_paged_attn.ops.checks import check_paged_decode_args
 from mini_paged_attn.ops.decode import triton_paged_decode, workspace_size
 from mini_paged_attn.ops.decode_merge import merge_chunk, merge_rows

@@ -14,7 +14,7 @@ from helpers.reference_checks import assert_decode_matches_reference
 from mini_paged_attn.ops import reference
 from mini_paged_attn.ops.decode import workspace_size
 from mini_paged_attn.ops.dispatch import paged_decode
-from mini_paged_attn.ops.explain import MAX_SPLITS
+from mini_paged_attn.ops.attention.decode_plan import MAX_SPLITS
 
 pytestmark = pytest.mark.gpu
 

@@ -19,7 +19,7 @@ from helpers.reference_checks import assert_decode_matches_reference
 from mini_paged_attn.ops.checks import check_paged_decode_args
 from mini_paged_attn.ops.decode import triton_paged_decode, workspace_size
 from mini_paged_attn.ops.dispatch import paged_decode
-from mini_paged_attn.ops.explain import (FUSED_MERGE, DecodeTiles, default_tiles,
+from mini_paged_attn.ops.attention.decode_plan import (FUSED_MERGE, DecodeTiles, default_tiles,
                                          explain_decode, plan_decode)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

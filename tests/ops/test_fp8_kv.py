@@ -303,7 +303,7 @@ def test_scale_on_another_device_raises():
 
 @pytest.mark.parametrize("num_seqs", [1, 256])
 def test_fp8_cache_plans_its_own_tiles_and_fp16_dots(num_seqs):
-    from mini_paged_attn.ops.explain import FP8_TILES, plan_decode
+    from mini_paged_attn.ops.attention.decode_plan import FP8_TILES, plan_decode
 
     args = (num_seqs, 32, 8, 128, 16384, 16, torch.bfloat16, 132)
     fp8 = plan_decode(*args, kv_dtype=FP8_DTYPE)
@@ -327,7 +327,7 @@ def test_fp8_launches_of_short_sequences_split_in_two(num_seqs, context, splits,
     """Sequences of at most FP8_SHORT_TILES unsplit tiles split in exactly 2 (the unsplit
     tiles), where the other rules would leave them unsplit or split them more; a workspace
     with room for one split keeps them unsplit."""
-    from mini_paged_attn.ops.explain import FP8_SHORT_TILES, FP8_TILES, plan_decode
+    from mini_paged_attn.ops.attention.decode_plan import FP8_SHORT_TILES, FP8_TILES, plan_decode
 
     assert FP8_SHORT_TILES * FP8_TILES.block_n == 2048
     plan = plan_decode(num_seqs, 16, 8, 128, context, 16, torch.bfloat16, 132,
@@ -354,7 +354,7 @@ def test_fp8_short_sequences_taken_longest_first(num_seqs, splits, reason):
     FP8_ORDERED_UNSPLIT programs a SM, splits them in two between FP8_SPLIT_BELOW and that,
     and below FP8_SPLIT_BELOW splits toward FP8_PROGRAMS_PER_SM."""
     from mini_paged_attn.ops.decode_tiles import fp8_occupancy_tiles
-    from mini_paged_attn.ops.explain import (FP8_ORDERED_UNSPLIT, FP8_SPLIT_BELOW, FP8_TILES,
+    from mini_paged_attn.ops.attention.decode_plan import (FP8_ORDERED_UNSPLIT, FP8_SPLIT_BELOW, FP8_TILES,
                                              explain_decode, plan_decode)
 
     assert FP8_SPLIT_BELOW * 132 <= 8 * 64 and 8 * 98 < FP8_ORDERED_UNSPLIT * 132 <= 8 * 99
@@ -379,7 +379,7 @@ def test_fp8_short_sequences_taken_longest_first(num_seqs, splits, reason):
 
 
 def test_explain_decode_checks_ordered():
-    from mini_paged_attn.ops.explain import explain_decode
+    from mini_paged_attn.ops.attention.decode_plan import explain_decode
 
     with pytest.raises(ValueError, match="^ordered: expected a bool"):
         explain_decode(8, 16, 8, 128, 2048, ordered=1)
@@ -396,7 +396,7 @@ def test_fp8_launches_with_few_programs_per_sm(num_seqs, context, ordered, split
     """Below FP8_SPLIT_BELOW programs a SM, only short sequences taken longest first split
     (toward FP8_PROGRAMS_PER_SM); longer ones stay whole where the 16-bit rule leaves them
     so. A forced num_splits=1 keeps the 64-token tiles."""
-    from mini_paged_attn.ops.explain import FP8_SPLIT_BELOW, FP8_TILES, plan_decode
+    from mini_paged_attn.ops.attention.decode_plan import FP8_SPLIT_BELOW, FP8_TILES, plan_decode
 
     assert num_seqs * 8 < FP8_SPLIT_BELOW * 132
     plan = plan_decode(num_seqs, 32, 8, 128, context, 16, torch.bfloat16, 132,
@@ -430,7 +430,7 @@ def test_fp8_occupancy_fills_the_last_wave(programs, per_sm):
 def test_fp8_plan_takes_the_occupancy_variant_only_where_measured():
     """80 sequences x 8 KV heads plan 5 programs an SM (and say so); 16-bit caches, fp32
     queries, other head sizes and forced tiles keep their tiles."""
-    from mini_paged_attn.ops.explain import FP8_TILES, DecodeTiles, plan_decode
+    from mini_paged_attn.ops.attention.decode_plan import FP8_TILES, DecodeTiles, plan_decode
     args = (80, 32, 8, 128, 4096, 16, torch.bfloat16, 132)
     plan = plan_decode(*args, kv_dtype=FP8_DTYPE)
     assert (plan.tiles.maxnreg, plan.num_splits) == (168, 1)
@@ -445,7 +445,7 @@ def test_fp8_plan_takes_the_occupancy_variant_only_where_measured():
 
 @pytest.mark.parametrize("maxnreg", [16, 256, 128.0, True])
 def test_decode_tiles_check_maxnreg(maxnreg):
-    from mini_paged_attn.ops.explain import DecodeTiles
+    from mini_paged_attn.ops.attention.decode_plan import DecodeTiles
     with pytest.raises(ValueError, match="^maxnreg: expected None or an int in 32..255"):
         DecodeTiles(64, 2, 6, maxnreg=maxnreg)
 

@@ -196,7 +196,7 @@ def test_bad_arguments_raise_value_error_naming_them(name, args):
 
 
 def test_balance_splits_evens_out_the_splits_within_the_same_waves():
-    from mini_paged_attn.ops.explain import balance_splits
+    from mini_paged_attn.ops.attention.decode_plan import balance_splits
 
     # Batch 1, 8 KV heads, 2048 tiles (64k tokens in 32-token tiles) on 132 SMs x 2 slots:
     # FlashAttention's 29 splits run 71 tiles each; 32 run 64 and still fit one wave.
@@ -209,7 +209,7 @@ def test_balance_splits_evens_out_the_splits_within_the_same_waves():
 
 
 def test_balance_splits_never_adds_waves_or_lengthens_a_split():
-    from mini_paged_attn.ops.explain import balance_splits
+    from mini_paged_attn.ops.attention.decode_plan import balance_splits
 
     rng = random.Random(3)
     for _ in range(2000):

@@ -15,7 +15,7 @@ from helpers.paged_batch import make_decode_batch
 from mini_paged_attn.ops import dispatch, launch, pdl
 from mini_paged_attn.ops.decode import workspace_size
 from mini_paged_attn.ops.dispatch import paged_decode
-from mini_paged_attn.ops.explain import MAX_SPLITS
+from mini_paged_attn.ops.attention.decode_plan import MAX_SPLITS
 from mini_paged_attn.ops.fused import KVWrite, apply_rotary, rms_norm, silu_and_mul
 
 pytestmark = pytest.mark.gpu

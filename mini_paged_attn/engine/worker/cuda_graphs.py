@@ -9,7 +9,7 @@ the extra rows padded (slot -1: nothing written; context length 0: nothing read)
 The decode op plans its launch from the block table's width, the bound on the context lengths
 it can see. A bucket is captured over the full table and, where the op would plan differently
 (small batches' split heuristic counts the tiles; an fp8 cache splits short sequences, see
-``ops.explain``), over narrower leading views of it (powers of two of blocks): a step replays
+``ops.attention.decode_plan``), over narrower leading views of it (powers of two of blocks): a step replays
 the narrowest view that holds its blocks.
 """
 
@@ -84,7 +84,7 @@ class DecodeGraphs:
         """The (tiles, splits) of the model's decode launches for ``b`` sequences and a
         ``width``-block table (one per distinct attention window)."""
         from ...ops.decode import workspace_size
-        from ...ops.explain import explain_decode
+        from ...ops.attention.decode_plan import explain_decode
         key_cache = self.kv_caches[0][0]
         block_size, num_kv_heads, head_size = key_cache.shape[1:]
         max_splits = None

@@ -29,7 +29,7 @@ from ...core.scheduler import SchedulerOutput
 from ...models.attention import AttentionMetadata
 from ...models.config import ModelConfig
 from ...models.load_progress import LoadTimer, timer_or_new
-from ...ops.dispatch import resolve_backend
+from ...ops.attention import AttentionLimits, AttentionSpec, choose_backend
 from ...ops.kv_quant import kv_cache_torch_dtype
 from ...ops.projection import SplitKWorkspace
 from ..config import EngineConfig
@@ -45,10 +45,6 @@ from .tp_messages import StepMessage
 from ..structured.bitmask import TokenMasks
 
 logger = logging.getLogger(__name__)
-
-# Split-KV partial results the decode workspace holds per sequence (more for smaller batches).
-WORKSPACE_SPLITS_PER_SEQ = 16
-
 
 # What release_memory() drops: everything of the runner that holds device memory.
 _DEVICE_STATE = ("model", "cache", "kv_caches", "inputs", "sampler", "workspace",
@@ -99,7 +95,14 @@ class ModelRunner:
         # The pool's dtype: the model's, or fp8 (half the bytes per token).
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, model.dtype)
         self.block_size = bs = config.block_size
-        self.backend = resolve_backend(config.backend, device)
+        # The attention backend, chosen once; ``backend`` is what the ops take for it.
+        spec = AttentionSpec(device, model.dtype, self.kv_dtype, model_config.head_size, bs,
+                             window=model_config.sliding_window is not None,
+                             softcap=model_config.attn_logit_softcap > 0,
+                             sinks=any(getattr(m, "sinks", None) is not None
+                                       for m in model.modules()))
+        self.attention = choose_backend(spec, config.backend)
+        self.backend = self.attention.op_backend
         self.max_blocks_per_seq = cdiv(max_model_len, bs)
         self.table_width = table_width(self.max_blocks_per_seq)
         self.max_num_seqs = config.max_num_seqs
@@ -107,12 +110,13 @@ class ModelRunner:
         self.prompt_logprobs: list[PromptLogprobs] = []    # of the latest step
         # The latest step's prompt logprobs on the device, read after its sampled tokens.
         self._prompt_device: PendingPromptLogprobs | None = None
-        self.workspace = None
-        if self.backend == "triton":
-            from ...ops.decode import workspace_size
-            size = workspace_size(config.max_num_seqs, self.layout.num_q_heads,
-                                  model_config.head_size, WORKSPACE_SPLITS_PER_SEQ)
-            self.workspace = torch.empty(size, dtype=torch.float32, device=device)
+        # What the attention backend sizes its workspaces and warm-up batches by.
+        self.attention_limits = AttentionLimits(
+            spec, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+            table_width=self.table_width, num_q_heads=self.layout.num_q_heads,
+            num_kv_heads=self.layout.num_kv_heads)
+        self.workspace = self.attention.decode_workspace(self.attention_limits)
         # The projections' split-K scratch (ops.linear), shared by eager steps and graphs.
         self.linear_workspace = SplitKWorkspace(device) if device.type == "cuda" else None
 
@@ -173,13 +177,9 @@ class ModelRunner:
     def _warm_up(self, max_model_len: int) -> None:
         """Compile and load the kernels before the first request, so no request waits for it.
 
-        - Triton specialises integer arguments equal to 1 or divisible by 16, and the prefill
-          kernel picks its tiles by the batch's mean query length: small batches of 1, 4, 200
-          and 1040 tokens a sequence cover those variants, for whole prompts (new K/V read as
-          they are) and for steps with cached prefixes (K/V read through the block tables).
-          On an H100 / H200 the longer ones run the Hopper kernel (ops.prefill_hopper, from
-          128 tokens a sequence), or over an fp8 cache copy the pages first (1040 is past
-          ops.prefill_gather's threshold for any number of query heads a KV head).
+        - The attention backend names the batches that compile and load its kernel variants
+          (``warmup_shapes``: for the Triton ones, lengths either side of their tile, Hopper
+          and page-copy thresholds, whole prompts and steps over cached prefixes).
         - cuBLAS picks its GEMM kernel by the number of rows, and CUDA loads each kernel on
           its first launch: a 512-token prompt's first step took 31 ms on an H100 against 13 ms
           for the next one, and a first launch waits for the device to drain. One prompt of
@@ -190,13 +190,9 @@ class ModelRunner:
         """
         start = time.perf_counter()
         cfg = self.config
-        for num_seqs in (1, 2, 16):
-            for q_len in (1, 4, 200, 1040):
-                if num_seqs * q_len > cfg.max_num_batched_tokens or q_len > max_model_len:
-                    continue
-                for no_prefix in (True, False) if q_len > 1 else (True,):
-                    self.run_dummy([q_len] * num_seqs, self.kv_caches,
-                                    decode_only=q_len == 1, no_prefix=no_prefix)
+        for batch in self.attention.warmup_shapes(self.attention_limits):
+            self.run_dummy([batch.q_len] * batch.num_seqs, self.kv_caches,
+                           decode_only=batch.q_len == 1, no_prefix=batch.no_prefix)
         q_len = 16
         while q_len <= min(cfg.max_num_batched_tokens, max_model_len):
             self.run_dummy([q_len], self.kv_caches, decode_only=False)

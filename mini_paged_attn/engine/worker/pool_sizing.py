@@ -3,8 +3,8 @@
 On CPU: ``cpu_kv_cache_bytes`` worth, capped by what the running sequences can ever hold. On
 CUDA: ``gpu_memory_utilization`` of the device, less what is in use, the peak of a profiled
 full step (a forward over ``max_num_batched_tokens`` tokens, logits and sampling for
-``max_num_seqs`` rows), the CUDA graphs' reserve and the largest workspace a prefill step's
-page copy may take (``ops.prefill_gather``; the profiled step copies nothing). Under tensor
+``max_num_seqs`` rows), the CUDA graphs' reserve and what the attention backend's calls may
+allocate beyond a profiled step (``AttentionBackend.workspace_bytes``). Under tensor
 parallelism every rank takes the smallest pool of all ranks, so every block id the scheduler
 hands out exists everywhere.
 """
@@ -62,7 +62,8 @@ def auto_num_blocks(runner: ModelRunner, max_model_len: int) -> int:
         peak = profile_step_memory(runner, max_model_len)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(runner.device)
-        reserve = _gather_reserve(runner) + (0 if config.enforce_eager else GRAPH_MEMORY_RESERVE)
+        reserve = (runner.attention.workspace_bytes(runner.attention_limits)
+                   + (0 if config.enforce_eager else GRAPH_MEMORY_RESERVE))
         budget = int(total * config.gpu_memory_utilization) - (total - free) - peak - reserve
         num_blocks = max(0, budget) // per_block
         where = (f"{config.gpu_memory_utilization:.0%} of {total / 2**30:.1f} GiB, less "
@@ -77,19 +78,6 @@ def auto_num_blocks(runner: ModelRunner, max_model_len: int) -> int:
         where += f", the least of {runner.tp.world_size} ranks"
     logger.info("KV pool sized to %d blocks from %s", num_blocks, where)
     return num_blocks
-
-
-def _gather_reserve(runner: ModelRunner) -> int:
-    """Bytes a prefill step's page copy may take beyond the profiled peak (the Triton backend
-    only; on CUDA, torch brings Triton)."""
-    if runner.backend != "triton":
-        return 0
-    from ...ops.prefill_gather import gather_reserve_bytes
-    return gather_reserve_bytes(
-        runner.device, max_num_seqs=runner.config.max_num_seqs, width=runner.table_width,
-        block_size=runner.block_size, num_kv_heads=runner.layout.num_kv_heads,
-        head_size=runner.model_config.head_size, dtype=runner.dtype,
-        cache_dtype=runner.kv_dtype)
 
 
 @torch.inference_mode()

@@ -1,5 +1,5 @@
-"""How paged decode runs and why: the launch plan, shared by the Triton launcher and
-:func:`explain_decode`.
+"""How paged decode runs and why: the launch plan (tiles, splits, merge), shared by the Triton
+launcher and :func:`explain_decode`.
 
 One program of the decode kernel serves one (sequence, KV head, split): all ``group_size``
 query heads of that KV head, so each K/V tile is read once per group. When ``num_seqs x
@@ -19,8 +19,8 @@ which may start anywhere in a tile: the plan counts the tiles such a run can tou
 long-context model splits as a short context would. Either way the split count stays within
 what the caller's workspace holds (``max_splits``).
 
-The tiles themselves (:class:`~.decode_tiles.DecodeTiles`, chosen by
-:func:`~.decode_tiles.default_tiles`) come from :mod:`.decode_tiles`.
+The tiles themselves (:class:`~mini_paged_attn.ops.decode_tiles.DecodeTiles`, chosen by
+:func:`~mini_paged_attn.ops.decode_tiles.default_tiles`) come from :mod:`mini_paged_attn.ops.decode_tiles`.
 """
 
 from __future__ import annotations
@@ -30,22 +30,22 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.args import cdiv, check_bool, is_int, next_pow2, non_negative_int, positive_int
-from .decode_tiles import (FP8_OCCUPANCY, FP8_TILES, MAX_BLOCK_N, DecodeTiles,
+from ...core.args import cdiv, check_bool, is_int, next_pow2, non_negative_int, positive_int
+from ..decode_tiles import (FP8_OCCUPANCY, FP8_TILES, MAX_BLOCK_N, DecodeTiles,
                            default_tiles, fp8_occupancy_tiles)
-from .heuristics import num_splits_heuristic, wave_efficiency
-from .kv_quant import FP8_DTYPE
-from .variants import check_window
+from ..heuristics import num_splits_heuristic, wave_efficiency
+from ..kv_quant import FP8_DTYPE
+from ..variants import check_window
 
 FUSED_MERGE = True
 """Whether a split-KV ``paged_decode`` call without a ``workspace`` merges the splits inside
 the decode kernel (one launch; the last program of each sequence and KV head merges, see
-:mod:`.decode_kernel`) rather than in a second kernel. Such calls are eager loops at small
+:mod:`mini_paged_attn.ops.decode_kernel`) rather than in a second kernel. Such calls are eager loops at small
 batches, host-bound: a launch less is ~4 us less host time. Calls with a workspace, what
 CUDA-graph capture takes (the engine's decode steps), keep the separate merge kernel, whether
 eager or captured: the warm-up call before a capture then compiles what the capture launches,
 and graphs keep the merge that measured faster on the GPU at batch 1 (see
-:mod:`.decode_merge`)."""
+:mod:`mini_paged_attn.ops.decode_merge`)."""
 
 MAX_SPLITS = 128
 """The most KV splits of one sequence (FlashAttention's cap, too)."""
@@ -66,7 +66,7 @@ FP8_SPLIT_BELOW = 3.2
 """Programs per SM under which a launch of short sequences (:data:`FP8_SHORT_TILES`) over an
 fp8 cache, taken longest first, splits toward :data:`FP8_PROGRAMS_PER_SM` (see
 :data:`FP8_ORDERED_UNSPLIT`). Longer sequences stay unsplit wherever the 16-bit rule leaves
-them so: with the fp8 tiles of :data:`~.decode_tiles.FP8_TILES` (V read as pairs), H100, %
+them so: with the fp8 tiles of :data:`~mini_paged_attn.ops.decode_tiles.FP8_TILES` (V read as pairs), H100, %
 of copy bandwidth unsplit against the split toward 8 a SM that this rule once made for them
 too: 30 / 32 / 48 x 4k 87.1 / 90.1 / 92.3 against 81.8 / 82.7 / 83.0, 50 x 8k 95.8 against
 87.2, 27 / 32 x 64k 93.1 / 97.0 against 88.3 / 96.2; 40 x 16k 91.0 against 92.5."""
@@ -155,7 +155,7 @@ class DecodePlan:
 
     @property
     def fp16_dots(self) -> bool:
-        """An fp8 cache with 16-bit queries: the dots run in fp16 (see :mod:`.decode_kernel`)."""
+        """An fp8 cache with 16-bit queries: the dots run in fp16 (see :mod:`mini_paged_attn.ops.decode_kernel`)."""
         return (self.kv_dtype is not None and self.kv_dtype.itemsize == 1
                 and self.dtype in (torch.float16, torch.bfloat16))
 
