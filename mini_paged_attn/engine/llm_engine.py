@@ -4,6 +4,11 @@
 (errors reach the caller, nothing is queued then) and queue the change under a lock; ``step()``
 (one thread) applies the queued changes at its start, so the scheduler, the KV cache manager and
 the model runner are only ever touched by the stepping thread.
+
+The engine builds the block bookkeeping (one ``KVCacheManager`` of the block count the model
+runner sized) and hands it to both the scheduler and the runner's KV pool. Each ``step()`` is an
+:class:`~.engine_step.EngineStep`, the step's pipeline read top to bottom; what one call leaves
+to the next (the step in flight, a held step, what a failed call touched) stays here as data.
 """
 
 from __future__ import annotations

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.engines import assert_pool_whole, make_engine, run_to_finish, step_to_finish
+from helpers.engines import (
+    assert_pool_whole,
+    make_engine,
+    run_to_finish,
+    step_to_finish,
+)
 
 from mini_paged_attn.core.request import PLACEHOLDER_TOKEN
 from mini_paged_attn.engine import SamplingParams

@@ -1,16 +1,23 @@
-"""ModelRunner: owns the KV cache (a PagedAttentionManager, sized by ``pool_sizing``)
-and runs one forward per step.
+"""ModelRunner: owns the KV cache (a PagedAttentionManager, sized by ``pool_sizing``, built by
+:meth:`ModelRunner.build_cache` over the scheduler's block bookkeeping) and runs one forward per
+step.
 
-Per step: copy-on-write block copies (all layers at once), the inputs (built once, vectorised,
-see ``input_batch``), the forward (on CUDA a captured graph for decode-only batches and for a
-step of one prompt, see ``cuda_graphs`` and ``prefill_graphs``; else eager) and logits for
-the rows that sample (:meth:`ModelRunner.forward`), then the sampler
-(:meth:`ModelRunner.sample`). The only host sync is reading the sampled token ids, which the
-engine may put off until the next step is launched (asynchronous scheduling). Requests that ask for prompt logprobs also get the log-softmax of the logits
-of every prompt position the step computes (see ``prompt_logprobs``).
+Per step, three calls the engine makes in order (see ``engine_step``): :meth:`ModelRunner.prepare`
+builds the inputs on the host (once, vectorised, see ``input_batch``) and enqueues nothing;
+:meth:`ModelRunner.forward` fills in the previous step's sampled ids on the device (asynchronous
+scheduling: the engine passes that step's ``PendingSample``), makes the copy-on-write block
+copies (all layers at once), runs the forward (on CUDA a captured graph for decode-only batches
+and for a step of one prompt, see ``cuda_graphs`` and ``prefill_graphs``; else eager) and the
+logits for the rows that sample; :meth:`ModelRunner.sample` enqueues the sampler. Between
+``prepare`` and ``forward`` the engine may enqueue a held step's sampling, so the host builds
+the inputs while that step's grammar masks fill. The only host sync is reading the sampled token
+ids, which the engine may put off until the next step is launched. Requests that ask for prompt
+logprobs also get the log-softmax of the logits of every prompt position the step computes (see
+``prompt_logprobs``).
 
 Under tensor parallelism every rank has a ModelRunner over its shard of the model and a pool of
-its own KV heads with the same number of blocks. Rank 0's runner builds each step's inputs and
+its own KV heads with the same number of blocks (the other ranks' pools keep no block
+bookkeeping: rank 0's scheduler allocates every block). Rank 0's runner builds each step's inputs and
 hands them to ``peers`` (the other ranks, see ``tp_executor``) before its own forward; the
 other ranks run :meth:`ModelRunner.execute_message`. Only rank 0 samples.
 """
