@@ -108,3 +108,30 @@ def test_in_flight_tokens_that_cannot_be_read_end_their_samples(tiny_model_facto
     assert final[later].outputs[0].finish_reason == "length"
     assert len(final[later].outputs[0].token_ids) == 6
     assert_pool_whole(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", ["prepare", "forward", "sample"])
+def test_on_cuda_a_failed_step_under_graphs_loses_nothing(tiny_model_factory, stage, settled,
+                                                          monkeypatch):
+    """The default CUDA engine (asynchronous scheduling, decode graphs) fails a decode step
+    while another is in flight: settled once, and every request still gets the tokens of an
+    undisturbed run."""
+    model = tiny_model_factory("llama")
+    requests = [(p, PARAMS) for p in _prompts()]
+    expected = _tokens(run_to_finish(make_engine(model, device="cuda"), requests))
+    engine = make_engine(model, device="cuda")
+    assert engine._async and engine.runner.graphs is not None
+    ids = [engine.add_request(p, params) for p, params in requests]
+    for _ in range(4):
+        engine.step()
+        if engine._in_flight is not None and engine.last_schedule.decode_only:
+            break
+    assert engine._in_flight is not None and engine.last_schedule.decode_only
+    _fail_once(monkeypatch, engine.runner, stage)
+    with pytest.raises(RuntimeError, match=f"{stage} failed"):
+        engine.step()
+    assert len(settled) == 1
+    final = step_to_finish(engine, max_steps=60)
+    assert _tokens([final[i] for i in ids]) == expected
+    assert_pool_whole(engine)
