@@ -13,7 +13,11 @@ Seed 001's manager with its gaps closed, and the one KV cache of the engine too.
   API row ``seq_id`` is that sequence's); ``context_lens``: int32 ``[num_sequences]``;
 - ``kv_manager``: the block-level logic (:class:`~mini_paged_attn.core.KVCacheManager`: the
   reference-counted ``block_manager``, the prefix cache, copy-on-write decisions), which hands
-  this class ``(src, dst)`` block pairs to copy (:meth:`copy_blocks`).
+  this class ``(src, dst)`` block pairs to copy (:meth:`copy_blocks`). Given to the
+  constructor, it is the caller's (the engine builds it and hands it to its scheduler, so the
+  scheduler and this pool follow one set of blocks); left out, the pool builds one of its own
+  for the seed API. A pool with ``block_bookkeeping=False`` has none (a tensor-parallel rank
+  other than 0 only stores K/V and copies the blocks rank 0's scheduler names).
 
 Seed API (``add_sequence`` / ``append_token`` / ``fork_sequence`` / ``write_kv`` /
 ``free_sequence``): ``seq_block_mapping`` mirrors seq_id -> blocks on the host. Copy-on-write
@@ -23,9 +27,9 @@ lands in a shared, partly filled last block first copies that block (K and V, al
 fresh one for the appending sequence, so the slot it reserves is private; ``write_kv`` does the
 same for every shared block it writes into.
 
-The engine drives the same object through ``kv_manager`` (its scheduler allocates per
-:class:`~mini_paged_attn.core.request.Sequence`), ``tables.rows_for`` and :meth:`copy_blocks`;
-:meth:`memory_map` reads either kind of sequence.
+The engine's scheduler allocates per :class:`~mini_paged_attn.core.request.Sequence` through
+the ``kv_manager`` it shares with this pool; the model runner drives ``tables.rows_for`` and
+:meth:`copy_blocks`; :meth:`memory_map` reads either kind of sequence.
 
 Every failing call raises before changing anything. Not thread-safe: one owner (the engine loop)
 drives it; the block manager underneath is.
@@ -78,6 +82,25 @@ class CacheConfig:
             raise ValueError(f"dtype: expected a floating torch.dtype, got {self.dtype!r}")
 
 
+def _check_injected(kv_manager: KVCacheManager, cfg: CacheConfig, enable_prefix_caching: bool,
+                    sliding_window: int | None, block_bookkeeping: bool) -> None:
+    """An injected manager must describe this pool's blocks, and brings its own options."""
+    if not isinstance(kv_manager, KVCacheManager):
+        raise ValueError(f"kv_manager: expected a KVCacheManager or None, got "
+                         f"{type(kv_manager).__name__}")
+    if not block_bookkeeping:
+        raise ValueError("kv_manager: expected None with block_bookkeeping=False, got a "
+                         "KVCacheManager")
+    if (kv_manager.num_blocks, kv_manager.block_size) != (cfg.num_blocks, cfg.block_size):
+        raise ValueError(f"kv_manager: expected a manager of {cfg.num_blocks} blocks of "
+                         f"{cfg.block_size} tokens (this pool's), got {kv_manager.num_blocks} "
+                         f"blocks of {kv_manager.block_size}")
+    if enable_prefix_caching or sliding_window is not None:
+        raise ValueError("enable_prefix_caching / sliding_window: expected their defaults "
+                         "with a kv_manager given (they are the manager's own), got "
+                         f"{enable_prefix_caching} / {sliding_window}")
+
+
 class PagedAttentionManager:
     """The paged KV cache of up to ``num_sequences`` sequences (ids ``0 .. num_sequences-1``).
 
@@ -92,23 +115,42 @@ class PagedAttentionManager:
         num_kv_heads: K/V heads stored (default ``num_heads``; fewer for GQA / MQA).
         max_blocks_per_seq: columns of the block table (default ``num_blocks``).
         num_layers: layers whose K/V the pool holds (a block id names the same block in each).
-        enable_prefix_caching: let ``kv_manager`` look up and register full blocks by content
-            (the engine's scheduler uses it; the seed API never does).
-        sliding_window: the model's window when every layer has one (else None): the engine's
-            scheduler then gives back blocks left of it (``kv_manager.drop_out_of_window``);
-            the seed API keeps every block.
+        enable_prefix_caching: let the pool's own ``kv_manager`` look up and register full
+            blocks by content (the seed API never does; an injected manager has its own).
+        sliding_window: the model's window when every layer has one (else None), for the
+            pool's own ``kv_manager`` (the seed API keeps every block).
+        kv_manager: the block bookkeeping to follow (the engine's, shared with its scheduler):
+            its pool must have ``num_blocks`` blocks of ``block_size`` tokens. None: the pool
+            builds its own from ``enable_prefix_caching`` and ``sliding_window``.
+        block_bookkeeping: False for a pool that keeps none (``kv_manager`` and
+            ``block_manager`` are None, the seed API raises): the K/V store of a rank whose
+            blocks another process allocates.
+
+    Raises:
+        ValueError: a bad size, or a ``kv_manager`` whose pool differs from ``num_blocks`` /
+            ``block_size``, or given together with its own options or
+            ``block_bookkeeping=False``.
     """
 
     def __init__(self, num_sequences: int, num_heads: int, head_size: int, block_size: int,
                  num_blocks: int, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float16, num_kv_heads: int | None = None,
                  max_blocks_per_seq: int | None = None, *, num_layers: int = 1,
-                 enable_prefix_caching: bool = False, sliding_window: int | None = None) -> None:
+                 enable_prefix_caching: bool = False, sliding_window: int | None = None,
+                 kv_manager: KVCacheManager | None = None,
+                 block_bookkeeping: bool = True) -> None:
         cfg = CacheConfig(num_sequences, num_heads, head_size, block_size, num_blocks,
                           num_heads if num_kv_heads is None else num_kv_heads,
                           num_blocks if max_blocks_per_seq is None else max_blocks_per_seq,
                           dtype, torch.device(device), num_layers)
         check_bool("enable_prefix_caching", enable_prefix_caching)
+        check_bool("block_bookkeeping", block_bookkeeping)
+        if kv_manager is not None:
+            _check_injected(kv_manager, cfg, enable_prefix_caching, sliding_window,
+                            block_bookkeeping)
+        elif block_bookkeeping:
+            kv_manager = KVCacheManager(BlockManager(cfg.num_blocks), cfg.block_size,
+                                        enable_prefix_caching, sliding_window)
         self.config = cfg
         self.num_sequences, self.num_heads, self.head_size = (cfg.num_sequences, cfg.num_heads,
                                                                cfg.head_size)
@@ -116,9 +158,8 @@ class PagedAttentionManager:
         self.num_kv_heads, self.max_blocks_per_seq = cfg.num_kv_heads, cfg.max_blocks_per_seq
         self.num_layers = cfg.num_layers
 
-        self.kv_manager = KVCacheManager(BlockManager(cfg.num_blocks), cfg.block_size,
-                                         enable_prefix_caching, sliding_window)
-        self.block_manager = self.kv_manager.block_manager
+        self.kv_manager = kv_manager
+        self.block_manager = kv_manager.block_manager if kv_manager is not None else None
         # Zeroed rather than empty: unwritten slots then hold no garbage (cheap, done once).
         self.pool = torch.zeros((cfg.num_layers, cfg.num_blocks, cfg.block_size, 2,
                                  cfg.num_kv_heads, cfg.head_size), dtype=dtype, device=cfg.device)
@@ -169,6 +210,10 @@ class PagedAttentionManager:
         return seq_id
 
     def _unused(self, seq_id: object, name: str = "seq_id") -> int:
+        if self.block_manager is None:
+            raise RuntimeError("this KV pool keeps no block bookkeeping (block_bookkeeping="
+                               "False): its blocks are allocated elsewhere, so it has no "
+                               "sequences of its own")
         seq_id = self._seq_id(seq_id, name)
         if seq_id in self.seq_block_mapping:
             raise ValueError(f"{name}: expected an unused seq id, got {seq_id}, which exists "
@@ -370,12 +415,17 @@ class PagedAttentionManager:
         else:
             blocks = {i: list(b) for i, (b, _) in sequences.items()}
             lens = {i: n for i, (_, n) in sequences.items()}
+        if self.block_manager is None:
+            raise RuntimeError("memory_map: this KV pool keeps no block bookkeeping "
+                               "(block_bookkeeping=False), so it has no reference counts")
         refs = [self.block_manager.get_ref_count(i) for i in range(self.num_blocks)]
         return build_memory_map(self.block_size, blocks, lens, refs)
 
     def __repr__(self) -> str:
+        free = ("-" if self.block_manager is None
+                else self.block_manager.get_num_free_blocks())
         return (f"PagedAttentionManager(sequences={len(self.seq_block_mapping)}/"
-                f"{self.num_sequences}, free_blocks={self.block_manager.get_num_free_blocks()}/"
+                f"{self.num_sequences}, free_blocks={free}/"
                 f"{self.num_blocks}, block_size={self.block_size}, layers={self.num_layers}, "
                 f"dtype={self.dtype}, "
                 f"device={self.device})")

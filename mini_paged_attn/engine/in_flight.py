@@ -20,19 +20,25 @@ sampling cannot be enqueued right behind its forward. Such a step is *held*: its
 enqueued and its logits wait on the device. The next call reads the tokens before it, starts
 filling its masks on the grammar worker, schedules and builds the following step meanwhile,
 and then enqueues the held step's sampling and that following forward (see
-``LLMEngine._step``). The host's fill so overlaps the device's forward and the host's own
+:class:`~mini_paged_attn.engine.engine_step.EngineStep`). The host's fill so overlaps the device's forward and the host's own
 scheduling, instead of sitting between a forward and its sampling.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..core.scheduler import SchedulerOutput
 from .sample.sampler import PendingSample, SampleRow
+from .structured.bitmask import TokenMasks
+
+if TYPE_CHECKING:
+    from .worker.model_runner import PreparedStep
 
 
 class StepMode(Enum):
@@ -46,9 +52,13 @@ class StepMode(Enum):
 @dataclass
 class InFlightStep:
     """``out``'s forward is enqueued, and so is its sampling once ``sample`` (its ids on the
-    device) is set; until then the step is held and ``logits`` (float32
-    ``[sum(out.num_samples), vocab_size]`` on the device) and ``rows`` (the sampler's
-    :meth:`~mini_paged_attn.engine.worker.model_runner.ModelRunner.history_rows`, taken at launch) wait for it.
+    device) is set; until then the step is held, and ``prepared`` (its
+    :class:`~mini_paged_attn.engine.worker.model_runner.PreparedStep`: the sample rows' params),
+    ``logits`` (``[sum(out.num_samples), vocab_size]`` on the device, float32 or the model's
+    dtype) and ``rows`` (the sampler's
+    :meth:`~mini_paged_attn.engine.worker.model_runner.ModelRunner.history_rows`, taken at
+    launch) wait for it, and ``masks`` is the wait for its grammar masks once the next call
+    started filling them.
 
     ``where``: set once the scheduler advanced past it, per sequence of ``out`` the index of
     its placeholder token, or -1. ``start``: ``time.perf_counter()`` when the step began (for
@@ -58,8 +68,10 @@ class InFlightStep:
     out: SchedulerOutput
     sample: PendingSample | None
     start: float
+    prepared: PreparedStep | None = None
     logits: torch.Tensor | None = None
     rows: list[SampleRow] | None = None
+    masks: Callable[[], TokenMasks | None] | None = None
     where: list[int] | None = None
     read: bool = False      # its tokens were read (they may not have been applied yet)
 

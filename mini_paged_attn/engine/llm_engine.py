@@ -4,11 +4,15 @@
 (errors reach the caller, nothing is queued then) and queue the change under a lock; ``step()``
 (one thread) applies the queued changes at its start, so the scheduler, the KV cache manager and
 the model runner are only ever touched by the stepping thread.
+
+The engine builds the block bookkeeping (one ``KVCacheManager`` of the block count the model
+runner sized) and hands it to both the scheduler and the runner's KV pool. Each ``step()`` is an
+:class:`~.engine_step.EngineStep`, the step's pipeline read top to bottom; what one call leaves
+to the next (the step in flight, a held step, what a failed call touched) stays here as data.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import threading
@@ -17,7 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..cache.memory_map import MemoryMap
-from ..core.request import PLACEHOLDER_TOKEN, FinishReason, Request
+from ..core.block_manager import BlockManager
+from ..core.kv_cache_manager import KVCacheManager
+from ..core.request import Request
 from ..core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ..models.config import ModelConfig
 from ..models.load_progress import LoadTimer
@@ -25,24 +31,16 @@ from ..models.loader import TINY_MODEL, load_model_and_tokenizer
 from ..models.tokenizer import Tokenizer
 from .admission import Admission
 from .config import EngineConfig, resolve_max_model_len
+from .engine_step import EngineStep
 from .in_flight import InFlightStep, StepMode
 from .worker.model_runner import ModelRunner, Released
 from .output_processor import OutputProcessor, RequestState
 from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
 from .step_counters import RATE_WINDOW_S, StepCounters
-from .structured import Advance, GrammarCompiler, StructuredOutputs
-from .structured.bitmask import TokenMasks
+from .structured import GrammarCompiler, StructuredOutputs
 
 logger = logging.getLogger(__name__)
-
-
-def _await_fill(masks: Callable[[], TokenMasks | None] | None) -> None:
-    """After a failure: wait for a grammar fill that may still run on the worker thread, so
-    no later grammar work shares its matchers (its own error, if any, is the failure's)."""
-    if masks is not None:
-        with contextlib.suppress(Exception):
-            masks()
 
 
 class LLMEngine:
@@ -69,9 +67,13 @@ class LLMEngine:
         self.peers = peers
         self.runner = ModelRunner(model, model_config, config, max_len, peers=peers,
                                   load_timer=load_timer)
-        # The one KV cache (pool, block tables, copy-on-write) and its block-level logic.
+        # The scheduler's block bookkeeping, over as many blocks as the runner's pool holds;
+        # the pool (the one KV cache: K/V, block tables, copy-on-write) follows the same one.
+        self.kv_manager = KVCacheManager(BlockManager(self.runner.num_blocks), config.block_size,
+                                         config.enable_prefix_caching,
+                                         model_config.uniform_sliding_window)
+        self.runner.build_cache(self.kv_manager)
         self.cache = self.runner.cache
-        self.kv_manager = self.cache.kv_manager
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
             self.kv_manager)
@@ -93,8 +95,11 @@ class LLMEngine:
             async_on = self.runner.device.type == "cuda"
         # Tensor-parallel ranks build their inputs from rank 0's host arrays: synchronous.
         self._async = bool(async_on) and peers is None
-        self._in_flight: InFlightStep | None = None    # see in_flight.py
-        self._held: InFlightStep | None = None         # the step after it, sampling held
+        # Between step() calls (see engine_step.py): the launched step whose tokens are not
+        # read yet, the step after it whose sampling waits for its grammar masks, and what a
+        # failed call touched, reported by the next one.
+        self._in_flight: InFlightStep | None = None
+        self._held: InFlightStep | None = None
         self._carried: dict[str, RequestState] = {}
         self._lock = threading.Lock()
         # Held for the whole of step(): two threads stepping at once would corrupt the scheduler
@@ -268,161 +273,14 @@ class LLMEngine:
             self._step_lock.release()
 
     def _step(self, overlap: Callable[[], None]) -> list[RequestOutput]:
-        start = time.perf_counter()
-        with self._lock:
-            adds, self._pending_adds = self._pending_adds, []
-            aborts, self._pending_aborts = self._pending_aborts, []
-        # Results of an in-flight step that a failed step took in, reported now.
-        touched, self._carried = self._carried, {}
-        aborted: list[str] = []
-        for state in adds:
-            self._states[state.request.request_id] = state
-            self.scheduler.add_request(state.request)
-            self._num_structured += state.request.params.structured_outputs is not None
-            self._num_sync_only += _needs_sync(state.request)
-        for request_id in aborts:
-            if self.scheduler.abort_request(request_id) is not None:
-                touched[request_id] = self._states[request_id]
-                aborted.append(request_id)
+        return EngineStep(self, overlap).run()
 
-        prev, self._in_flight = self._in_flight, None
-        held, self._held = self._held, None
-        masks = None
-        if held is not None:
-            # Its masks need prev's tokens: read them, then fill while the next step is built.
-            masks = self._open_held(held, prev, touched, aborted)
-            prev = held
-        if prev is not None:
-            prev.where = self.scheduler.advance_in_flight(prev.out)
-        out = None
-        try:
-            out = self.scheduler.schedule()
-            self.last_schedule = out
-            if out.is_empty:
-                for seq_id in out.released_seq_ids:
-                    self.runner.release(seq_id)
-                if prev is not None:
-                    self._finish_in_flight(prev, touched, masks)
-            else:
-                self._run(out, prev, masks, overlap, touched, start)
-        except BaseException:
-            # A step that was to run is requeued and the prefix-cache entries it registered
-            # dropped (their K/V were never written), so the engine stays usable. The
-            # in-flight step before it did finish: its tokens are taken and reported by the
-            # next step.
-            if out is not None and not out.is_empty:
-                self.scheduler.rollback(out)
-            if prev is not None:
-                self._settle_after_failure(prev, touched, masks)
-            self._carry_after_failure(touched, aborted)
-            raise
-
-        outputs = []
-        finished_ids = []
-        for request_id, state in touched.items():
-            request = state.request
-            if request.is_finished:
-                if any(seq.awaits_token for seq in request.sequences):
-                    continue    # its last token is still in flight (held): reported with it
-                finished_ids.append(request_id)
-                for seq in request.sequences:
-                    self.output_processor.process(state, seq)   # flush held-back text
-            elif state.final_only:
-                continue
-            outputs.append(self.output_processor.make_output(state))
-        self._retire(finished_ids)
-        self._maybe_log()
-        return outputs
-
-    def _open_held(self, held: InFlightStep, prev: InFlightStep | None,
-                   touched: dict[str, RequestState], aborted: list[str]
-                   ) -> Callable[[], TokenMasks | None]:
-        """Take the tokens of ``prev`` (the step before the held one), then start filling the
-        held step's grammar masks on the worker thread; returns the call that waits for them."""
-        masks = None
-        try:
-            if prev is None:
-                return self.structured.start(held.out)
-            grew = self._resolve(prev, touched=touched)
-            self._advance_grammars(grew)
-            masks = self.structured.start(held.out)
-            self._process_outputs(grew, touched)     # while the masks fill
-            return masks
-        except BaseException:
-            _await_fill(masks)
-            # The held step was never counted: its sequences are scheduled again.
-            self.scheduler.rollback(held.out)
-            if prev is not None:
-                self._settle_after_failure(prev, touched)
-            self._carry_after_failure(touched, aborted)
-            raise
-
-    def _carry_after_failure(self, touched: dict[str, RequestState], aborted: list[str]) -> None:
-        """A step failed: report what it touched at the next call. Requests aborted at its
-        start are gone from the scheduler: retire them now (no output reports them), else
-        their ids would stay live forever."""
-        gone = [r for r in aborted if touched[r].request.is_finished]
-        self._retire(gone)
-        for request_id in gone:
-            touched.pop(request_id)
-        self._carried = touched
-
-    def _run(self, out: SchedulerOutput, prev: InFlightStep | None,
-             masks: Callable[[], TokenMasks | None] | None, overlap: Callable[[], None],
-             touched: dict[str, RequestState], start: float) -> None:
-        """Launch ``out``; finish ``prev`` (the in-flight step, if any) meanwhile; then keep
-        ``out`` in flight, hold its sampling (structured outputs) or wait for its tokens and
-        apply them (a synchronous step). A held ``prev`` (``masks``: its grammar fill) is
-        sampled once ``out``'s inputs are built."""
-        previous = None
-        if prev is not None:
-            def previous():
-                if prev.sample is None:
-                    self._sample_held(prev, masks)
-                return prev.sample
-        logits = self.runner.forward(out, prev.pending_rows() if prev else None, previous)
-        mode = self._mode(out) if logits is not None else StepMode.SYNC
-        if mode is StepMode.HOLD:
-            # prev's tokens are read at the next call's start, before out's masks are filled.
-            self._held = InFlightStep(out, None, start, logits=logits,
-                                      rows=self.runner.history_rows(out))
-            self._in_flight = prev
-            return
-        out_masks = None
-        if self._num_structured:
-            if prev is not None:    # the grammars see its tokens before the masks are filled
-                self._finish_in_flight(prev, touched)
-                prev = None
-            out_masks = self.structured.start(out)
-        pending = (self.runner.sample(out, logits, overlap, out_masks) if logits is not None
-                   else None)
-        if prev is not None:    # while the device computes ``out``
-            self._finish_in_flight(prev, touched)
-        if mode is StepMode.IN_FLIGHT:
-            self._in_flight = InFlightStep(out, pending, start)
-            return
-        result = pending.read() if pending is not None else None
-        self.runner.read_prompt_logprobs()
-        for computed in self.runner.prompt_logprobs:
-            self._states[computed.request_id].add_prompt_logprobs(computed.start,
-                                                                  computed.entries)
-        sampled, logprobs = [], None
-        if result is not None:
-            ids, lps = result.token_ids, result.logprobs
-            logprobs = [] if lps is not None else None
-            at = 0
-            for k in out.num_samples:
-                sampled.append(ids[at:at + k])
-                if logprobs is not None:
-                    logprobs.append(lps[at:at + k] if k and lps[at] is not None else None)
-                at += k
-        else:
-            sampled = [[] for _ in out.seqs]
-        failed = result.invalid_rows if result is not None else ()
-        grew = self.scheduler.update(out, sampled, logprobs, failed)
-        num_failed = _log_failed_rows(grew) if failed else 0
-        self._process_tokens(grew, touched)
-        self._count(out, len(grew) - num_failed, start)
+    def _admit(self, state: RequestState) -> None:
+        """A queued request joins the scheduler (stepping thread)."""
+        self._states[state.request.request_id] = state
+        self.scheduler.add_request(state.request)
+        self._num_structured += state.request.params.structured_outputs is not None
+        self._num_sync_only += _needs_sync(state.request)
 
     def _mode(self, out: SchedulerOutput) -> StepMode:
         """How ``out``'s tokens reach the host (see :class:`StepMode`): synchronously with
@@ -434,90 +292,6 @@ class LLMEngine:
                 seq.request.params.prompt_logprobs is not None for seq in out.seqs)):
             return StepMode.SYNC
         return StepMode.HOLD if self._num_structured else StepMode.IN_FLIGHT
-
-    def _sample_held(self, step: InFlightStep, masks: Callable[[], TokenMasks | None] | None
-                     ) -> None:
-        """Enqueue the sampling of held ``step`` (``masks``: its grammar fill)."""
-        step.sample = self.runner.sample(step.out, step.logits, masks=masks, rows=step.rows)
-        step.logits = step.rows = None
-
-    def _finish_in_flight(self, step: InFlightStep, touched: dict[str, RequestState],
-                          masks: Callable[[], TokenMasks | None] | None = None) -> None:
-        """Wait for the in-flight ``step``'s tokens (a held one is sampled first, ``masks``:
-        its grammar fill), put them in place (see ``Scheduler.resolve_in_flight``) and handle
-        them as a synchronous step's."""
-        self._process_tokens(self._resolve(step, masks, touched), touched)
-
-    def _resolve(self, step: InFlightStep,
-                 masks: Callable[[], TokenMasks | None] | None = None,
-                 touched: dict[str, RequestState] | None = None) -> list:
-        """Read the in-flight ``step``'s tokens (as :meth:`_finish_in_flight`) and put them in
-        place; returns the sequences that got one, for :meth:`_process_tokens`."""
-        if step.sample is None:
-            self._sample_held(step, masks)
-        result = step.sample.read()
-        step.read = True
-        grew = self.scheduler.resolve_in_flight(step.out, step.where, result.token_ids,
-                                                result.logprobs, result.invalid_rows)
-        num_failed = _log_failed_rows(grew) if result.invalid_rows else 0
-        self._count(step.out, len(grew) - num_failed, step.start)
-        if touched is not None:     # reported even if handling them fails
-            for seq in grew:
-                touched[seq.request.request_id] = self._states[seq.request.request_id]
-        return grew
-
-    def _process_tokens(self, grew: list, touched: dict[str, RequestState]) -> None:
-        """Per sequence that got a token: its grammar, stop strings and text."""
-        self._advance_grammars(grew)
-        self._process_outputs(grew, touched)
-
-    def _process_outputs(self, grew: list, touched: dict[str, RequestState]) -> None:
-        """Per sequence that got a token: stop strings and text."""
-        for seq in grew:
-            state = self._states[seq.request.request_id]
-            if self.output_processor.process(state, seq):
-                self.scheduler.finish_sequence(seq, FinishReason.STOP)
-            touched[seq.request.request_id] = state
-
-    def _settle_after_failure(self, step: InFlightStep, touched: dict[str, RequestState],
-                              masks: Callable[[], TokenMasks | None] | None = None) -> None:
-        """The step after ``step`` failed: take ``step``'s tokens if they can still be read
-        (a held step is sampled now, ``masks``: its grammar fill), else end its samples
-        (reason "error"), whose placeholders no token will replace."""
-        try:
-            if not step.read:
-                self._finish_in_flight(step, touched, masks)
-                return
-        except Exception:
-            logger.exception("the tokens of the step before the failed one are lost")
-            _await_fill(masks)
-        for seq, at in zip(step.out.seqs, step.where):
-            if at >= 0 and seq.token_ids[at] == PLACEHOLDER_TOKEN:
-                del seq.token_ids[at:]
-                self.scheduler.finish_sequence(seq, FinishReason.ERROR)
-                seq.finish_reason = FinishReason.ERROR
-                touched[seq.request.request_id] = self._states[seq.request.request_id]
-
-    def _advance_grammars(self, grew: list) -> None:
-        """Feed the new tokens of the samples with structured outputs to their grammars. The
-        end-of-sequence token a complete grammar forced ends its sample (reason "stop", even
-        under ignore_eos); a token the grammar rejects, or that its grammar failed on, ends it
-        with reason "error", also when that token ended it anyway (a stop token, its
-        max_tokens-th token). That token is dropped first, before any output shows it: the
-        output is the valid prefix. Samples whose row failed (reason "error" already) got no
-        token and are skipped."""
-        if not self._num_structured:
-            return
-        constrained = [seq for seq in grew if seq.request.params.structured_outputs is not None
-                       and seq.finish_reason is not FinishReason.ERROR]
-        for seq, advanced in self.structured.advance(constrained):
-            if advanced is Advance.REJECTED:
-                _drop_last_token(seq)
-                if seq.is_finished:
-                    seq.finish_reason = FinishReason.ERROR
-                self.scheduler.finish_sequence(seq, FinishReason.ERROR)
-            else:
-                self.scheduler.finish_sequence(seq, FinishReason.STOP)   # no-op if it is done
 
     def _retire(self, finished_ids: list[str]) -> None:
         """Forget finished requests: their ids are free again."""
@@ -575,27 +349,6 @@ class LLMEngine:
         if now - self._last_log >= self.config.log_stats_interval_s:
             self._last_log = now
             logger.info("engine: %s", self.stats().summary())
-
-
-def _drop_last_token(seq) -> None:
-    """Take back a sample's newest token (and its logprob) that its grammar did not accept; no
-    output has shown it yet (outputs are made after the grammars saw the step's tokens)."""
-    token = seq.token_ids.pop()
-    if seq.logprobs is not None and len(seq.logprobs) > seq.num_output_tokens:
-        # The sampler's entry holds the sampled token's own logprob (see SamplerOutput).
-        seq.cumulative_logprob -= seq.logprobs.pop().get(token, 0.0)
-
-
-def _log_failed_rows(grew: list) -> int:
-    """Name the samples a step ended because their row had nothing to sample (those of
-    ``grew`` with reason "error", which got no token); returns how many."""
-    failed = [seq for seq in grew if seq.finish_reason is FinishReason.ERROR]
-    for seq in failed:
-        logger.warning("request %s sample %d: no token could be sampled (every logit -inf "
-                       "or NaN: a grammar with min_tokens, logit_bias, penalties or a failed "
-                       "grammar mask); it ends with reason \"error\"",
-                       seq.request.request_id, seq.index)
-    return len(failed)
 
 
 def _needs_sync(request: Request) -> bool:

@@ -203,22 +203,25 @@ def test_a_held_sampling_that_fails_ends_its_samples_and_waits_for_the_fill():
             return wait()
         return recorded
 
-    sample_held = engine._sample_held
+    held = engine._held
+    sample = engine.runner.sample
     calls = []
 
-    def fail_twice(step, masks):
-        calls.append(step)
-        if len(calls) <= 2:     # the step's own try, then the one after its failure
-            raise RuntimeError("sampler failed")
-        return sample_held(step, masks)
+    def fail_twice(prepared, *args, **kwargs):
+        if prepared is held.prepared:
+            calls.append(prepared)
+            if len(calls) <= 2:     # the step's own try, then the one after its failure
+                raise RuntimeError("sampler failed")
+        return sample(prepared, *args, **kwargs)
 
     engine.structured.start = recording_start
-    engine._sample_held = fail_twice
+    engine.runner.sample = fail_twice
     with pytest.raises(RuntimeError, match="sampler failed"):
         engine.step()
     assert waited, "the fill was not waited for"
+    assert len(calls) == 2
     del engine.structured.start
-    del engine._sample_held
+    del engine.runner.sample
     final = step_to_finish(engine)
     reasons = [final[i].outputs[0].finish_reason for i in ids]
     assert "error" in reasons
@@ -237,16 +240,17 @@ def test_a_held_step_failing_on_the_last_call_still_drains():
     engine = make_engine("tiny", async_scheduling=True, **CONFIG)
     rid = engine.add_request("w", SamplingParams(temperature=1.0, seed=1, max_tokens=3,
                                                  structured_outputs=WORDS))
-    sample_held = engine._sample_held
+    sample = engine.runner.sample
     failures = []
 
-    def fail_on_the_empty_call(step, masks):
+    def fail_on_the_empty_call(prepared, *args, **kwargs):
+        # A call that launches nothing samples only the held step.
         if engine.last_schedule.is_empty and not failures:
-            failures.append(step)
+            failures.append(prepared)
             raise RuntimeError("sampler failed")
-        return sample_held(step, masks)
+        return sample(prepared, *args, **kwargs)
 
-    engine._sample_held = fail_on_the_empty_call
+    engine.runner.sample = fail_on_the_empty_call
     final = step_to_finish(engine, max_steps=60, step_past=RuntimeError)
     assert failures
     assert PLACEHOLDER_TOKEN not in final[rid].outputs[0].token_ids

@@ -167,9 +167,9 @@ def test_a_failed_step_leaves_the_engine_usable_and_the_prefix_cache_clean(arch_
 
 
 def test_steps_failing_before_the_runner_releases_anything_leak_nothing(tiny_model_factory):
-    """Steps that fail at the very start of the forward (before it drops the state of the
-    sequences that finished since the last step), more often than there are batch rows: the
-    engine still serves every request and ends with a whole pool."""
+    """Steps that fail at the very start of the runner's work (before it drops the state of
+    the sequences that finished since the last step), more often than there are batch rows:
+    the engine still serves every request and ends with a whole pool."""
     engine = make_engine(tiny_model_factory("llama"), max_num_seqs=2)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     failures = []
@@ -181,7 +181,8 @@ def test_steps_failing_before_the_runner_releases_anything_leak_nothing(tiny_mod
         return False
 
     finished = run_through_failures(engine, [([5 + i, 6, 7], params) for i in range(8)],
-                                    when_something_was_released, max_steps=200)
+                                    when_something_was_released, max_steps=200,
+                                    at="prepare")
     assert len(failures) == 6
     assert all(len(o.outputs[0].token_ids) == 3 for o in finished)
     assert_pool_whole(engine)

@@ -58,9 +58,9 @@ def test_padded_lm_head_rows_give_the_same_tokens(tiny_model_factory, backend):
     sampled = []
     sample = engine.runner.sample
 
-    def recording_sample(out, logits, *args, **kwargs):
-        sampled.append((sum(out.num_samples), logits.shape[0]))
-        return sample(out, logits, *args, **kwargs)
+    def recording_sample(prepared, logits, *args, **kwargs):
+        sampled.append((sum(prepared.out.num_samples), logits.shape[0]))
+        return sample(prepared, logits, *args, **kwargs)
     engine.runner.sample = recording_sample
 
     assert _tokens(run_to_finish(engine, requests)) == expected

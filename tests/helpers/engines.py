@@ -61,28 +61,30 @@ def run_to_finish(engine: LLMEngine, requests: list[tuple[Any, SamplingParams]])
 
 def run_through_failures(engine: LLMEngine, requests: list[tuple[Any, SamplingParams]],
                          fails: Callable[[Any], bool] | None = None,
-                         max_steps: int = 400) -> list:
+                         max_steps: int = 400, at: str = "forward") -> list:
     """:func:`run_to_finish`, but a forward whose schedule ``fails(out)`` says so raises (a
     device hiccup; default: every third one) and the caller goes on stepping, as a server
-    would. Fails the test if a request did not finish within ``max_steps`` steps."""
-    forward = engine.runner.forward
+    would. ``at``: the runner's stage that raises, ``"forward"`` (inputs built) or
+    ``"prepare"`` (before the runner touched anything). Fails the test if a request did not
+    finish within ``max_steps`` steps."""
+    stage = getattr(engine.runner, at)
     calls = []
     if fails is None:
         def fails(out):
             calls.append(out)
             return len(calls) % 3 == 0
 
-    def fail_or_forward(out, *args):
+    def fail_or_run(out, *args):
         if fails(out):
             raise RuntimeError("device hiccup")
-        return forward(out, *args)
+        return stage(out, *args)
 
-    engine.runner.forward = fail_or_forward
+    setattr(engine.runner, at, fail_or_run)
     ids = [engine.add_request(prompt, params) for prompt, params in requests]
     try:
         final = step_to_finish(engine, max_steps=max_steps, step_past=RuntimeError)
     finally:
-        engine.runner.forward = forward
+        setattr(engine.runner, at, stage)
     return [final[i] for i in ids]
 
 

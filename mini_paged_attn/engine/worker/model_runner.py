@@ -1,16 +1,23 @@
-"""ModelRunner: owns the KV cache (a PagedAttentionManager, sized by ``pool_sizing``)
-and runs one forward per step.
+"""ModelRunner: owns the KV cache (a PagedAttentionManager, sized by ``pool_sizing``, built by
+:meth:`ModelRunner.build_cache` over the scheduler's block bookkeeping) and runs one forward per
+step.
 
-Per step: copy-on-write block copies (all layers at once), the inputs (built once, vectorised,
-see ``input_batch``), the forward (on CUDA a captured graph for decode-only batches and for a
-step of one prompt, see ``cuda_graphs`` and ``prefill_graphs``; else eager) and logits for
-the rows that sample (:meth:`ModelRunner.forward`), then the sampler
-(:meth:`ModelRunner.sample`). The only host sync is reading the sampled token ids, which the
-engine may put off until the next step is launched (asynchronous scheduling). Requests that ask for prompt logprobs also get the log-softmax of the logits
-of every prompt position the step computes (see ``prompt_logprobs``).
+Per step, three calls the engine makes in order (see ``engine_step``): :meth:`ModelRunner.prepare`
+builds the inputs on the host (once, vectorised, see ``input_batch``) and enqueues nothing;
+:meth:`ModelRunner.forward` fills in the previous step's sampled ids on the device (asynchronous
+scheduling: the engine passes that step's ``PendingSample``), makes the copy-on-write block
+copies (all layers at once), runs the forward (on CUDA a captured graph for decode-only batches
+and for a step of one prompt, see ``cuda_graphs`` and ``prefill_graphs``; else eager) and the
+logits for the rows that sample; :meth:`ModelRunner.sample` enqueues the sampler. Between
+``prepare`` and ``forward`` the engine may enqueue a held step's sampling, so the host builds
+the inputs while that step's grammar masks fill. The only host sync is reading the sampled token
+ids, which the engine may put off until the next step is launched. Requests that ask for prompt
+logprobs also get the log-softmax of the logits of every prompt position the step computes (see
+``prompt_logprobs``).
 
 Under tensor parallelism every rank has a ModelRunner over its shard of the model and a pool of
-its own KV heads with the same number of blocks. Rank 0's runner builds each step's inputs and
+its own KV heads with the same number of blocks (the other ranks' pools keep no block
+bookkeeping: rank 0's scheduler allocates every block). Rank 0's runner builds each step's inputs and
 hands them to ``peers`` (the other ranks, see ``tp_executor``) before its own forward; the
 other ranks run :meth:`ModelRunner.execute_message`. Only rank 0 samples.
 """
@@ -20,11 +27,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ...cache.manager import PagedAttentionManager
 from ...core.args import cdiv
+from ...core.kv_cache_manager import KVCacheManager
 from ...core.scheduler import SchedulerOutput
 from ...models.attention import AttentionMetadata
 from ...models.config import ModelConfig
@@ -34,7 +43,8 @@ from ...ops.kv_quant import kv_cache_torch_dtype
 from ...ops.projection import SplitKWorkspace
 from ..config import EngineConfig
 from .cuda_graphs import DecodeGraphs
-from .input_batch import InputBuilder, batch_buckets, dummy_inputs, table_width
+from .input_batch import (InputBuilder, StepInputs, batch_buckets, dummy_inputs,
+                          table_width)
 from .pool_sizing import auto_num_blocks
 from .prefill_graphs import PrefillGraphs, PromptGraph
 from ..sample.prompt_logprobs import (PendingPromptLogprobs, PromptLogprobs, PromptRows,
@@ -66,6 +76,25 @@ class Released:
 
     def __repr__(self) -> str:
         return f"<{self._name}: released>"
+
+
+@dataclass
+class PreparedStep:
+    """A step whose inputs :meth:`ModelRunner.prepare` built, for :meth:`ModelRunner.forward`.
+
+    ``inputs``: the builder's step inputs (device views of the staging buffers);
+    ``bucket`` / ``prompt_bucket``: the decode / prompt graph it replays, if any;
+    ``logits_dtype``: the dtype its logits are computed in; ``params`` / ``seeds``: per
+    sample row, its request's params and seed key (None: unseeded), as the sampler takes them.
+    """
+
+    out: SchedulerOutput
+    inputs: StepInputs
+    bucket: int | None
+    prompt_bucket: PromptGraph | None
+    logits_dtype: torch.dtype
+    params: list[SamplingParams]
+    seeds: list[tuple[str, int] | None]
 
 
 class ModelRunner:
@@ -120,18 +149,32 @@ class ModelRunner:
         # The projections' split-K scratch (ops.linear), shared by eager steps and graphs.
         self.linear_workspace = SplitKWorkspace(device) if device.type == "cuda" else None
 
-        timer = timer_or_new(load_timer)
+        self._max_model_len = max_model_len
+        self._timer = timer = timer_or_new(load_timer)
         with timer.phase("kv pool"):
             self.num_blocks = config.num_kv_blocks or auto_num_blocks(self, max_model_len)
-            # The one KV cache: pool, block tables, copy-on-write (the scheduler allocates
-            # through its kv_manager; other ranks use the pool and copy-on-write only).
-            self.cache = PagedAttentionManager(
-                config.max_num_seqs, self.layout.num_q_heads, model_config.head_size, bs,
-                self.num_blocks, device=device, dtype=self.kv_dtype,
-                num_kv_heads=self.layout.num_kv_heads, max_blocks_per_seq=self.table_width,
-                num_layers=model_config.num_layers,
-                enable_prefix_caching=config.enable_prefix_caching,
-                sliding_window=model_config.uniform_sliding_window)
+        # Built by build_cache, over the block bookkeeping the engine makes of num_blocks.
+        self.cache: PagedAttentionManager | None = None
+        self.graphs = self.prefill_graphs = None
+
+    def build_cache(self, kv_manager: KVCacheManager | None) -> None:
+        """Build the KV cache of :attr:`num_blocks` blocks and everything that reads it: the
+        pool (its blocks are those of ``kv_manager``, the scheduler's; None on a
+        tensor-parallel rank other than 0, which keeps no bookkeeping and copies the blocks
+        rank 0 names), the block tables, the input buffers, the CUDA graphs and the kernels'
+        warm-up. Call it once, after the constructor sized the pool."""
+        assert self.cache is None, "build_cache runs once"
+        config, model_config, model = self.config, self.model_config, self.model
+        device, bs, max_model_len, timer = (self.device, self.block_size, self._max_model_len,
+                                            self._timer)
+        # The one KV cache: pool, block tables, copy-on-write.
+        self.cache = PagedAttentionManager(
+            config.max_num_seqs, self.layout.num_q_heads, model_config.head_size, bs,
+            self.num_blocks, device=device, dtype=self.kv_dtype,
+            num_kv_heads=self.layout.num_kv_heads, max_blocks_per_seq=self.table_width,
+            num_layers=model_config.num_layers, kv_manager=kv_manager,
+            block_bookkeeping=kv_manager is not None)
+        self._timer = None
         self.kv_caches = self.cache.layer_caches
         # A decode graph pads the batch to its bucket: room for max_num_seqs tokens at least.
         max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
@@ -140,8 +183,6 @@ class ModelRunner:
             block_size=bs, device=device, order_decode=self.backend == "triton",
             logit_buckets=batch_buckets(config.max_num_seqs) if device.type == "cuda" else None)
 
-        # The last forward's SchedulerOutput and its sample rows' params and seeds.
-        self._sample_inputs: tuple | None = None
         self.graphs = self.prefill_graphs = None
         if device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(model, self.kv_caches, self.inputs,
@@ -150,8 +191,8 @@ class ModelRunner:
                                        linear_workspace=self.linear_workspace)
             with timer.phase("graphs"):
                 self.graphs.capture()
-            if peers is not None:       # also at garbage collection, before NCCL closes
-                peers.track_graphs(self.graphs)
+            if self.peers is not None:       # also at garbage collection, before NCCL closes
+                self.peers.track_graphs(self.graphs)
             # Whole prompts attend over their new K/V only with a cache in the model's dtype
             # (else they take the paged graphs); other ranks would have to replay in step
             # with rank 0.
@@ -227,36 +268,53 @@ class ModelRunner:
         """The sequence left the running set: its block-table row is free again."""
         self.cache.tables.release(seq_id)
 
-    @torch.inference_mode()
-    def forward(self, out: SchedulerOutput, pending: dict[int, int] | None = None,
-                previous: Callable[[], PendingSample] | None = None) -> torch.Tensor | None:
-        """Enqueue a step's forward: logits ``[sum(out.num_samples), vocab_size]`` of its
-        sample rows, or None when none samples (no host sync either way). They are float32,
-        or in the model dtype where the sampler reads them so
-        (``Sampler.reads_model_dtype``).
+    def prepare(self, out: SchedulerOutput, pending: dict[int, int] | None = None
+                ) -> PreparedStep:
+        """Host work of a step before its launch: free the table rows of the sequences that
+        left, build the inputs into the staging buffers (see ``input_batch``) and collect the
+        sample rows' params. Nothing is enqueued on the device.
 
-        ``pending`` / ``previous`` (asynchronous scheduling): ``seq_id -> row`` of the previous
-        step's sampled ids for the sequences whose input token the host does not know yet
-        (those inputs are copied on the device), and the call that gives those ids. It is
-        called exactly once, once the inputs are built and before the forward is enqueued: a
-        step whose sampling waited for its grammar masks is sampled there, so the host builds
-        this step while the masks are filled.
+        ``pending`` (asynchronous scheduling): ``seq_id -> row`` of the previous step's
+        sampled ids for the sequences whose input token the host does not know yet; their
+        inputs are filled on the device by :meth:`forward`.
         """
         self.prompt_logprobs = []
         self._prompt_device = None
         for seq_id in out.released_seq_ids:
             self.release(seq_id)
-        n = out.num_seqs
         bucket = prompt_bucket = None
         if self.graphs is not None and out.decode_only:
-            bucket = self.graphs.bucket_for(n)
+            bucket = self.graphs.bucket_for(out.num_seqs)
         elif self.prefill_graphs is not None:
             prompt_bucket = self.prefill_graphs.bucket_for(out)
         step = self.inputs.build(
             out, pad_to=bucket, pending=pending,
             pad_prompt_to=prompt_bucket.tokens if prompt_bucket is not None else None,
             paged_prompt=prompt_bucket is not None and prompt_bucket.paged)
-        sampled = previous() if previous is not None else None
+        params, seeds = _sample_params(out)
+        # The LM head's own output where the sampler reads it as is (the ranks gather the
+        # model-dtype columns either way; the other ranks drop their copy).
+        logits_dtype = (self.model.dtype if self.sampler.reads_model_dtype(params, seeds)
+                        else torch.float32)
+        return PreparedStep(out, step, bucket, prompt_bucket, logits_dtype, params, seeds)
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput, prepared: PreparedStep | None = None,
+                sampled: PendingSample | None = None) -> torch.Tensor | None:
+        """Enqueue a step's forward: logits ``[sum(out.num_samples), vocab_size]`` of its
+        sample rows, or None when none samples (no host sync either way). They are float32,
+        or in the model dtype where the sampler reads them so
+        (``Sampler.reads_model_dtype``).
+
+        ``prepared``: :meth:`prepare`'s result for ``out`` (None: prepared now, for a step
+        with no pending inputs). ``sampled`` (asynchronous scheduling): the previous step's
+        enqueued sampling, whose ids (int64 ``[num_rows]`` on the device) fill the inputs
+        ``prepare`` left pending, on the device.
+        """
+        if prepared is None:
+            prepared = self.prepare(out)
+        assert prepared.out is out, "prepare(out) first"
+        step, bucket, n = prepared.inputs, prepared.bucket, out.num_seqs
         if step.fill is not None:
             assert sampled is not None and self.peers is None, "a fill needs the sampled ids"
             step.fill.apply(step.input_ids, sampled.token_ids)
@@ -266,16 +324,10 @@ class ModelRunner:
                 max_seqlen_q=step.max_seqlen_q, num_sample_rows=step.num_sample_rows,
                 decode_only=out.decode_only, graph_bucket=bucket,
                 block_copies=list(out.block_copies), no_prefix=step.no_prefix))
-        wanted = prompt_logprob_rows(out)
-        # The LM head's own output where the sampler reads it as is (the ranks gather the
-        # model-dtype columns either way; the other ranks drop their copy).
-        params, seeds = _sample_params(out)
-        self._sample_inputs = (out, params, seeds)     # for sample(out), without a second pass
-        logits_dtype = (self.model.dtype if self.sampler.reads_model_dtype(params, seeds)
-                        else torch.float32)
         try:
-            return self._forward(step, n, out.decode_only, bucket, out.block_copies, wanted,
-                                 logits_dtype, prompt_bucket)
+            return self._forward(step, n, out.decode_only, bucket, out.block_copies,
+                                 prompt_logprob_rows(out), prepared.logits_dtype,
+                                 prepared.prompt_bucket)
         except Exception as exc:
             if self.peers is not None:
                 self.peers.step_done()
@@ -285,25 +337,20 @@ class ModelRunner:
             if self.peers is not None:
                 self.peers.step_done()              # the step's time budget ends
 
-    def sample(self, out: SchedulerOutput, logits: torch.Tensor,
+    def sample(self, prepared: PreparedStep, logits: torch.Tensor,
                overlap: Callable[[], None] | None = None,
                masks: Callable[[], TokenMasks | None] | None = None,
                rows: list[SampleRow] | None = None) -> PendingSample:
-        """Enqueue the sampling of :meth:`forward`'s ``logits``, one row per sample (a request
-        about to fork has ``n`` rows); the ids stay on the device until
-        :meth:`PendingSample.read`. ``overlap`` is called once the step's device work is
-        enqueued; ``masks`` makes the grammar bitmask of the sample rows with structured
+        """Enqueue the sampling of :meth:`forward`'s ``logits`` for the step ``prepared``, one
+        row per sample (a request about to fork has ``n`` rows); the ids stay on the device
+        until :meth:`PendingSample.read`. ``overlap`` is called once the step's device work
+        is enqueued; ``masks`` makes the grammar bitmask of the sample rows with structured
         outputs (called by the sampler only if some row has them); ``rows``: the step's
         :meth:`history_rows` taken when it was launched (default: made now). A synchronous
         step then reads the ids and :meth:`read_prompt_logprobs`."""
-        cached = self._sample_inputs
-        if cached is not None and cached[0] is out:
-            params, seeds = cached[1:]
-            self._sample_inputs = None      # keeps the step's sequences alive no longer
-        else:
-            params, seeds = _sample_params(out)
+        out = prepared.out
         # Made only if some row uses penalties or min_tokens.
-        return self.sampler.sample(logits, params, seeds, overlap,
+        return self.sampler.sample(logits, prepared.params, prepared.seeds, overlap,
                                    (lambda: rows) if rows is not None else
                                    (lambda: _sample_rows(out)), masks)
 
@@ -390,7 +437,6 @@ class ModelRunner:
             self.prefill_graphs = None
         self.prompt_logprobs = []
         self._prompt_device = None
-        self._sample_inputs = None
         for name in _DEVICE_STATE:
             setattr(self, name, Released(f"ModelRunner.{name}"))
         self.released = True

@@ -6,6 +6,9 @@ once its shard and KV pool exist (or ``("error", text)`` and exits), then loops:
 loop on a :class:`~mini_paged_attn.engine.worker.tp_messages.StopMessage`, when rank 0's end of the pipe closes (rank 0
 exited, however it exited), or after a failed step (reported on the pipe first). Ctrl-C is
 ignored here: rank 0 hears it and stops the workers.
+
+A worker's pool keeps no block bookkeeping (:func:`build_worker_runner`): rank 0's scheduler
+allocates every block, and each step message names the copies to make.
 """
 
 from __future__ import annotations
@@ -59,14 +62,13 @@ def run_worker(launch: WorkerLaunch, conn: Any) -> None:
     try:
         from ...distributed.group import init_tp_group
         from ...models.loader import load_model
-        from .model_runner import ModelRunner
 
         tp = init_tp_group(launch.rank, launch.world_size, device, host=launch.host,
                            port=launch.port, timeout_s=launch.config.distributed_timeout_s)
         model, model_config = load_model(launch.model_dir, dtype=launch.dtype, device=device,
                                          tp=tp)
         max_len = resolve_max_model_len(launch.config, model_config.max_position_embeddings)
-        runner = ModelRunner(model, model_config, launch.config, max_len)
+        runner = build_worker_runner(model, model_config, launch.config, max_len)
     except BaseException as exc:
         logger.exception("tensor-parallel rank %d could not start", launch.rank)
         _report(conn, f"{type(exc).__name__}: {exc}")
@@ -81,6 +83,17 @@ def run_worker(launch: WorkerLaunch, conn: Any) -> None:
             # After a failed step a collective may never finish, so no synchronize then.
             runner.release_graphs()
         tp.close()
+
+
+def build_worker_runner(model, model_config, config: EngineConfig, max_model_len: int):
+    """This rank's :class:`~mini_paged_attn.engine.worker.model_runner.ModelRunner`: its pool is
+    sized with rank 0's (the sizing agrees on the smallest) but keeps no block bookkeeping,
+    since rank 0's scheduler allocates every block and each step message names the copies."""
+    from .model_runner import ModelRunner
+
+    runner = ModelRunner(model, model_config, config, max_model_len)
+    runner.build_cache(None)
+    return runner
 
 
 def _serve(runner, conn: Any, rank: int) -> bool:
@@ -108,4 +121,4 @@ def _report(conn: Any, text: str) -> None:
         pass
 
 
-__all__ = ["WorkerLaunch", "run_worker"]
+__all__ = ["WorkerLaunch", "build_worker_runner", "run_worker"]
