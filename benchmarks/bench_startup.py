@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="qwen3-0.6b", help="a shape of benchmarks.bench_engine")
     p.add_argument("--model", help="a model directory instead of a random checkpoint")
     p.add_argument("--repeats", type=int, default=3, help="starts, each a new process")
-    p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--timeout-s", type=float, default=300.0,
+                   help="give up on a start after this many seconds")
     p.add_argument("--out", help="directory for the logs and results.json")
     p.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                    help="the rest of the line goes to serve")
