@@ -19,8 +19,9 @@ The window rules follow each family's transformers modeling code, once the windo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .moe_config import MoeConfig
@@ -102,4 +103,4 @@ class Family:
         return self.hf_model_type or self.model_type
 
 
-__all__ = ["Family", "MoeReader", "QKV_BIAS_RULES", "WINDOW_RULES"]
+__all__ = ["QKV_BIAS_RULES", "WINDOW_RULES", "Family", "MoeReader"]

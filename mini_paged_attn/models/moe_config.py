@@ -101,4 +101,4 @@ def need_field(fields: dict[str, Any], family: str, source: str, *keys: str) -> 
     raise ValueError(f"{source}: missing field {keys[0]!r} (needed for {family})")
 
 
-__all__ = ["ExpertNames", "MoeConfig", "ROUTERS", "need_field", "refuse_quantized"]
+__all__ = ["ROUTERS", "ExpertNames", "MoeConfig", "need_field", "refuse_quantized"]

@@ -9,13 +9,13 @@ this list is the only other place that names it. Every family's model is a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import import_module
 from typing import Any
 
 import torch
 
 from ..distributed.group import TPGroup
-from .families import (gemma2, gemma3, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen3,
-                       qwen3_moe)
+from . import families
 from .config import ModelConfig
 from .family import Family
 from .llama import CausalLM
@@ -95,19 +95,22 @@ class Registry:
                          f"model_type (one of {self.model_types})")
 
 
-# One line per family. ModelConfig reads this module's REGISTRY when it looks a family up.
-REGISTRY = Registry((
-    llama.FAMILY,
-    mistral.FAMILY,
-    qwen2.FAMILY,
-    qwen3.FAMILY,
-    phi3.FAMILY,
-    gemma2.FAMILY,
-    gemma3.FAMILY,
-    qwen3_moe.FAMILY,
-    mixtral.FAMILY,
-    gpt_oss.FAMILY,
-))
+# The modules of models/families/, one line per family.
+FAMILY_MODULES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma2",
+    "gemma3",
+    "qwen3_moe",
+    "mixtral",
+    "gpt_oss",
+)
+# ModelConfig reads this module's REGISTRY when it looks a family up.
+REGISTRY = Registry(tuple(import_module(f"{families.__name__}.{name}").FAMILY
+                          for name in FAMILY_MODULES))
 
 
 def model_class(config: ModelConfig) -> type[CausalLM]:
@@ -138,4 +141,4 @@ def init_empty_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.d
     return model
 
 
-__all__ = ["REGISTRY", "Registry", "build_model", "init_empty_model", "model_class"]
+__all__ = ["FAMILY_MODULES", "REGISTRY", "Registry", "build_model", "init_empty_model", "model_class"]

@@ -8,6 +8,7 @@ import importlib
 import json
 import pkgutil
 import shutil
+import sys
 import textwrap
 
 import pytest
@@ -37,7 +38,7 @@ def clone_family(tmp_path, monkeypatch) -> Family:
     monkeypatch.syspath_prepend(str(tmp_path))
     family = importlib.import_module("llama_clone_family").FAMILY
     yield family
-    monkeypatch.delitem(__import__("sys").modules, "llama_clone_family")
+    sys.modules.pop("llama_clone_family", None)     # the next test imports its own copy
 
 
 def _clone_dir(tiny_model_factory, tmp_path):
@@ -79,6 +80,7 @@ def test_every_family_module_is_registered_once_under_its_name():
     declared = [importlib.import_module(f"{families.__name__}.{m}").FAMILY for m in modules]
     assert [f.name for f in declared] == modules
     assert sorted(registry.REGISTRY.families, key=lambda f: f.name) == declared
+    assert sorted(registry.FAMILY_MODULES) == modules
 
 
 @pytest.mark.parametrize("field", ["name", "architecture", "model_type"])
@@ -95,8 +97,8 @@ def test_a_registry_refuses_a_family_twice(field):
     ({"name": ""}, "name"), ({"model_class": dict}, "model_class"),
 ])
 def test_bad_families_name_the_field(fields, match):
-    base = dict(name="other", architecture="OtherForCausalLM", model_type="other",
-                model_class=CausalLM)
+    base = {"name": "other", "architecture": "OtherForCausalLM", "model_type": "other",
+            "model_class": CausalLM}
     with pytest.raises(ValueError, match=match):
         registry.REGISTRY.with_family(Family(**{**base, **fields}))
 
@@ -109,8 +111,9 @@ def test_a_model_type_transformers_does_not_know_is_named(monkeypatch):
         ModelConfig.from_dict({"architectures": ["OddForCausalLM"]})
 
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=300, max_position_embeddings=512)
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
+         "max_position_embeddings": 512}
 
 
 def test_fields_absent_from_the_file_take_transformers_defaults():
