@@ -169,7 +169,7 @@ class ModelConfig:
         The fields are read through transformers' config class of the family (absent ones
         take its defaults), except the token ids: those come from the file (and
         ``generation_config``) alone, since a class's default ids belong to some other
-        checkpoint's tokenizer."""
+        checkpoint's tokenizer (``config_families.config_fields``)."""
         spec = _registry().of_config(raw, source)
         fields = config_fields(spec, raw, source)
 
@@ -182,15 +182,15 @@ class ModelConfig:
         hidden_size = int(need("hidden_size"))
         num_q_heads = int(need("num_attention_heads"))
         num_kv_heads = int(fields.get("num_key_value_heads") or num_q_heads)
-        # num_attention_heads 0 is refused (by name) in __post_init__, not as a ZeroDivisionError.
-        head_size = fields.get("head_dim") or (hidden_size // num_q_heads if num_q_heads > 0 else 0)
+        # (config_fields refused a num_attention_heads below 1 by name)
+        head_size = fields.get("head_dim") or hidden_size // num_q_heads
         num_layers = int(need("num_hidden_layers"))
         max_positions = int(need("max_position_embeddings"))
         attention_bias = bool(fields.get("attention_bias", False))
         always_qkv_bias = spec.qkv_bias == "always"
-        eos = _merge_ids(raw.get("eos_token_id"),
+        eos = _merge_ids(fields.get("eos_token_id"),
                          (generation_config or {}).get("eos_token_id"))
-        bos = raw.get("bos_token_id")
+        bos = fields.get("bos_token_id")
         window, layer_types = attention_pattern(fields, spec, num_layers, source)
         rope, sliding_rope = parse_ropes(fields, spec, max_positions, source)
         scalar = fields.get("query_pre_attn_scalar") if spec.query_pre_attn_scalar else None

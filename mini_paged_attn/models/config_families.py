@@ -46,8 +46,11 @@ def config_fields(family: Family, raw: dict[str, Any], source: str) -> dict[str,
         raise ValueError(f"{family.name}: model_type: expected one transformers knows, got "
                          f"{model_type!r} (set hf_model_type to the config class's type)")
     config_class = CONFIG_MAPPING[model_type]
-    kwargs = {k: _current_rope_spelling(v) if k in _ROPE_DICTS else v
-              for k, v in raw.items() if k != "model_type"}
+    # Token ids the file does not give stay unset: a class's defaults are some other
+    # checkpoint's ids (and draw warnings against a small vocabulary).
+    kwargs = {**dict.fromkeys(_TOKEN_IDS),
+              **{k: _current_rope_spelling(v) if k in _ROPE_DICTS else v
+                 for k, v in raw.items() if k != "model_type"}}
     try:
         hf_config = config_class(**kwargs)
     # transformers refuses bad fields with ValueError, KeyError, TypeError or its strict
@@ -58,6 +61,7 @@ def config_fields(family: Family, raw: dict[str, Any], source: str) -> dict[str,
     return hf_config.to_dict()
 
 
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _ROPE_DICTS = ("rope_scaling", "rope_parameters")
 # rope types under their early names (first Phi-3 files: "su"), which transformers 5 refuses
 _ROPE_TYPE_NAMES = {"su": "longrope"}
