@@ -3,9 +3,9 @@ mixture-of-experts Qwen3-MoE, Mixtral and gpt-oss (``moe_decoder.py``), over the
 cache, read from local Hugging Face dirs.
 
 - :func:`load_model` (``loader.py``): config.json + safetensors -> ``(CausalLM, ModelConfig)``.
-- :class:`CausalLM` (``llama.py``; Gemma's in ``gemma.py``, one class per family in
-  ``registry.py``): ``forward(input_ids, positions, kv_caches, meta)`` and
-  ``compute_logits(hidden)``; :class:`AttentionMetadata` (``attention.py``) is one step's input.
+- :class:`CausalLM` (``llama.py``; Gemma's in ``gemma.py``; which family uses which class:
+  its module in ``families/``, listed in ``registry.py``):
+  ``forward(input_ids, positions, kv_caches, meta)`` and ``compute_logits(hidden)``; :class:`AttentionMetadata` (``attention.py``) is one step's input.
 - :func:`load_tokenizer` (``tokenizer.py``): :class:`Tokenizer`, :class:`IncrementalDetokenizer`.
 - :func:`tiny_llama` / :func:`write_tiny_llama` (``tiny.py``): the embedded RANDOM tiny Llama.
 """

@@ -1,12 +1,12 @@
 """ModelConfig: the decoder's shape and flags, read from a Hugging Face config.json.
 
-Seven dense families share one config: Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2 and
-Gemma 3 (text). What differs between them is a handful of flags and fields (qkv bias, q/k
-RMSNorm, tied embeddings, rope scaling, partial rotary, sliding-window layers, logit soft-caps)
-that this module reads from config.json as transformers 4.4x through 5.x write it
-(``rope_theta`` + ``rope_scaling`` or ``rope_parameters``, per layer type for Gemma 3;
-``torch_dtype`` or ``dtype``). A config.json without ``architectures`` (as converters write it) is recognized by
-its ``model_type``.
+Every family (``models/families/``, listed in ``registry.py``) shares one config. What differs
+between them is a handful of flags and fields (qkv bias, q/k RMSNorm, tied embeddings, rope
+scaling, partial rotary, sliding-window layers, logit soft-caps, experts), each family declaring
+its rules in its :class:`~.family.Family`. config.json is read through transformers' config class
+of the family (``config_families.config_fields``), so what a file leaves out takes that class's
+default. A config.json without ``architectures`` (as converters write it) is recognized by its
+``model_type``.
 
 Sliding windows follow Hugging Face's meaning: a query at position ``p`` of a
 ``sliding_window`` layer sees the keys at ``p - sliding_window + 1 .. p`` (``sliding_window``
@@ -25,38 +25,11 @@ import torch
 
 from ..core.args import positive_int
 from ..errors import ModelLoadError
-from .config_families import (ACTIVATIONS, FAMILY_DEFAULTS, GEMMA_FAMILIES, LAYER_TYPES,
-                              activation, attention_pattern, parse_ropes)
+from .config_families import (ACTIVATIONS, LAYER_TYPES, activation, attention_pattern,
+                              config_fields, parse_ropes)
+from .family import Family
 from .rope import ROPE_TYPES, RopeConfig
-from .moe_config import MoeConfig, parse_moe_config
-
-# architecture name in config.json -> the family whose flags apply
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Phi3ForCausalLM": "phi3",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3",
-    # mixture-of-experts families (models/moe_config.py)
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
-    "GptOssForCausalLM": "gpt_oss",
-}
-# config.json "model_type" -> architecture, for files that do not name one
-MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "gpt_oss": "GptOssForCausalLM",
-}
+from .moe_config import MoeConfig
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16}
@@ -104,9 +77,7 @@ class ModelConfig:
     moe: MoeConfig | None = None  # the sparse feed-forward of an MoE family, None when dense
 
     def __post_init__(self):
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture: expected one of {sorted(SUPPORTED_ARCHITECTURES)}, "
-                             f"got {self.architecture!r}")
+        _registry().by_architecture(self.architecture)     # ValueError naming the known ones
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_q_heads",
                      "num_kv_heads", "head_size", "vocab_size", "max_position_embeddings"):
             object.__setattr__(self, name, positive_int(name, getattr(self, name)))
@@ -147,10 +118,14 @@ class ModelConfig:
         object.__setattr__(self, "layer_types", types)
 
     @property
+    def family_spec(self) -> Family:
+        """The :class:`~.family.Family` of ``architecture`` (its rules, its model class)."""
+        return _registry().by_architecture(self.architecture)
+
+    @property
     def family(self) -> str:
-        """"llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3" |
-        "qwen3_moe" | "mixtral" | "gpt_oss"."""
-        return SUPPORTED_ARCHITECTURES[self.architecture]
+        """The family's name: "llama", "qwen3", "gemma3", "gpt_oss", ... (``registry.py``)."""
+        return self.family_spec.name
 
     @property
     def q_size(self) -> int:
@@ -189,30 +164,38 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, generation_config: dict[str, Any] | None = None,
                   source: str = "config.json") -> ModelConfig:
-        """Parse a Hugging Face config dict; ``source`` names it in error messages."""
-        architecture = _architecture(raw, source)
-        family = SUPPORTED_ARCHITECTURES[architecture]
-        raw = {**FAMILY_DEFAULTS.get(family, {}), **raw}   # absent keys only: null stays null
+        """Parse a Hugging Face config dict; ``source`` names it in error messages.
+
+        The fields are read through transformers' config class of the family (absent ones
+        take its defaults), except the token ids: those come from the file (and
+        ``generation_config``) alone, since a class's default ids belong to some other
+        checkpoint's tokenizer (``config_families.config_fields``)."""
+        spec = _registry().of_config(raw, source)
+        fields = config_fields(spec, raw, source)
 
         def need(key: str):
-            if raw.get(key) is None:
-                raise ValueError(f"{source}: missing field {key!r} (needed for {architecture})")
-            return raw[key]
+            if fields.get(key) is None:
+                raise ValueError(f"{source}: missing field {key!r} (needed for "
+                                 f"{spec.architecture})")
+            return fields[key]
 
         hidden_size = int(need("hidden_size"))
         num_q_heads = int(need("num_attention_heads"))
-        num_kv_heads = int(raw.get("num_key_value_heads") or num_q_heads)
-        # num_attention_heads 0 is refused (by name) in __post_init__, not as a ZeroDivisionError.
-        head_size = raw.get("head_dim") or (hidden_size // num_q_heads if num_q_heads > 0 else 0)
+        num_kv_heads = int(fields.get("num_key_value_heads") or num_q_heads)
+        # (config_fields refused a num_attention_heads below 1 by name)
+        head_size = fields.get("head_dim") or hidden_size // num_q_heads
         num_layers = int(need("num_hidden_layers"))
         max_positions = int(need("max_position_embeddings"))
-        attention_bias = bool(raw.get("attention_bias", False))
-        eos = _merge_ids(raw.get("eos_token_id"),
+        attention_bias = bool(fields.get("attention_bias", False))
+        always_qkv_bias = spec.qkv_bias == "always"
+        eos = _merge_ids(fields.get("eos_token_id"),
                          (generation_config or {}).get("eos_token_id"))
-        window, layer_types = attention_pattern(raw, family, num_layers, source)
-        rope, sliding_rope = parse_ropes(raw, family, max_positions, source)
+        bos = fields.get("bos_token_id")
+        window, layer_types = attention_pattern(fields, spec, num_layers, source)
+        rope, sliding_rope = parse_ropes(fields, spec, max_positions, source)
+        scalar = fields.get("query_pre_attn_scalar") if spec.query_pre_attn_scalar else None
         return cls(
-            architecture=architecture,
+            architecture=spec.architecture,
             num_layers=num_layers,
             hidden_size=hidden_size,
             intermediate_size=int(need("intermediate_size")),
@@ -221,27 +204,25 @@ class ModelConfig:
             head_size=int(head_size),
             vocab_size=int(need("vocab_size")),
             max_position_embeddings=max_positions,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(need("rms_norm_eps")),
             rope=rope,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=attention_bias or family == "qwen2",
-            o_bias=attention_bias and family != "qwen2",
-            mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
+            tie_word_embeddings=bool(fields.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias or always_qkv_bias,
+            o_bias=attention_bias and not always_qkv_bias,
+            mlp_bias=bool(fields.get("mlp_bias", False)),
+            qk_norm=spec.qk_norm,
             eos_token_ids=eos,
-            bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
-            dtype=parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32",
+            bos_token_id=bos if isinstance(bos, int) else None,
+            dtype=parse_dtype(fields.get("dtype") or fields.get("torch_dtype") or "float32",
                               f"{source}: dtype"),
-            hidden_act=activation(raw, family, source),
+            hidden_act=activation(fields, spec, source),
             sliding_window=window,
             layer_types=layer_types,
             sliding_rope=sliding_rope,
-            query_pre_attn_scalar=(float(raw["query_pre_attn_scalar"])
-                                   if family in GEMMA_FAMILIES and raw.get("query_pre_attn_scalar")
-                                   else None),
-            attn_logit_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
-            final_logit_softcap=float(raw.get("final_logit_softcapping") or 0.0),
-            moe=parse_moe_config(raw, family, int(need("num_hidden_layers")), source),
+            query_pre_attn_scalar=float(scalar) if scalar else None,
+            attn_logit_softcap=float(fields.get("attn_logit_softcapping") or 0.0),
+            final_logit_softcap=float(fields.get("final_logit_softcapping") or 0.0),
+            moe=spec.moe(fields, num_layers, source) if spec.moe else None,
         )
 
     @classmethod
@@ -317,21 +298,12 @@ def _merge_ids(*values) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _architecture(raw: dict[str, Any], source: str) -> str:
-    architectures = raw.get("architectures") or []
-    known = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
-    if known:
-        return known[0]
-    model_type = raw.get("model_type")
-    if not architectures and model_type in MODEL_TYPES:
-        return MODEL_TYPES[model_type]
-    if architectures:
-        raise ValueError(f"{source}: architectures {architectures!r} is not supported; "
-                         f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-    raise ValueError(f"{source}: no architectures and model_type {model_type!r} is not supported; "
-                     f"expected architectures (one of {sorted(SUPPORTED_ARCHITECTURES)}) or "
-                     f"model_type (one of {sorted(MODEL_TYPES)})")
+def _registry():
+    # Imported when first needed: registry.py imports the family modules, which import the
+    # model classes, which import this module. Read at call time, so a test can swap it.
+    from . import registry
+    return registry.REGISTRY
 
 
-__all__ = ["ModelConfig", "RopeConfig", "ROPE_TYPES", "SUPPORTED_ARCHITECTURES", "MODEL_TYPES",
-           "LAYER_TYPES", "check_model_dir", "parse_dtype", "read_json", "resolve_dtype"]
+__all__ = ["ModelConfig", "RopeConfig", "ROPE_TYPES", "LAYER_TYPES", "check_model_dir",
+           "parse_dtype", "read_json", "resolve_dtype"]

@@ -129,7 +129,6 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaForCausalLM(CausalLM):
     """Gemma 2 / Gemma 3 text decoder (see the module docstring)."""
 
-    families = ("gemma2", "gemma3")
     layer_class = GemmaDecoderLayer
     norm_class = GemmaRMSNorm
 

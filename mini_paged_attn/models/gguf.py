@@ -27,7 +27,8 @@ import torch
 
 from ..distributed.group import TPGroup
 from ..errors import ModelLoadError
-from .config import SUPPORTED_ARCHITECTURES, ModelConfig, resolve_dtype
+from . import registry
+from .config import ModelConfig, resolve_dtype
 from .gguf_file import GGUFFile, read_gguf_file
 from .gguf_tokenizer import tokenizer_from_metadata
 from .llama import CausalLM
@@ -163,9 +164,10 @@ def _model_config(hf_config: Any, path: Path) -> ModelConfig:
     raw = hf_config.to_dict()
     # GGUF metadata names an architecture family (general.architecture), not a class.
     architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(raw.get("model_type"))
-    if architecture not in SUPPORTED_ARCHITECTURES:
+    supported = registry.REGISTRY.architectures
+    if architecture not in supported:
         raise ValueError(f"{path}: GGUF architecture {raw.get('model_type')!r} is not supported; "
-                         f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+                         f"supported: {supported}")
     raw["architectures"] = [architecture]
     # Dequantized weights are float32; a float checkpoint's own dtype is not in the metadata.
     raw["dtype"] = "float32"

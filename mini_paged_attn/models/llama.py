@@ -1,5 +1,6 @@
 """One decoder for Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 and Phi-3, told apart by ModelConfig
-flags; the base class of the other families' models (Gemma: ``gemma.py``).
+flags; the base class of the other families' models (Gemma: ``gemma.py``, MoE:
+``moe_decoder.py``). Which family uses which class: ``models/families/``.
 
     embed_tokens -> N x [x + attn(input_layernorm(x)); x + mlp(post_attention_layernorm(x))] -> norm
     -> lm_head (or the embedding, tied)
@@ -117,20 +118,20 @@ class CausalLM(nn.Module):
     holds this rank's shard (``self.layout``) and its forward all-reduces inside the layers.
 
     Families whose layers differ in shape subclass it and set ``layer_class`` / ``norm_class``
-    (Gemma), or ``fused_checkpoint`` (Phi-3 stores qkv_proj and gate_up_proj fused).
+    (Gemma); a family's ``Family.model_class`` names the class that builds it.
     """
 
-    families: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
     layer_class: type[nn.Module] = DecoderLayer
     norm_class: type[nn.Module] = RMSNorm
-    fused_checkpoint = False
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, tp: TPGroup | None = None):
         super().__init__()
-        if config.family not in self.families:
-            raise ValueError(f"config: {type(self).__name__} builds {self.families} models, got "
-                             f"a {config.family} config (registry.build_model picks the class)")
+        expected = config.family_spec.model_class
+        if type(self) is not expected:
+            raise ValueError(f"config: a {config.family} config is built by "
+                             f"{expected.__name__}, not {type(self).__name__} "
+                             "(registry.build_model picks the class)")
         self.config = config
         self.dtype = dtype = dtype or config.dtype
         self.tp = tp = tp or TPGroup.single(device or "cpu")
@@ -233,7 +234,8 @@ class CausalLM(nn.Module):
         its input columns of o_proj/down_proj (their biases whole) and its vocabulary rows.
         """
         lay = self.layout
-        parts = CheckpointParts(self.config, lay, fused=self.fused_checkpoint)
+        fused = self.config.family_spec.fused_checkpoint
+        parts = CheckpointParts(self.config, lay, fused=fused)
         vocab_rows = slice(0, lay.vocab_valid)
         vocab = parts.part(lay.vocab_start, lay.vocab_valid)
         shards: dict[str, Shard] = {
@@ -251,10 +253,3 @@ class CausalLM(nn.Module):
             return True
         # Tied checkpoints sometimes store the head anyway (a copy of the embedding).
         return name == "lm_head.weight" and self.lm_head is None
-
-
-class Phi3ForCausalLM(CausalLM):
-    """Phi-3: the Llama decoder, its checkpoint storing qkv_proj and gate_up_proj fused."""
-
-    families = ("phi3",)
-    fused_checkpoint = True

@@ -31,12 +31,6 @@ from ..ops.moe import fused_moe
 from .checkpoint import Shard
 from .moe_config import MoeConfig
 
-# family -> (checkpoint module under the layer, router name, expert gate / up / down names)
-_PER_EXPERT_NAMES = {
-    "qwen3_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
-    "mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
-}
-
 
 # ---- routing ------------------------------------------------------------------------------------
 
@@ -141,9 +135,11 @@ class SparseMoeBlock(nn.Module):
         ``model.layers.{i}.``), ``part`` None when the whole tensor is copied."""
         sharded = self.tp.world_size > 1
         start, inter = self.inter_start, self.w2.shape[2]
-        if self.moe.family == "gpt_oss":
+        names = self.moe.expert_names
+        if names is None:
             return self._fused_shards(f"{prefix}mlp.", sharded, start, inter)
-        module, router, (gate, up, down) = _PER_EXPERT_NAMES[self.moe.family]
+        module, router, gate, up, down = (names.module, names.router, names.gate, names.up,
+                                          names.down)
         rows = (slice(start, start + inter),) if sharded else None
         cols = (slice(None), slice(start, start + inter)) if sharded else None
         shards: dict[str, Shard] = {f"{prefix}{module}.{router}.weight": (self.router.weight, None)}

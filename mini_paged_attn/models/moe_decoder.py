@@ -29,7 +29,7 @@ class MoeDecoderLayer(DecoderLayer):
     def __init__(self, config: ModelConfig, layer: int, *, dtype: torch.dtype, device,
                  tp: TPGroup, layout: ShardLayout):
         super().__init__(config, layer, dtype=dtype, device=device, tp=tp, layout=layout)
-        if config.family == "gpt_oss":
+        if config.family_spec.attention_sinks:
             self.self_attn = Attention(config, dtype=dtype, device=device, tp=tp, layout=layout,
                                        sinks=True, **attention_variant(config, layer))
         if config.moe is not None and config.moe.is_sparse(layer):
@@ -55,7 +55,6 @@ class MoeDecoderLayer(DecoderLayer):
 class MoeForCausalLM(CausalLM):
     """The decoder of the mixture-of-experts families (see the module docstring)."""
 
-    families = ("qwen3_moe", "mixtral", "gpt_oss")
     layer_class = MoeDecoderLayer
 
 

@@ -1,40 +1,121 @@
-"""Which model class serves each family, and the empty model the loader fills.
+"""The model families the library serves, and the empty model the loader fills.
 
-Every family is a :class:`~.llama.CausalLM`: the Llama decoder as it is (Llama, Mistral, Qwen2,
-Qwen3), with fused checkpoint names (Phi-3), with Gemma's layers (Gemma 2 and 3), or with
-expert blocks (Qwen3-MoE, Mixtral, gpt-oss: ``moe_decoder.py``).
+A family is one module of ``models/families/`` (its :class:`~.family.Family` as ``FAMILY``);
+this list is the only other place that names it. Every family's model is a
+:class:`~.llama.CausalLM`: the shared decoder, Gemma's layers (``gemma.py``) or expert blocks
+(``moe_decoder.py``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from importlib import import_module
+from typing import Any
+
 import torch
 
 from ..distributed.group import TPGroup
-from .config import SUPPORTED_ARCHITECTURES, ModelConfig
-from .gemma import GemmaForCausalLM
-from .llama import CausalLM, Phi3ForCausalLM
-from .moe_decoder import MoeForCausalLM
+from . import families
+from .config import ModelConfig
+from .family import Family
+from .llama import CausalLM
 
-# family (ModelConfig.family) -> model class
-MODEL_CLASSES: dict[str, type[CausalLM]] = {
-    "llama": CausalLM,
-    "mistral": CausalLM,
-    "qwen2": CausalLM,
-    "qwen3": CausalLM,
-    "phi3": Phi3ForCausalLM,
-    "gemma2": GemmaForCausalLM,
-    "gemma3": GemmaForCausalLM,
-    "qwen3_moe": MoeForCausalLM,
-    "mixtral": MoeForCausalLM,
-    "gpt_oss": MoeForCausalLM,
-}
-assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES.values())
-assert all(family in cls.families for family, cls in MODEL_CLASSES.items())
+
+@dataclass(frozen=True)
+class Registry:
+    """The families one can load, looked up by name, architecture or model_type.
+
+    Raises (at construction):
+        ValueError: two families share a name, an architecture or a model_type, or a
+            family's ``model_class`` is not a :class:`CausalLM`.
+    """
+    families: tuple[Family, ...]
+
+    def __post_init__(self):
+        for field in ("name", "architecture", "model_type"):
+            values = [getattr(f, field) for f in self.families]
+            repeated = sorted({v for v in values if values.count(v) > 1})
+            if repeated:
+                raise ValueError(f"families: expected each {field} once, got {repeated} twice")
+        for family in self.families:
+            if not (isinstance(family.model_class, type)
+                    and issubclass(family.model_class, CausalLM)):
+                raise ValueError(f"{family.name}: model_class: expected a CausalLM subclass, "
+                                 f"got {family.model_class!r}")
+
+    def with_family(self, family: Family) -> Registry:
+        """This registry and ``family``."""
+        return Registry(self.families + (family,))
+
+    @property
+    def architectures(self) -> list[str]:
+        return sorted(f.architecture for f in self.families)
+
+    @property
+    def model_types(self) -> list[str]:
+        return sorted(f.model_type for f in self.families)
+
+    def by_name(self, name: str) -> Family:
+        """The family called ``name`` (ModelConfig.family). Raises ValueError when unknown."""
+        for family in self.families:
+            if family.name == name:
+                return family
+        raise ValueError(f"family: expected one of {sorted(f.name for f in self.families)}, "
+                         f"got {name!r}")
+
+    def by_architecture(self, architecture: str) -> Family:
+        """The family of ``architecture``. Raises ValueError when unknown."""
+        for family in self.families:
+            if family.architecture == architecture:
+                return family
+        raise ValueError(f"architecture: expected one of {self.architectures}, "
+                         f"got {architecture!r}")
+
+    def of_config(self, raw: dict[str, Any], source: str) -> Family:
+        """The family of a config.json dict: its first known ``architectures`` entry, or, when
+        it names none, its ``model_type`` (converters write no architectures).
+
+        Raises:
+            ValueError: neither is known (names what the file says and what is supported).
+        """
+        architectures = raw.get("architectures") or []
+        for architecture in architectures:
+            for family in self.families:
+                if family.architecture == architecture:
+                    return family
+        model_type = raw.get("model_type")
+        if architectures:
+            raise ValueError(f"{source}: architectures {architectures!r} is not supported; "
+                             f"supported: {self.architectures}")
+        for family in self.families:
+            if family.model_type == model_type:
+                return family
+        raise ValueError(f"{source}: no architectures and model_type {model_type!r} is not "
+                         f"supported; expected architectures (one of {self.architectures}) or "
+                         f"model_type (one of {self.model_types})")
+
+
+# The modules of models/families/, one line per family.
+FAMILY_MODULES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma2",
+    "gemma3",
+    "qwen3_moe",
+    "mixtral",
+    "gpt_oss",
+)
+# ModelConfig reads this module's REGISTRY when it looks a family up.
+REGISTRY = Registry(tuple(import_module(f"{families.__name__}.{name}").FAMILY
+                          for name in FAMILY_MODULES))
 
 
 def model_class(config: ModelConfig) -> type[CausalLM]:
     """The :class:`CausalLM` subclass of ``config``'s family."""
-    return MODEL_CLASSES[config.family]
+    return config.family_spec.model_class
 
 
 def build_model(config: ModelConfig, *, dtype: torch.dtype | None = None,
@@ -60,4 +141,4 @@ def init_empty_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.d
     return model
 
 
-__all__ = ["MODEL_CLASSES", "build_model", "init_empty_model", "model_class"]
+__all__ = ["FAMILY_MODULES", "REGISTRY", "Registry", "build_model", "init_empty_model", "model_class"]

@@ -1,0 +1,7 @@
+"""Mistral: the Llama decoder, its window (when set) on every layer."""
+
+from ..family import Family
+from ..llama import CausalLM
+
+FAMILY = Family(name="mistral", architecture="MistralForCausalLM", model_type="mistral",
+                model_class=CausalLM, window="every")

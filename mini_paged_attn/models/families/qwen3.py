@@ -1,0 +1,7 @@
+"""Qwen3: the Llama decoder with per-head q/k RMSNorm; the window as Qwen2's."""
+
+from ..family import Family
+from ..llama import CausalLM
+
+FAMILY = Family(name="qwen3", architecture="Qwen3ForCausalLM", model_type="qwen3",
+                model_class=CausalLM, window="from_layer", window_switch=True, qk_norm=True)
