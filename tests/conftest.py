@@ -22,9 +22,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def pytest_configure(config):
     config.addinivalue_line("markers", "tested_triton: reads Triton internals; skipped on a "
                             "Triton outside ops.triton_support.TESTED_TRITON_VERSIONS")
-    config.addinivalue_line("markers", "direct_launch: needs the direct launch and the Gluon "
-                            "prefill; skipped where ops.triton_support turns them off (an "
-                            "untested Triton, MINI_PAGED_ATTN_PUBLIC_LAUNCH=1)")
+    config.addinivalue_line("markers", "direct_launch: asserts a prepared repeat or the Gluon "
+                            "prefill; skipped where ops.triton_support turns the direct launch "
+                            "off (an untested Triton, MINI_PAGED_ATTN_PUBLIC_LAUNCH=1)")
 
 
 def _triton_skips() -> dict[str, pytest.MarkDecorator]:
