@@ -64,9 +64,13 @@ def store_kv_rows(x, cache_ptr, scale_ptr, stride_scale, slot, num_slots, heads,
     dims ``dims`` of each) into ``cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE]``; quantized to
     e4m3 when QUANTIZE (divided by the head's scale first when SCALED). Slot -1 (padding) and
     slots past the pool write nothing."""
-    slot = slot.to(tl.int64)
-    in_pool = (slot >= 0) & (slot < num_slots)
+    # The slot as a [1, 1] tile, not a scalar: the pool check is then an int1 tile that
+    # broadcasts into the mask. A scalar int1 splat into a block is int1 to the compiler, but
+    # Triton 3.9's interpreter fills it with integers and its store rejects such a mask.
+    slot = tl.full([1, 1], slot, tl.int64)              # [1, 1]
+    in_pool = (slot >= 0) & (slot < num_slots)          # [1, 1], int1
     valid = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_SIZE) & in_pool
+    # valid: [HEADS_PADDED, DIMS]
     if QUANTIZE:
         x = _quantize(x, scale_ptr, stride_scale, heads, NUM_KV_HEADS, SCALED)
     dst = ((slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_token

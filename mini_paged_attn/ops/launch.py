@@ -19,6 +19,12 @@ depends on the tensors themselves (so calls aligned differently keep entries of 
 :meth:`PreparedLaunch.__call__` checks it again and launches nothing when it differs). Launch
 hooks (``triton.knobs.runtime.launch_enter_hook``, profilers) are not called for prepared
 launches.
+
+The direct launch reads Triton internals that change between releases, so it runs only on the
+releases :mod:`.triton_support` lists as tested, and not at all with
+``MINI_PAGED_ATTN_PUBLIC_LAUNCH=1``: there a :class:`PreparedLaunch` launches through the JIT
+once and is never :attr:`~PreparedLaunch.ready`, so every call of the ops takes the public
+``kernel[grid](...)`` path (same results, more host time).
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import operator
 from collections.abc import Hashable, Sequence
 
 import torch
+
+from .triton_support import direct_launch_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +138,9 @@ class PreparedLaunch:
 
     Constructing it launches ``jit_fn[grid](*args, **kwargs)`` once (compiling if needed).
     :attr:`ready` is False where there is no compiled kernel to reuse (the Triton interpreter
-    on CPU) or where the kernel's tensor arguments do not all come first; calling it then
-    always returns False.
+    on CPU), where the kernel's tensor arguments do not all come first, or where
+    :func:`~.triton_support.direct_launch_enabled` says no (an untested Triton, the public
+    launch forced); calling it then always returns False.
 
     Args:
         jit_fn: the ``@triton.jit`` kernel.
@@ -150,9 +159,11 @@ class PreparedLaunch:
         self.kernel = compiled   # the compiled kernel (its registers, shared memory)
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         num_tensors = _leading_tensors(args)
-        self.ready = (compiled is not None and hasattr(compiled, "packed_metadata")
-                      and num_tensors > 0
-                      and not any(isinstance(a, torch.Tensor) for a in args[num_tensors:]))
+        # The gate last: it is only asked where there is a compiled kernel (not under the
+        # interpreter), and it logs its decision once.
+        self.ready = (compiled is not None and num_tensors > 0
+                      and not any(isinstance(a, torch.Tensor) for a in args[num_tensors:])
+                      and direct_launch_enabled() and hasattr(compiled, "packed_metadata"))
         if not self.ready:
             return
         compiled._init_handles()
@@ -346,7 +357,8 @@ def launch(jit_fn, grid: tuple[int, ...], args: Sequence, kwargs: dict) -> None:
     of the key), so its repeats pay nothing for them."""
     num_tensors = _leading_tensors(args)
     tensors = args[:num_tensors]
-    if not tensors or not tensors[0].is_cuda:     # the interpreter: nothing to reuse
+    # The interpreter (nothing to reuse) or a Triton the direct launch is not tested on.
+    if not tensors or not tensors[0].is_cuda or not direct_launch_enabled():
         jit_fn[grid](*args, **_with_pdl(jit_fn, tensors, kwargs))
         return
     key = [jit_fn, grid, tuple(args[num_tensors:]), tuple(kwargs.items())]

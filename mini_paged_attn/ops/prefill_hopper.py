@@ -26,8 +26,11 @@ by TMA, the sequence's last half by masked stores.
 
 Scope (:func:`~.prefill_plan.hopper_prefill_usable`): sm_90, fp16 / bf16, head_size 128,
 blocks of 8-128 tokens dividing 128 or multiples of 128, no window, softcap, sinks or fp8
-scales; everything else runs :mod:`.prefill_kernel`. Gluon does not run in the Triton
-interpreter; tests/ops/test_prefill_hopper.py compiles it for sm_90 on any machine and checks
+scales; everything else runs :mod:`.prefill_kernel`. Gluon is an experimental API that
+changes with every Triton release, so the kernel is chosen only on the releases
+:mod:`.triton_support` lists as tested (:func:`~.triton_support.gluon_prefill_enabled`; not
+with ``MINI_PAGED_ATTN_PUBLIC_LAUNCH=1``), and this module is imported only where it runs.
+Gluon does not run in the Triton interpreter; tests/ops/test_prefill_hopper.py compiles it for sm_90 on any machine and checks
 it against the reference on a GPU.
 """
 

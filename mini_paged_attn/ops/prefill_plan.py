@@ -22,6 +22,7 @@ import torch
 
 from ..core.args import cdiv, check_bool, next_pow2
 from .checks import check_launch_config
+from .triton_support import gluon_prefill_enabled
 
 
 # A sequence with q_len * group_size <= SMALL_ROWS (decode rows, short chunks) runs a tile of
@@ -147,13 +148,15 @@ def hopper_prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def hopper_prefill_runs_on(device: torch.device, head_size: int, dtype: torch.dtype,
                            block_size: int | None = None) -> bool:
-    """The device-and-shape side of :func:`hopper_prefill_usable`: CUDA sm_90 with Gluon,
-    fp16 / bf16, head_size 128, and (paged) a block size the kernel copies as boxes."""
+    """The device-and-shape side of :func:`hopper_prefill_usable`: CUDA sm_90, fp16 / bf16,
+    head_size 128, (paged) a block size the kernel copies as boxes, and a Triton the Gluon
+    kernel is tested on (:func:`~.triton_support.gluon_prefill_enabled`, asked last: only
+    where the kernel would otherwise run)."""
     if block_size is not None and not hopper_copies_blocks_of(block_size):
         return False
     return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
             and head_size == 128 and torch.cuda.get_device_capability(device) == (9, 0)
-            and _gluon_present())
+            and gluon_prefill_enabled())
 
 
 def hopper_copies_blocks_of(block_size: int) -> bool:
@@ -161,12 +164,6 @@ def hopper_copies_blocks_of(block_size: int) -> bool:
     128-row tiles: one box a block (8 to 128 tokens dividing 128; the swizzle repeats every 8
     rows) or 128-row boxes of a larger block (a multiple of 128)."""
     return (8 <= block_size <= 128 and 128 % block_size == 0) or block_size % 128 == 0
-
-
-@functools.lru_cache(maxsize=None)
-def _gluon_present() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("triton.experimental.gluon") is not None
 
 
 def default_config(head_size: int, dtype: torch.dtype, device: torch.device,

@@ -197,6 +197,7 @@ def test_gpu_fused_matches_two_launch_many_times(lens):
 
 
 @pytest.mark.gpu
+@pytest.mark.direct_launch     # reads the kept run
 def test_gpu_repeat_is_one_launch_with_its_own_scratch():
     from mini_paged_attn.ops import dispatch
     dispatch._DECODE_RUNS.clear()

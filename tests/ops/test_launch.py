@@ -4,6 +4,7 @@ only: tests/ops/test_launch_cache_gpu.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mini_paged_attn.ops.dispatch import _call_key
@@ -60,11 +61,13 @@ def test_calls_aligned_differently_get_keys_of_their_own(monkeypatch):
     monkeypatch.setattr(launch._LAUNCHES, "put", lambda key, value: None)
     monkeypatch.setattr(launch, "PreparedLaunch", lambda *args: None)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(launch, "direct_launch_enabled", lambda: True)   # any Triton
     for x in (aligned, shifted):
         launch.launch(object(), (1,), (x, 8), {})
     assert len(keys) == 2 and keys[0][2:] != keys[1][2:]
 
 
+@pytest.mark.tested_triton     # Triton's encoding of a descriptor argument
 def test_tensor_descriptors_follow_the_tensor_argument_named_for_them():
     """A descriptor follows the argument position it was named for, not whichever argument
     holds the same tensor (k also passed as a scale pointer, or k is v), and expands as
@@ -93,6 +96,7 @@ def test_tensor_descriptors_follow_the_tensor_argument_named_for_them():
     assert not bound(()).ready       # a descriptor nobody named: never repeated
 
 
+@pytest.mark.tested_triton
 def test_repeat_tails_are_kept_per_combination_of_descriptor_pointers():
     """Two descriptors: a repeat over pointers seen together before reuses that tail; a new
     combination expands each descriptor for its own pointer (the one over k follows k, the

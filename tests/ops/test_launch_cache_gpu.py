@@ -29,6 +29,7 @@ def _forbid_full_path(monkeypatch, name):
 
 
 # Batch 1 x 4k splits (one launch, merged in the kernel); 64 sequences do not.
+@pytest.mark.direct_launch     # asserts that the prepared launch repeated
 @pytest.mark.parametrize("lens", [[4000], [1000] * 64])
 def test_decode_repeat_uses_the_prepared_launch(monkeypatch, lens):
     first = _decode_batch(lens, seed=1)
@@ -68,6 +69,7 @@ def test_decode_bad_argument_after_a_cached_call_still_raises():
         paged_decode(*batch.decode_args, scale=-1.0)
 
 
+@pytest.mark.direct_launch     # asserts that the prepared launch repeated
 def test_prefill_repeat_uses_the_prepared_launch(monkeypatch):
     def batch(seed):
         return make_prefill_batch([100, 1, 37], [0, 500, 16], num_q_heads=16, num_kv_heads=4,
@@ -81,6 +83,7 @@ def test_prefill_repeat_uses_the_prepared_launch(monkeypatch):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.direct_launch     # asserts that the prepared launch repeated
 def test_prefill_repeats_over_other_caches_and_back(monkeypatch):
     """Long queries: on Hopper the kernel reads the caches through tensor descriptors, whose
     encodings the prepared launch keeps per pointer; a repeat over other caches, then over the
@@ -99,6 +102,7 @@ def test_prefill_repeats_over_other_caches_and_back(monkeypatch):
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.direct_launch     # asserts that the prepared launch repeated
 def test_store_kv_repeat_uses_the_prepared_launch(monkeypatch):
     gen = torch.Generator(device="cuda").manual_seed(7)
     pool = torch.zeros(8, 16, 2, 4, 64, dtype=torch.bfloat16, device="cuda")

@@ -99,6 +99,7 @@ def _plain(monkeypatch):
     dispatch._DECODE_RUNS.clear()
 
 
+@pytest.mark.direct_launch     # reads the kept launches
 def test_dependent_launches_are_on_from_sm90():
     capable = torch.cuda.get_device_capability()[0] >= 9
     assert pdl.pdl_options(torch.device("cuda")) == {"PDL": capable, "launch_pdl": capable}

@@ -89,6 +89,7 @@ def _hopper() -> bool:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _hopper(), reason="needs Hopper")
+@pytest.mark.direct_launch     # asserts the kept copy-and-attend run
 def test_long_queries_copy_the_pages_and_repeat():
     """Sequences of long queries on Hopper over blocks too small for the Hopper kernel's
     block copies (under 8 tokens) copy their pages and attend over the copy (the
@@ -236,6 +237,7 @@ def test_bf16_at_least_as_accurate_as_torch_flash_sdpa(seq_lens, heads, head_siz
     assert ours_err <= flash_err * 1.02, (ours_err, flash_err)
 
 
+@pytest.mark.direct_launch     # asserts the kept launch
 def test_contiguous_descriptor_loads_repeat_with_new_tensors():
     """flash_attn_varlen_func on bf16 head_size 128 K/V loads tiles through tensor descriptors;
     a repeated call (same shapes, new tensors) reuses the prepared launch, whose descriptors

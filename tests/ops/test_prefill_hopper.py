@@ -52,6 +52,7 @@ COMPILE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.tested_triton     # Gluon changes with every Triton release
 def test_kernel_compiles_for_sm90_without_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True,
@@ -117,6 +118,7 @@ CASES = {
 
 
 @pytest.mark.gpu
+@pytest.mark.direct_launch
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype, heads", [(torch.bfloat16, (32, 8)), (torch.float16, (8, 1)),
@@ -140,6 +142,7 @@ def test_matches_reference(monkeypatch, case, causal, dtype, heads):
 
 
 @pytest.mark.gpu
+@pytest.mark.direct_launch
 def test_lse_and_repeats_with_new_tensors(monkeypatch):
     """The log-sum-exp (masked stores for every row), and a repeated call of the same shapes
     on new tensors: the prepared launch re-points all four descriptors."""
@@ -184,6 +187,7 @@ def test_short_queries_head_size_64_and_variants_keep_the_triton_kernel(monkeypa
 
 
 @pytest.mark.gpu
+@pytest.mark.direct_launch
 @pytest.mark.parametrize("block_size", [8, 16, 128, 256])
 @pytest.mark.parametrize("causal", [True, False])
 def test_paged_kv_by_one_copy_a_block(monkeypatch, block_size, causal):
