@@ -86,7 +86,7 @@ def test_fp8_graphs_over_narrow_tables_decode_like_eager_steps(tiny_model_factor
     for eager in (True, False):
         engine = make_engine(model_dir, kv_cache_dtype="fp8", backend="triton", device="cuda",
                              enforce_eager=eager, max_model_len=4096, max_num_seqs=64,
-                             block_size=16)
+                             block_size=16, num_kv_blocks=2048)
         if not eager:
             assert len(engine.runner.graphs.widths[64]) == 2
         outputs = LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)

@@ -116,12 +116,17 @@ def test_pool_sizing_profiles_the_lm_head_on_padded_rows(tiny_model_factory, mon
         seen.append(hidden.shape[0])
         return compute_logits(self, hidden, **kwargs)
     monkeypatch.setattr(CausalLM, "compute_logits", recording)
+    # The pool is sized from the device's free memory: count only this process's, so that
+    # engines of tests running beside it on the same GPU do not leave it no room.
+    total = torch.cuda.mem_get_info()[1]
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda device=None: (total - torch.cuda.memory_reserved(device), total))
     # 20 tokens a step, 30 sequences: 20 sample rows at most, padded to a bucket above 20.
     bucket = min(b for b in batch_buckets(30) if b >= 20)
     assert bucket > 20
     engine = make_engine(tiny_model_factory("qwen3"), backend="triton", device="cuda",
                          enforce_eager=True, max_num_seqs=30, max_num_batched_tokens=20,
-                         max_model_len=20, block_size=4)
+                         max_model_len=20, block_size=4, gpu_memory_utilization=0.05)
     assert seen[0] == bucket, seen
     seen.clear()
     requests = [([5 + i], SamplingParams(temperature=0.0, max_tokens=3)) for i in range(25)]

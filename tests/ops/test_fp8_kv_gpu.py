@@ -231,6 +231,7 @@ def _forbid(monkeypatch, name):
     monkeypatch.setattr(dispatch, name, fail)
 
 
+@pytest.mark.direct_launch
 @pytest.mark.parametrize("lens", [[4000], [1000] * 64])     # split and unsplit launches
 def test_decode_repeat_with_other_scales_takes_the_prepared_launch(monkeypatch, lens):
     batch, ks, vs = _decode_batch(lens, seed=8)
@@ -243,6 +244,7 @@ def test_decode_repeat_with_other_scales_takes_the_prepared_launch(monkeypatch, 
     _assert_decode_close(batch, ks2[0], vs2[0], *_decode(batch, ks2[0], vs2[0]))
 
 
+@pytest.mark.direct_launch
 def test_prefill_and_store_repeat_with_other_scales_take_the_prepared_launch(monkeypatch):
     base = make_prefill_batch([100, 1, 37], [0, 500, 16], num_q_heads=16, num_kv_heads=4,
                               head_size=128, block_size=16, seed=9, pool_layout=True,
