@@ -1,6 +1,7 @@
 """docs/architecture.md is the map of the package: every file path it cites in backticks exists,
 and every subpackage of ``mini_paged_attn`` is named in it, so a move or a new package that
-forgets the map fails here.
+forgets the map fails here. docs/from-the-seeds.md, which maps the seeds' names to ours, must
+cite real paths too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "mini_paged_attn"
 MAP = REPO / "docs" / "architecture.md"
+# Documents whose backticked paths must all exist.
+CITING = [MAP, REPO / "docs" / "from-the-seeds.md"]
 
 # A backticked span that reads as a path: no spaces, a slash or a file suffix. HTTP routes
 # (``/v1/...``) start with a slash and are not files.
@@ -78,9 +81,10 @@ def test_resolves_against_repo_and_package():
     assert not resolves("step_message.py")
 
 
-def test_every_cited_path_exists():
-    missing = [span for span in cited_paths(MAP.read_text(encoding="utf-8")) if not resolves(span)]
-    assert not missing, f"docs/architecture.md cites paths that do not exist: {missing}"
+@pytest.mark.parametrize("doc", CITING, ids=lambda doc: doc.name)
+def test_every_cited_path_exists(doc):
+    missing = [span for span in cited_paths(doc.read_text(encoding="utf-8")) if not resolves(span)]
+    assert not missing, f"{doc.relative_to(REPO)} cites paths that do not exist: {missing}"
 
 
 @pytest.mark.parametrize("package", subpackages())
