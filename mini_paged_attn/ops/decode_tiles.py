@@ -1,8 +1,8 @@
 """The decode kernel's tiles: :class:`DecodeTiles` and the measured rules that pick them.
 
-Separate from the split planning (:mod:`.explain`): which tile a launch uses depends only on
-the head size, dtypes and cache block size (never on the batch), and each rule rests on its own
-measurements (docs/performance-notes.md, "The kernel's tiles").
+Separate from the split planning (:mod:`.attention.decode_plan`): which tile a launch uses
+depends only on the head size, dtypes and cache block size (never on the batch), and each rule
+rests on its own measurements (docs/performance-notes.md, "The kernel's tiles").
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool,
     - Split launches (small batches) are latency-bound: 32-token tiles with 5 stages keep two
       K/V tiles in flight behind the block-table loads (the table load takes a stage itself).
     - An fp8 cache (``kv_dtype`` one byte): :data:`FP8_TILES`, split or not (see
-      :func:`~.explain.plan_decode` for the split launches of larger batches).
+      :func:`~.attention.decode_plan.plan_decode` for the split launches of larger batches).
     - Tiles never exceed :data:`MAX_BLOCK_N` tokens: small head sizes would otherwise get tiles
       of thousands of tokens, slow to compile and heavy in registers.
 
