@@ -1,10 +1,9 @@
-"""mini_paged_attn: PagedAttention in Python.
+"""mini_paged_attn: PagedAttention in Python, from the block manager to an OpenAI-compatible
+server.
 
-Layers, each importing only from those above it:
-``core`` (block manager, prefix cache, scheduler; no torch) → ``cache`` (the KV pool and block
-tables) → ``ops`` (paged attention: torch reference and Triton kernels) → ``models`` → ``engine``
-→ ``server`` / ``cli``. ``integrations`` (transformers' ``attn_implementation="mini_paged_attn"``)
-is a leaf over ``ops``.
+The root re-exports the block manager, the KV cache and the attention ops, and (imported on
+first use) the engine's ``LLM``, ``LLMEngine`` and ``SamplingParams``. The layers, every
+package and what each file owns: docs/architecture.md.
 """
 
 import logging

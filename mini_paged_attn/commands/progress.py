@@ -7,10 +7,9 @@ time went. Any command that builds an ``LLM`` can pass one (``serve`` included).
 
 :func:`cpu_threads` is the ``--threads`` default: torch starts one intra-op thread per core,
 and on a machine whose cores are busy with other work those threads wait on each other at
-every op (batch-1 decoding of smollm2-135m on a loaded 2-core machine: 1.7 tok/s with two
-threads, 12.4 with one; with two busy processes beside it, 4.2 against 8.9; on the idle
-machine two threads win, 17.2 against 13.2). ``auto`` halves the threads when the load
-average says every core is busy.
+every op, and fewer threads run faster; on an idle machine all of them win
+(docs/performance-notes.md, "Figures behind the code's rules"). ``auto`` halves the threads
+when the load average says every core is busy.
 """
 
 from __future__ import annotations

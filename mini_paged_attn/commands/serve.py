@@ -144,9 +144,9 @@ def wants_engine_process(choice: str, device: str | None) -> bool:
     """Whether ``--engine-process choice`` puts the engine in its own process.
 
     ``auto``: on a GPU, yes: there a step is mostly Python between short kernels, and in one
-    process the HTTP event loop's per-chunk Python takes the interpreter lock from it (steps
-    8-46% longer at 1-64 clients on an H100; in a process of its own +28% output tokens/s at
-    64 clients, docs/performance-notes.md). On the CPU, no: the engine's own threads use the cores.
+    process the HTTP event loop's per-chunk Python takes the interpreter lock from it, and
+    every step grows (docs/performance-notes.md, "Server"). On the CPU, no: the engine's own
+    threads use the cores.
     """
     if choice != "auto":
         return choice == "on"

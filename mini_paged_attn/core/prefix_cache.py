@@ -5,7 +5,8 @@ hashes mean equal *prefixes*, not just equal blocks. A hit is confirmed by compa
 tokens and parent hash with the cached entry; that check cannot see a collision further up the
 chain (two different prefixes with one parent hash), so the hash is a 128-bit BLAKE2b digest,
 not Python's 64-bit ``hash`` (whose integer and tuple hashing are easy to invert, which would let
-a crafted prompt plant its K/V under another prompt's prefix). About 1.5 us per full block.
+a crafted prompt plant its K/V under another prompt's prefix). The digest costs microseconds
+per full block, nothing against a step.
 
 Ownership (with the block manager's reference counts):
 - a cached block that sequences use has one reference per sequence, as any block;

@@ -1,10 +1,7 @@
-"""The inference engine: sampling parameters, outputs, the scheduler-driven LLMEngine and LLM.
-
-``LLM`` (offline, vLLM-shaped) wraps ``LLMEngine`` (one step at a time, thread-safe submission),
-which drives ``core.Scheduler`` and the ``ModelRunner`` (KV cache, metadata, CUDA graphs,
-sampling on the device). ``EngineClient`` (``InprocEngineClient``: the engine's core on a
-thread; ``MPEngineClient``: in a child process) is what frontends such as the server use: they
-add and abort requests and receive outputs; the core steps the engine.
+"""The inference engine: ``LLM`` (offline, vLLM-shaped) over ``LLMEngine`` (thread-safe
+submission, one step at a time), and the ``EngineClient``s a frontend holds
+(``InprocEngineClient``, ``MPEngineClient``). Its subpackages and files, and one request's path
+through them: docs/architecture.md, ``engine/``.
 """
 
 from .config import EngineConfig

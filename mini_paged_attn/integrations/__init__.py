@@ -1,7 +1,5 @@
-"""Integrations with other libraries: a leaf layer that imports only :mod:`mini_paged_attn.ops`.
-
-- :mod:`.hf_attention`: a transformers attention function over :func:`flash_attn_varlen_func`.
-- :mod:`.hf_paged`: its ``paged|`` form for transformers' continuous batching (5.17 tested; 5.22 and later refuse custom implementations there),
-  :func:`paged_prefill` over transformers' paged cache.
-- :mod:`.transformers`: registers them with transformers (``attn_implementation="mini_paged_attn"``).
+"""Integrations with other libraries: a leaf layer over :mod:`mini_paged_attn.ops`, that
+registers our attention with transformers (``attn_implementation="mini_paged_attn"`` and its
+``paged|`` form; transformers 5.17 tested, 5.22 and later refuse custom implementations in
+continuous batching). The files: docs/architecture.md, ``integrations/``.
 """

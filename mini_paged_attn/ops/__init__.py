@@ -1,30 +1,20 @@
-"""Paged attention ops: each Triton kernel next to its torch reference, one dispatcher.
+"""Paged attention and the decoder's ops: each Triton kernel next to its torch reference, one
+checked entry point each.
 
-- :func:`paged_decode`, :func:`paged_prefill`, :func:`store_kv`: ``dispatch.py`` checks the
-  arguments and runs the ``torch`` reference (``reference.py``, arithmetic in
-  ``reference_attend.py``) or a Triton kernel (launchers ``decode.py``, ``prefill.py``,
-  ``kv_write.py``; kernels ``decode_kernel.py``, ``decode_merge.py``, ``prefill_kernel.py``),
-  as :func:`resolve_backend` (``backend.py``) picks; the attention ops run it through an
-  attention backend object (``attention/``: torch, Triton, Hopper, each declaring what it
-  runs; an engine chooses one once and asks it for its workspaces and warm-up). The three
-  take an fp8 (e4m3) KV cache with ``k_scale`` / ``v_scale`` (``kv_quant.py``).
-- :func:`flash_attn_varlen_func`: FlashAttention's function of that name (``varlen.py``).
-- Attention variants, for every attention op and backend (``variants.py``): sliding windows
-  (``window_size``), logit soft-capping (``softcap``) and attention sinks (``sinks``).
+- :func:`paged_decode`, :func:`paged_prefill`, :func:`store_kv`: the paged attention ops, over
+  an fp8 (e4m3) KV cache too (``k_scale`` / ``v_scale``), run through an attention backend
+  (:mod:`.attention`); :func:`resolve_backend` is the rule every op family shares.
+- :func:`flash_attn_varlen_func`: FlashAttention's function of that name.
+- Attention variants for every op and backend: sliding windows (``window_size``), logit
+  soft-capping (``softcap``) and attention sinks (``sinks``).
 - :func:`merge_attention_states`: the online-softmax combine of two partial results.
-- :func:`num_splits_heuristic`, :func:`explain_decode`: how decode splits the KV sequence
-  (the plan: ``attention/decode_plan.py``; its tiles: ``decode_tiles.py``).
-- :func:`fused_moe`: a mixture-of-experts layer's experts, a Triton grouped GEMM over tokens
-  sorted by expert (``moe_triton.py``) next to its torch reference (``moe.py``).
-- :func:`rms_norm` (optionally fused with the residual add), :func:`apply_rotary` (optionally
-  writing the new K/V into the paged cache, :class:`KVWrite`), :func:`silu_and_mul`: the
-  decoder's elementwise ops (``fused.py``, kernels in ``fused_triton.py``), one Triton launch
-  each on CUDA.
-- :func:`linear`: ``x @ W^T + b`` (optionally with SwiGLU's ``silu(gate) * up``), a Triton
-  kernel launched as a programmatic dependent at decode sizes, cuBLAS above (``projection.py``,
-  kernel in ``projection_triton.py``).
-- :func:`sample_tokens`: temperature sampling of one token per logits row (``sample.py``), one
-  pass over the logits on CUDA (``sample_triton.py``).
+- :func:`num_splits_heuristic`, :func:`explain_decode`: how decode splits the KV sequence.
+- :func:`fused_moe`: a mixture-of-experts layer's experts.
+- :func:`rms_norm`, :func:`apply_rotary` (optionally writing K/V into the cache,
+  :class:`KVWrite`), :func:`silu_and_mul`, :func:`linear`, :func:`sample_tokens`: the
+  decoder's elementwise ops, projections and sampling.
+
+The files and what each owns: docs/architecture.md, ``ops/``.
 """
 
 from .dispatch import paged_decode, paged_prefill, resolve_backend, store_kv

@@ -1,9 +1,10 @@
 """Triton paged decode: the launcher, :func:`triton_paged_decode`, and its repeatable runs.
 
-The plan (:func:`~.explain.plan_decode`: tiles and splits) becomes the launches of the decode
-kernel (:mod:`.decode_kernel`: one program per sequence, KV head and split reads that split's
-paged K/V once) and, when the plan splits, of the merge kernel (:mod:`.decode_merge`). This
-module also owns the float32 split workspace (:func:`workspace_size`).
+The plan (:func:`~.attention.decode_plan.plan_decode`: tiles and splits) becomes the launches
+of the decode kernel (:mod:`.decode_kernel`: one program per sequence, KV head and split reads
+that split's paged K/V once) and, when the plan splits, of the merge kernel
+(:mod:`.decode_merge`). This module also owns the float32 split workspace
+(:func:`workspace_size`).
 
 Split-KV: sequence ``i`` cuts *its own* ``ceil(len_i / BLOCK_N)`` tiles into ``num_splits``
 equal runs; each split writes its normalised partial output and log-sum-exp to a float32
@@ -13,13 +14,13 @@ grid is fixed by the launch arguments alone (CUDA-graph friendly) and nothing is
 uninitialised. ``num_splits == 1`` is one launch writing ``out`` directly: a sequence's result
 then depends only on its own data (batch-invariant, deterministic).
 
-A fused merge (``fused_merge``, :data:`~.explain.FUSED_MERGE`) makes a split call one launch:
-the decode kernel's last program of each (sequence, KV head) merges, counting finished splits
-in int32 counters that start at 0 and are left at 0. The counters never live in a caller's
-workspace (one made with ``torch.empty`` would hold garbage): an eager run keeps them in its
-own zeroed scratch (:class:`~.launch.StreamScratch`), which also holds the partials of calls
-without a workspace. Either way the merge reads the splits in the same order, so results are
-deterministic.
+A fused merge (``fused_merge``, :data:`~.attention.decode_plan.FUSED_MERGE`) makes a split call
+one launch: the decode kernel's last program of each (sequence, KV head) merges, counting
+finished splits in int32 counters that start at 0 and are left at 0. The counters never live in
+a caller's workspace (one made with ``torch.empty`` would hold garbage): an eager run keeps
+them in its own zeroed scratch (:class:`~.launch.StreamScratch`), which also holds the partials
+of calls without a workspace. Either way the merge reads the splits in the same order, so
+results are deterministic.
 """
 
 from __future__ import annotations

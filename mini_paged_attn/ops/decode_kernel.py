@@ -20,7 +20,8 @@ bf16 query is rounded to fp16 for the dot (fp16 has more mantissa than bf16; val
 fp16's range, |q| > 65504, would overflow: attention queries do not come near it); the
 softmax probabilities go to fp16 for the PV dot, accumulation stays float32. On a GPU, V is
 read as int16 pairs of dims (``FP8_V``), so that its tile reaches the PV dot the way a 16-bit
-one does (with the fp8 tiles of :data:`~.decode_tiles.FP8_TILES`: 93-96% of copy bandwidth).
+one does (with the fp8 tiles of :data:`~.decode_tiles.FP8_TILES`, near the copy bandwidth;
+BENCHMARKS.md, "FP8 KV cache").
 The program's KV head has one ``k_scale`` and one ``v_scale``: the first is folded into the
 softmax scale, the second multiplies the normalised output, instead of scaling every loaded
 element.
@@ -180,8 +181,8 @@ def _paged_decode_kernel(
     else:
         acc = tl.zeros([BLOCK_H, HEAD_SIZE_PADDED], tl.float32)   # running sum of p * v
 
-    # Masking every tile (not only the sequence's last) measured the same on an H100: the loop
-    # is bound by memory, not by the mask arithmetic.
+    # Every tile is masked, not only the sequence's last: the loop is bound by memory, not by
+    # the mask arithmetic, so the simpler loop costs nothing.
     for tile in range(tile_begin, tile_end):
         tokens = tile * BLOCK_N + tl.arange(0, BLOCK_N)       # [BLOCK_N] positions
         token_valid = tokens < context_len                     # [BLOCK_N]

@@ -2,9 +2,9 @@
 their log-sum-exp (the online-softmax merge), in one of two places.
 
 - A second, tiny launch (:func:`prepare_merge`): one program per (sequence, query head), with
-  its own launch options. Under CUDA graphs only GPU time counts, and there an earlier merge
-  inside the decode kernel measured 3-5 us slower at batch 1 (docs/performance-notes.md, with
-  the two compared at eager calls).
+  its own launch options. Under CUDA graphs only GPU time counts, and there a merge inside
+  the decode kernel measured slower at batch 1 (docs/performance-notes.md, "The kernel's
+  tiles, merge and splits", with the two compared at eager calls).
 - Inside the decode kernel (:func:`merge_group_splits`, ``FUSED_MERGE``): the program that
   finishes a (sequence, KV head) last merges that group's query heads. One launch instead of
   two saves the host the second launch (eager calls are host-bound at small batches).
@@ -174,10 +174,10 @@ def prepare_merge(part_out: torch.Tensor, part_lse: torch.Tensor,
     os_ = out.stride()
     h, n, d, splits = num_q_heads, num_seqs, head_size, num_splits
     # One warp per (sequence, query head), launched plainly: at batch 1 (32 programs) the merge
-    # is pure latency. Under CUDA graphs on an H100 (head_size 128), 1 warp was 0.6-0.7 us
-    # faster than 4, and a plain launch 0.5 us faster than a programmatic dependent launch
-    # (PDL) waiting in-kernel. Wider heads take 2 warps, to keep a chunk of 32 float32 partials
-    # at <= 128 values a thread.
+    # is pure latency, which more warps and an in-kernel wait of a programmatic dependent
+    # launch only add to (docs/performance-notes.md, "Figures behind the code's rules").
+    # Wider heads take 2 warps, to keep a chunk of 32 float32 partials at <= 128 values a
+    # thread.
     merge = PreparedLaunch(_merge_splits_kernel, (h, n), (
         part_out, part_lse, out, lse_arg, splits,
         po_seq, po_head, po_split, pl_seq, pl_head,

@@ -1,8 +1,8 @@
 """The decode kernel's tiles: :class:`DecodeTiles` and the measured rules that pick them.
 
-Separate from the split planning (:mod:`.explain`): which tile a launch uses depends only on
-the head size, dtypes and cache block size (never on the batch), and each rule rests on its own
-measurements (docs/performance-notes.md, "The kernel's tiles").
+Separate from the split planning (:mod:`.attention.decode_plan`): which tile a launch uses
+depends only on the head size, dtypes and cache block size (never on the batch), and each rule
+rests on its own measurements (docs/performance-notes.md, "The kernel's tiles").
 """
 
 from __future__ import annotations
@@ -56,11 +56,11 @@ def default_tiles(head_size: int, dtype: torch.dtype, on_gpu: bool, split: bool,
     - Split launches (small batches) are latency-bound: 32-token tiles with 5 stages keep two
       K/V tiles in flight behind the block-table loads (the table load takes a stage itself).
     - An fp8 cache (``kv_dtype`` one byte): :data:`FP8_TILES`, split or not (see
-      :func:`~.explain.plan_decode` for the split launches of larger batches).
+      :func:`~.attention.decode_plan.plan_decode` for the split launches of larger batches).
     - Tiles never exceed :data:`MAX_BLOCK_N` tokens: small head sizes would otherwise get tiles
       of thousands of tokens, slow to compile and heavy in registers.
 
-    The measurements behind each rule (H100): docs/performance-notes.md, "The kernel's tiles".
+    The measurements behind each rule: docs/performance-notes.md, "The kernel's tiles".
 
     The interpreter runs every program in numpy: small tiles keep tests quick and still span
     several blocks.
@@ -94,18 +94,17 @@ def fp8_v_conversion(head_size: int, head_size_padded: int, on_gpu: bool,
     dot's reduction axis, the tokens, is strided in the cache and sm_90 has no 8-bit
     transposing ``ldmatrix``. Read as int16 pairs of dims, the tile takes the 16-bit path
     (``ldmatrix.trans``) and is converted in the dot's layout, the PV dot split into even and
-    odd dims. H100, % of copy bandwidth over fp8 bytes at 64x4k / 256x4k / 128x16k / 8x64k:
-    94.1 / 95.4 / 96.2 / 93.7 against 88.9 / 92.8 / 93.8 / 84.5 by ``.to``
+    odd dims, which reads more of the copy bandwidth at every shape measured
     (docs/performance-notes.md, "fp8 V read as pairs of dims")."""
     return "pairs" if on_gpu and even_layout and head_size == head_size_padded else "cast"
 
 
 FP8_TILES = DecodeTiles(block_n=64, num_warps=2, num_stages=6)
-"""Decode over an fp8 cache (H100, head_size 128, bf16 queries, fp16 dots, V read as pairs):
-64-token tiles, 2 warps, 6 stages, split or not. Unsplit they read 94-96% of copy bandwidth
-from 512 programs on, 96% at 32x64k split in 4; 128/2/3 read 93-96% from 1024 programs and
-0.4-1.3 points less below; the 16-bit rule's 128/4/3 78-94%. Compiled for sm_90 a program
-takes 186 registers a thread and 38.5 KB of shared memory: 4 run at once on an SM."""
+"""Decode over an fp8 cache (head_size 128, bf16 queries, fp16 dots, V read as pairs):
+64-token tiles, 2 warps, 6 stages, split or not, the tiles that read the most of the copy
+bandwidth among those measured (docs/performance-notes.md, "Figures behind the code's
+rules"). Compiled for sm_90 a program takes 186 registers a thread and 38.5 KB of shared
+memory: 4 run at once on an SM."""
 
 FP8_OCCUPANCY = (
     (FP8_TILES, 4),
@@ -125,11 +124,9 @@ def fp8_occupancy_tiles(programs: int, num_sms: int) -> DecodeTiles:
     of equals, so the default where no other does better).
 
     An fp8 program reads its tiles more slowly than an SM's share of the bandwidth, so an SM
-    that runs out of programs before the others idles its share: on an H100 at 4k tokens
-    with :data:`FP8_TILES` (4 programs an SM, 528 slots), 80 sequences x 8 KV heads (640
-    programs, 1.2 waves) read 78% of copy bandwidth and 96 (768, 1.45 waves) 88%, against
-    94-95% where the programs fill their last wave. 5 an SM (one wave of 640) read 93% and 6
-    (one of 768) 96% (docs/performance-notes.md, "fp8 decode across batch sizes")."""
+    that runs out of programs before the others idles its share; fewer registers or stages
+    that fit more programs an SM and so fill the last wave read as much as full waves do
+    (docs/performance-notes.md, "fp8 decode across batch sizes")."""
     tiles, _ = max(FP8_OCCUPANCY, key=lambda entry: wave_efficiency(programs,
                                                                     entry[1] * num_sms))
     return tiles

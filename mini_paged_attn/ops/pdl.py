@@ -6,10 +6,10 @@ A decode step is ~250 short kernels, and between two plain launches the GPU drai
 kernel before it starts the next one's programs, under CUDA graphs too. Launched as
 dependents, the library's kernels of a decode step (RMSNorm, rotary, SiLU-and-mul, paged
 decode, and the projections at decode sizes, :mod:`.projection_triton`) overlap their start
-with the end of the kernel before them. With cuBLAS GEMMs between them (cuBLAS launches
-plainly) workload (a) of ``bench_engine`` ran 0.3% faster on an H100; with the projections
-in Triton too, 1.6% more (docs/performance-notes.md, "Programmatic dependent launch" and
-"Projections at decode sizes").
+with the end of the kernel before them; the more of a step's kernels are dependents (cuBLAS
+launches plainly, so the projections in Triton count too), the more of the drains go
+(docs/performance-notes.md, "Programmatic dependent launch" and "Projections at decode
+sizes").
 
 A kernel taking part declares ``PDL: tl.constexpr`` and calls :func:`wait_for_previous`
 first, before any load or store; it is launched with ``PDL`` and ``launch_pdl`` set from

@@ -1,15 +1,13 @@
 """Paged prefill through a contiguous copy of the pages (Hopper).
 
 The prefill kernel reads contiguous K/V through tensor descriptors (the copy engine fills
-shared memory ahead of the warps) at 0.9-1.0x cuDNN SDPA on an H100, but paged K/V only
-through pointer loads, at 0.65-0.75x: a 128-token K/V tile spans eight 16-token blocks in
-random places, which Triton 3.6 cannot fetch as one box. When a step's queries are long
-enough, copying each sequence's pages into contiguous rows first and running the contiguous
-kernel over them is faster: the copy reads and writes the sequences' K/V once (about 1/5 of
-the attention's time at 512 queries a sequence, less for longer ones), and the attention
-then runs at the contiguous rate. On an H100, causal 1x4k: 363 -> 482 TFLOP/s, 4x4k 370 ->
-507, 1x16k 434 -> 590, a 512-token chunk on 8k cached tokens x8: 426 -> 501
-(docs/performance-notes.md, "Paged K/V by copy").
+shared memory ahead of the warps), but paged K/V only through pointer loads, markedly slower:
+a 128-token K/V tile spans eight 16-token blocks in random places, which Triton 3.6 cannot
+fetch as one box. When a step's queries are long enough, copying each sequence's pages into
+contiguous rows first and running the contiguous kernel over them is faster: the copy reads
+and writes the sequences' K/V once (a small share of the attention's time at 512 queries a
+sequence, less for longer ones), and the attention then runs at the contiguous rate
+(docs/performance-notes.md, "Paged K/V by copy" and "Figures behind the code's rules").
 
 The copy (``_gather_kv_kernel``) writes sequence ``i``'s ``context_lens[i]`` tokens to rows
 ``cu_k[i] ...`` of K and V buffers ``[rows, num_kv_heads, head_size]`` in the query's dtype
@@ -46,9 +44,9 @@ launches its capture makes."""
 GATHER_MIN_ROWS = 1024
 """Average query rows a sequence (query tokens x query heads per KV head) above which the copy
 pays: the copy moves each KV head's rows once, the attention's work on them grows with the
-queries and with the query heads that share them. Measured at 32 query / 8 KV heads on an
-H100 (copy at 2.85 TB/s, attention 370 -> 535 TFLOP/s), the two break even at about 210
-tokens, 840 rows; with 2 query heads a KV head the copy starts above 512 tokens."""
+queries and with the query heads that share them, so the bound counts rows, not tokens:
+with 2 query heads a KV head the copy starts above 512 tokens (the break-even measured:
+docs/performance-notes.md, "Figures behind the code's rules")."""
 
 GATHER_MAX_BYTES = 512 << 20
 """The largest workspace a call allocates for the copy; larger steps read the pages in

@@ -275,10 +275,9 @@ def _prefill_kernel(
     # TOKENS_PER_TILE + i (see prefill_plan), one run of its slots per head. The programs
     # resident at once then mostly share one KV head's K/V, which stays in L2; ordered KV
     # head-fastest they stream every head's K/V together, which a 16k prompt's 64 MB does not
-    # fit (1x16k causal, contiguous K/V: 537 -> 562 TFLOP/s on an H100). Sequences in batch
-    # order keep a mixed batch's decode rows first. (Taking slots from both ends in turn, to
-    # pair heavy tiles with light ones, gave 343 instead of 398 TFLOP/s on a causal 16k
-    # prompt.)
+    # fit. Sequences in batch order keep a mixed batch's decode rows first. (Taking slots from
+    # both ends in turn, to pair heavy tiles with light ones, measured slower; both:
+    # docs/performance-notes.md, "Program order, V zeroing, the sequence lookup".)
     HEADS: tl.constexpr = NUM_KV_HEADS * HEAD_CHUNKS
     pid = tl.program_id(0)
 
@@ -288,8 +287,8 @@ def _prefill_kernel(
         # Batches of 2 to 63 sequences: the sequence, its bounds and its K/V length come out
         # of two independent vector loads. A binary search takes one dependent load per
         # halving, and one program per SM (the 128 x 128 tiles) leaves that latency exposed
-        # at every program's start (causal 4x4k: ~35 us a program; 507 -> 526 TFLOP/s on an
-        # H100). One sequence (num_seqs specialised to 1) needs no search at all.
+        # at every program's start (docs/performance-notes.md, "Program order, V zeroing,
+        # the sequence lookup"). One sequence (num_seqs specialised to 1) needs no search.
         offs = tl.arange(0, SEQ_LOOKUP)                               # [SEQ_LOOKUP]
         cu_q = tl.load(cu_seqlens_q_ptr + offs, mask=offs <= num_seqs, other=0)
         kv_valid = offs < num_seqs          # context_lens: one entry per sequence

@@ -4,8 +4,8 @@
 on CUDA) or the Triton kernel of :mod:`.projection_triton`. ``backend="auto"`` takes the Triton
 kernel for CUDA fp16/bf16 inputs of at most :data:`MAX_TRITON_ROWS` rows, a decode step's
 sizes: launched as a programmatic dependent, like the decoder's other kernels, it starts
-while the kernel before it ends, and a decoder layer's chain runs 7-22% faster than with
-cuBLAS at 1-256 rows on an H100 (docs/performance-notes.md). It does so on
+while the kernel before it ends, so a decoder layer's chain of kernels runs faster than with
+cuBLAS between them (docs/performance-notes.md, "Projections at decode sizes"). It does so on
 sm_90+ only, where dependent launches exist (without them cuBLAS was as fast), and not while
 autograd records (the kernel has no backward). Larger inputs (most prompt steps) go to
 cuBLAS, whose GEMMs are the faster ones there. ``"triton"`` runs the kernel at any size on
@@ -107,8 +107,8 @@ class SplitKWorkspace:
 def plan_linear(rows: int, out_features: int, in_features: int, *, gated: bool = False,
                 workspace: SplitKWorkspace | None = None, itemsize: int = 2,
                 shared_memory: int = SHARED_MEMORY_BUDGET) -> LinearPlan:
-    """The Triton kernel's tiles for ``rows x in_features -> out_features`` (measured on an
-    H100 at Qwen3-0.6B's projections; docs/performance-notes.md).
+    """The Triton kernel's tiles for ``rows x in_features -> out_features`` (tuned at
+    Qwen3-0.6B's projections; docs/performance-notes.md, "Projections at decode sizes").
 
     Rows take the narrow side of the MMA, up to 64 a program (128 past 128 rows for wide
     layers, whose weight would otherwise be read from L2 by four row tiles). K is split only

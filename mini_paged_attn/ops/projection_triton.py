@@ -1,14 +1,14 @@
 """Triton kernel for projections at decode sizes: ``x @ W^T`` tiles computed as ``W @ x^T``.
 
 At a decode step's few rows a projection reads its weight once and does little else, and
-cuBLAS's GEMM takes 4-5 us more than those reads (``docs/performance-notes.md``, "Where a
-whole run of (a) goes"). This kernel streams the weight in ``[BLOCK_N, BLOCK_K]`` tiles that
-fill the MMA's 64-row side, with the batch's rows on its narrow side, and launches as a
-programmatic dependent (:mod:`.pdl`), as the decoder's other kernels do: its programs are
+cuBLAS's GEMM takes several microseconds more than those reads (``docs/performance-notes.md``,
+"Where a whole run of (a) goes"). This kernel streams the weight in ``[BLOCK_N, BLOCK_K]``
+tiles that fill the MMA's 64-row side, with the batch's rows on its narrow side, and launches
+as a programmatic dependent (:mod:`.pdl`), as the decoder's other kernels do: its programs are
 resident before the previous kernel ends. Where a layer has few output tiles (``o_proj``,
-``down_proj``) the reduction over K is split (``SPLIT_K``) to fill the GPU: each program
-parks its float32 partial sums, and the last of a tile's programs (an atomic ticket) adds
-all of them in split order, so results do not depend on which program finishes last.
+``down_proj``) the reduction over K is split (``SPLIT_K``) to fill the GPU: each program parks
+its float32 partial sums, and the last of a tile's programs (an atomic ticket) adds all of them
+in split order, so results do not depend on which program finishes last.
 
 ``GATED``: the weight is ``[2 * N, K]``, SwiGLU's gate rows then up rows (``GatedMLP``'s
 ``gate_up_proj``), and the kernel returns ``silu(gate) * up`` with the rounding of the

@@ -109,7 +109,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                         (causal, softmax_scale, backend, *variant_key))
         launch = _CONTIGUOUS_RUNS.get(key) if key is not None else None
         if launch is not None:
-            # empty_like over empty(shape, dtype, device): ~2 us less host time.
+            # empty_like over empty(shape, dtype, device): the cheaper allocation on the host
+            # (docs/performance-notes.md, "Host time per call").
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
             # Each pointer read once (the kernel takes k, out and cu_seqlens_k twice or more).
             q_ptr, k_ptr, o_ptr, cu_k = (q.data_ptr(), k.data_ptr(), out.data_ptr(),

@@ -1,5 +1,4 @@
-"""The engine behind a process boundary: the ``EngineCore`` busy loop (``core``) that steps an
-``LLMEngine``, the ``messages`` it exchanges with its client, and the clients a frontend holds:
-``InprocEngineClient`` (``client``: the core on a thread) and ``MPEngineClient`` (``mp_client``:
-the core in the child process of ``child``).
+"""The engine behind a process boundary: the ``EngineCore`` loop that steps an ``LLMEngine``,
+its messages, and the clients a frontend holds (on a thread, in a child process). The files:
+docs/architecture.md, ``engine/process/``.
 """

@@ -2,7 +2,8 @@
 
 In one process the engine thread and the HTTP event loop take turns on the interpreter lock: on a
 GPU, where a step is mostly Python waiting on short kernels, the event loop's per-chunk work
-made steps 8-46% longer (BENCHMARKS.md). Here the engine steps in a child process, unhindered,
+lengthens every step (docs/performance-notes.md, "Server"). Here the engine steps in a child
+process, unhindered,
 and sends each step's outputs as deltas (new token ids; text only where stop strings need it)
 while its next step runs on the GPU. The parent's side is
 :class:`~mini_paged_attn.engine.process.mp_client.MPEngineClient`.
@@ -91,8 +92,8 @@ class PipeOutbox:
     """The core's end of the result pipe. A step's outputs wait to be sent until the next step
     has enqueued its device work (``flush`` is the step's ``overlap``): turning them into
     deltas, pickling and writing them then runs while the GPU computes, not between steps
-    (inline, that left a 0.3-1 ms gap between steps on an H100 host; on a thread of its own,
-    the interpreter lock put the same work inside the next step's host phase)."""
+    (inline, that work is a gap between steps; on a thread of its own, the interpreter lock
+    puts it inside the next step's host phase; docs/performance-notes.md, "Server")."""
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn

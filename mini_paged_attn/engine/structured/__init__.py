@@ -1,11 +1,6 @@
 """Structured outputs: grammar-constrained sampling (JSON schema, JSON object, regex, choice,
 Lark/GBNF grammar) through llguidance, an optional dependency (``pip install -e ".[structured]"``).
-
-``params``: :class:`StructuredOutputsParams`, what a request asks for; ``limits``:
-:class:`GrammarLimits`, the bounds checked in Python before llguidance sees a constraint;
-``grammar``: compiling it into a matcher (``contained``: on a big-stack thread, within a time
-budget; ``cache``: templates kept by estimated bytes); ``manager``: a matcher per sample, the per-step bitmask and the
-advance with each sampled token; ``bitmask``: applying the bitmask to the logits on the device.
+The files: docs/architecture.md, ``engine/structured/``.
 """
 
 from .bitmask import TokenMasks, apply_token_masks, bitmask_words

@@ -2,9 +2,9 @@
 
 Per step: :meth:`StructuredOutputs.start` picks the step's constrained sample rows and fills
 their bitmask on a worker thread (llguidance fills rows in parallel, without the GIL), while
-the stepping thread does other host work; the sampler then waits for the mask. At batch 64
-filling took about 1 ms a step on an H100's host, as long as the rest of the host's step, so
-where it runs decides the speed: a synchronous step starts it as soon as it is scheduled (it
+the stepping thread does other host work; the sampler then waits for the mask. At large
+batches filling takes about as long as the rest of the host's step, so where it runs decides
+the speed (docs/performance-notes.md, "Figures behind the code's rules"): a synchronous step starts it as soon as it is scheduled (it
 overlaps the input building and the launch); under asynchronous scheduling a step's sampling
 is held (see ``engine/in_flight.py``) and its fill overlaps its own forward on the device and
 the scheduling and building of the next step on the host. :meth:`StructuredOutputs.advance`
@@ -33,9 +33,9 @@ from .grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
-# llguidance threads filling a step's rows. A row is a short job (10-50 microseconds), so a
-# pool of one thread per core mostly wakes threads: on an H100's host (16 cores) it filled 64
-# rows in 0.9 ms against 0.6-0.8 ms for 1 to 4 threads, and slowed the stepping thread.
+# llguidance threads filling a step's rows. A row is a short job, so a pool of one thread per
+# core mostly wakes threads: it fills a batch no faster than a few threads and slows the
+# stepping thread (docs/performance-notes.md, "Figures behind the code's rules").
 FILL_THREADS = 4
 
 
@@ -191,8 +191,8 @@ class StructuredOutputs:
         """Feed each of ``seqs`` its newest token to its grammar. Returns the samples whose
         token did not just go on: :attr:`Advance.COMPLETE` or :attr:`Advance.REJECTED`.
 
-        (A token is about a microsecond of llguidance's time: this loop took 0.14 ms for 64
-        rows on an H100's host, handing them to llguidance's thread pool 0.2-0.4 ms.)"""
+        (A token is a short job for llguidance: this loop costs less than handing the rows
+        to llguidance's thread pool; docs/performance-notes.md, "Figures behind the code's rules".)"""
         ended = []
         for seq in seqs:
             token = seq.token_ids[-1]

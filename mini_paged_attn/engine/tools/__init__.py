@@ -1,4 +1,4 @@
-"""Tool calling (OpenAI's ``tools`` / ``tool_choice``): ``choice`` checks a request's function
-specs and turns its ``tool_choice`` into a constraint for the engine; ``parsers`` reads tool calls
-back out of a model's output (``hermes``, ``llama3_json``).
+"""Tool calling (OpenAI's ``tools`` / ``tool_choice``): the specs checked and turned into a
+constraint, and tool calls read back from a model's output. The files: docs/architecture.md,
+``engine/tools/``.
 """

@@ -206,8 +206,8 @@ class ModelRunner:
                     self.prefill_graphs.capture(self.graphs.pool)
         if device.type == "cuda":
             # After the capture, so that the caching allocator holds the blocks eager steps
-            # take beside the graphs' memory: run before it, the first 512-token prompt on an
-            # H100 asked CUDA for three new segments; run after it, for none.
+            # take beside the graphs' memory: run before it, the first long prompt would ask
+            # CUDA for new segments; run after it, for none.
             with timer.phase("warm-up"):
                 self._warm_up(max_model_len)
             # The pool sizing's and the warm-up's sampling drew from the engine's generator:
@@ -222,8 +222,9 @@ class ModelRunner:
           (``warmup_shapes``: for the Triton ones, lengths either side of their tile, Hopper
           and page-copy thresholds, whole prompts and steps over cached prefixes).
         - cuBLAS picks its GEMM kernel by the number of rows, and CUDA loads each kernel on
-          its first launch: a 512-token prompt's first step took 31 ms on an H100 against 13 ms
-          for the next one, and a first launch waits for the device to drain. One prompt of
+          its first launch, and a first launch waits for the device to drain, so a request's
+          first step would pay both (docs/performance-notes.md, "Figures behind the code's
+          rules"). One prompt of
           each power-of-two length up to max_num_batched_tokens loads the kernels that steps
           of those sizes use; the LM head (float32 and model-dtype logits) runs at each of
           the builder's ``logit_buckets``, the only row counts it sees, with greedy and

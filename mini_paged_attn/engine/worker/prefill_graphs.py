@@ -1,9 +1,8 @@
 """CUDA graphs for steps of one prompt: the batch-1 time to first token.
 
 An eager prefill step launches a few hundred kernels (a GEMM, a norm, the rotary kernel and
-attention per layer...), and at batch 1 the host takes longer to launch them than the GPU to
-run them: a 512-token prompt of a 0.5B model took 9-26 ms of host time against ~2 ms of GPU
-time. A step that holds one sequence replays a graph captured for the smallest bucket of
+attention per layer...), and at batch 1 the host takes several times longer to launch them
+than the GPU to run them (docs/performance-notes.md, "Figures behind the code's rules"). A step that holds one sequence replays a graph captured for the smallest bucket of
 tokens (powers of two from 16) that holds its new tokens.
 
 The padding rows form a second sequence: token 0 at position 0, slot -1 (its K/V are never

@@ -41,7 +41,7 @@ FUSED_MERGE = True
 """Whether a split-KV ``paged_decode`` call without a ``workspace`` merges the splits inside
 the decode kernel (one launch; the last program of each sequence and KV head merges, see
 :mod:`mini_paged_attn.ops.decode_kernel`) rather than in a second kernel. Such calls are eager loops at small
-batches, host-bound: a launch less is ~4 us less host time. Calls with a workspace, what
+batches, host-bound, where a launch less is host time saved. Calls with a workspace, what
 CUDA-graph capture takes (the engine's decode steps), keep the separate merge kernel, whether
 eager or captured: the warm-up call before a capture then compiles what the capture launches,
 and graphs keep the merge that measured faster on the GPU at batch 1 (see
@@ -66,29 +66,25 @@ FP8_SPLIT_BELOW = 3.2
 """Programs per SM under which a launch of short sequences (:data:`FP8_SHORT_TILES`) over an
 fp8 cache, taken longest first, splits toward :data:`FP8_PROGRAMS_PER_SM` (see
 :data:`FP8_ORDERED_UNSPLIT`). Longer sequences stay unsplit wherever the 16-bit rule leaves
-them so: with the fp8 tiles of :data:`~mini_paged_attn.ops.decode_tiles.FP8_TILES` (V read as pairs), H100, %
-of copy bandwidth unsplit against the split toward 8 a SM that this rule once made for them
-too: 30 / 32 / 48 x 4k 87.1 / 90.1 / 92.3 against 81.8 / 82.7 / 83.0, 50 x 8k 95.8 against
-87.2, 27 / 32 x 64k 93.1 / 97.0 against 88.3 / 96.2; 40 x 16k 91.0 against 92.5."""
+them so: with the fp8 tiles of :data:`~mini_paged_attn.ops.decode_tiles.FP8_TILES` (V read
+as pairs) unsplit they read more of the copy bandwidth than split toward 8 a SM, at every
+shape measured but one (docs/performance-notes.md, "Figures behind the code's rules")."""
 
 FP8_SHORT_TILES = 32
 """An fp8 launch with enough programs for the 16-bit rule (which leaves it unsplit) splits in
 exactly 2, instead of as :data:`FP8_SPLIT_BELOW` says, when the tiles its longest sequence
 can touch (a window's, with one) fit this many of its 64-token tiles (2k tokens): programs
-this short start and end unevenly, and halving them evens the SMs' load. Measured on an H100
-at the engine's batches, 6-9 points of copy bandwidth gained; at 4k the unsplit launch stays
-ahead (see docs/performance-notes.md, "fp8 at the engine's shapes"). A launch that takes its
-sequences longest first (``seq_order``) is already even: see :data:`FP8_ORDERED_UNSPLIT`."""
+this short start and end unevenly, and halving them evens the SMs' load; at 4k tokens the
+unsplit launch stays ahead (docs/performance-notes.md, "fp8 at the engine's shapes"). A
+launch that takes its sequences longest first (``seq_order``) is already even: see
+:data:`FP8_ORDERED_UNSPLIT`."""
 
 FP8_ORDERED_UNSPLIT = 6
 """Programs per SM from which a launch of short sequences (:data:`FP8_SHORT_TILES`) over an
 fp8 cache, taking them longest first, stays unsplit; under :data:`FP8_SPLIT_BELOW` a SM it
 splits as that rule says, and in between in 2. The order already evens the SMs' load, and
-halving the programs only adds partials to merge. H100, contexts of 100..2048 tokens in
-longest-first order, % of copy bandwidth, 2 splits against unsplit: 73.9 / 80.3 at 7.8
-programs a SM (128 sequences), 78.3 / 84.5 at 15.5, but 68.8 / 53.4 at 3.9; at 1.9 a SM, 4
-splits 53.7 against 2 splits' 41-44 (docs/performance-notes.md, "fp8 decode in longest-first
-order")."""
+halving the programs only adds partials to merge; with fewer programs a SM, splitting fills
+the SMs better (docs/performance-notes.md, "fp8 decode in longest-first order")."""
 
 ASSUMED_NUM_SMS = 132
 """SM count used for planning when no CUDA device is given (an H100 or H200)."""
@@ -116,8 +112,9 @@ def balance_splits(splits: int, units: int, wave_slots: int, num_tiles: int,
     More splits cost nothing while the programs still fit in as many waves, so among the counts
     from ``splits`` up to the last that does, take the fewest whose longest split is within
     :data:`BALANCE_TOLERANCE` of the shortest possible (each split adds partials to merge).
-    On an H100 at batch 1 (8 KV heads, 2048 tiles at 64k): FlashAttention's 29 splits run 71
-    tiles each; 32 splits run 64 and were 1.5-2% faster at 16k and 64k.
+    At batch 1 and 64k tokens (8 KV heads, 2048 tiles), FlashAttention's 29 splits run 71
+    tiles each, 32 splits 64: the even count is the faster (docs/performance-notes.md,
+    "Figures behind the code's rules").
     """
     waves = cdiv(units * splits, wave_slots)
     candidates = [s for s in range(splits, max(splits, max_splits) + 1)
