@@ -57,19 +57,18 @@ class Registry:
 
     def by_name(self, name: str) -> Family:
         """The family called ``name`` (ModelConfig.family). Raises ValueError when unknown."""
-        for family in self.families:
-            if family.name == name:
-                return family
-        raise ValueError(f"family: expected one of {sorted(f.name for f in self.families)}, "
-                         f"got {name!r}")
+        return self._find("name", name, "family")
 
     def by_architecture(self, architecture: str) -> Family:
         """The family of ``architecture``. Raises ValueError when unknown."""
+        return self._find("architecture", architecture, "architecture")
+
+    def _find(self, field: str, value: str, param: str) -> Family:
         for family in self.families:
-            if family.architecture == architecture:
+            if getattr(family, field) == value:
                 return family
-        raise ValueError(f"architecture: expected one of {self.architectures}, "
-                         f"got {architecture!r}")
+        known = sorted(getattr(f, field) for f in self.families)
+        raise ValueError(f"{param}: expected one of {known}, got {value!r}")
 
     def of_config(self, raw: dict[str, Any], source: str) -> Family:
         """The family of a config.json dict: its first known ``architectures`` entry, or, when
