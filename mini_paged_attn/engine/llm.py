@@ -14,8 +14,8 @@ from .llm_engine import LLMEngine
 from .outputs import EngineStats, RequestOutput
 from .prompts import PromptType, parse_prompts
 from .sampling_params import SamplingParams
-from .tools.parsers import PARSERS, ToolCallMode, parser_for_template
 from .tools.choice import tool_constraint
+from .tools.parsers import PARSERS, ToolCallMode, parser_for_template
 
 logger = logging.getLogger(__name__)
 

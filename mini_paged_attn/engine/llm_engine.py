@@ -33,12 +33,12 @@ from .admission import Admission
 from .config import EngineConfig, resolve_max_model_len
 from .engine_step import EngineStep
 from .in_flight import InFlightStep, StepMode
-from .worker.model_runner import ModelRunner, Released
 from .output_processor import OutputProcessor, RequestState
 from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
 from .step_counters import RATE_WINDOW_S, StepCounters
 from .structured import GrammarCompiler, StructuredOutputs
+from .worker.model_runner import ModelRunner, Released
 
 logger = logging.getLogger(__name__)
 

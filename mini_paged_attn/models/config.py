@@ -28,8 +28,8 @@ from ..errors import ModelLoadError
 from .config_families import (ACTIVATIONS, LAYER_TYPES, activation, attention_pattern,
                               config_fields, parse_ropes)
 from .family import Family
-from .rope import ROPE_TYPES, RopeConfig
 from .moe_config import MoeConfig
+from .rope import ROPE_TYPES, RopeConfig
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16}

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.group import TPGroup
-from ..ops.projection import SplitKWorkspace
 from ..ops.moe import fused_moe
+from ..ops.projection import SplitKWorkspace
 from .checkpoint import Shard
 from .moe_config import MoeConfig
 

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention.decode_plan import MAX_SPLITS, DecodePlan, DecodeTiles, num_sms_of, plan_decode
+from .attention.triton_backend import MAX_HEAD_SIZE
 from .checks import PagedShapes
 from .decode_kernel import _paged_decode_kernel
 from .decode_merge import merge_chunk, merge_rows, prepare_merge
 from .decode_tiles import fp8_v_conversion
-from .attention.decode_plan import MAX_SPLITS, DecodePlan, DecodeTiles, num_sms_of, plan_decode
-from .attention.triton_backend import MAX_HEAD_SIZE
 from .kv_quant import scale_pointers, scale_stride
 from .launch import ALIGNMENT, PreparedLaunch, StreamScratch
 from .pdl import pdl_options

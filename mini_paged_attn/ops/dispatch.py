@@ -30,12 +30,12 @@ from . import reference
 from .attention.base import outputs
 from .attention.select import backend_for_call
 from .backend import BACKENDS, resolve_backend, triton_available
-from .kv_quant import check_kv_scales, scale_pointers
-from .launch import ALIGNMENT, LaunchCache
-from .variants import NO_WINDOW, check_variant
 from .checks import (FLOAT_DTYPES, PagedShapes, check_cache_pair, check_index_vector,
                      check_paged_decode_args, check_paged_prefill_args, check_seq_order,
                      check_tensor)
+from .kv_quant import check_kv_scales, scale_pointers
+from .launch import ALIGNMENT, LaunchCache
+from .variants import NO_WINDOW, check_variant
 
 logger = logging.getLogger(__name__)
 

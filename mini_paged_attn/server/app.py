@@ -37,8 +37,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .. import __version__
-from ..engine.process.client import EngineClient, InprocEngineClient
 from ..engine.llm_engine import LLMEngine
+from ..engine.process.client import EngineClient, InprocEngineClient
 from ..engine.tools.parsers import PARSERS
 from .async_client import AsyncClient
 from .cross_site import CrossSiteGuard
@@ -48,8 +48,8 @@ from .metrics import ServerMetrics
 from .openai_api import create_chat_completion, create_completion
 from .prepare import ServedModel, model_not_found
 from .prompt_bytes import prompt_byte_cap
-from .tokenize_api import create_detokenize, create_tokenize, version_endpoint
 from .timeouts import IOTimeouts
+from .tokenize_api import create_detokenize, create_tokenize, version_endpoint
 
 logger = logging.getLogger(__name__)
 

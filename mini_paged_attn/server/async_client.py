@@ -22,8 +22,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.process.client import EngineClient, EngineDeadError
 from ..engine.outputs import EngineStats, RequestOutput
+from ..engine.process.client import EngineClient, EngineDeadError
 
 logger = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ from typing import Any, TypeVar
 
 from ..engine.tools.parsers import parser_for_template
 from .async_client import AsyncClient
+from .errors import APIError, bad_request, clip
 from .formats import Logprobs, ResponseFormat
 from .limits import (LogprobDemand, ServerLimits, check_logprobs, check_request,
                      check_response_size)
 from .prompt_bytes import check_prompt_bytes
-from .errors import APIError, bad_request, clip
 from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
                        parse_request, to_sampling_params)
 from .structured import chat_constraint, completion_constraint

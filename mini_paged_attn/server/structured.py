@@ -15,8 +15,8 @@ from typing import Any
 
 from ..engine.admission import check_min_tokens
 from ..engine.structured import GrammarCompiler, StructuredOutputsParams
-from ..engine.tools.parsers import ToolCallMode
 from ..engine.tools.choice import ToolArgumentError, checked_constraint, tool_constraint
+from ..engine.tools.parsers import ToolCallMode
 from .errors import bad_request
 from .protocol import ChatCompletionRequest, _SamplingFields
 

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
-from .messages import AbortRequest, AddRequest, Message, Shutdown
-from .core import EngineCore
 from ..outputs import EngineStats, RequestOutput
 from ..sampling_params import SamplingParams
+from .core import EngineCore
+from .messages import AbortRequest, AddRequest, Message, Shutdown
 
 logger = logging.getLogger(__name__)
 

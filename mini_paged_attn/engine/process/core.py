@@ -28,8 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from ...errors import TensorParallelError
-from .messages import AbortRequest, AddRequest, Message, Shutdown
 from ..outputs import EngineStats, RequestOutput
+from .messages import AbortRequest, AddRequest, Message, Shutdown
 
 logger = logging.getLogger(__name__)
 

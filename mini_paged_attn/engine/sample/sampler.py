@@ -29,10 +29,10 @@ from operator import attrgetter
 import torch
 
 from ...ops.sample import nothing_to_sample, sample_tokens
-from .penalties import TokenHistory, add_logit_bias, apply_penalties, mask_tokens
-from .penalties import upload as _upload
 from ..sampling_params import SamplingParams
 from ..structured.bitmask import TokenMasks, apply_token_masks
+from .penalties import TokenHistory, add_logit_bias, apply_penalties, mask_tokens
+from .penalties import upload as _upload
 
 _USES_PROCESSORS = attrgetter("uses_processors")
 _USES_FILTERS = attrgetter("uses_filters")

@@ -42,17 +42,17 @@ from ...ops.attention import AttentionLimits, AttentionSpec, choose_backend
 from ...ops.kv_quant import kv_cache_torch_dtype
 from ...ops.projection import SplitKWorkspace
 from ..config import EngineConfig
+from ..sample.prompt_logprobs import (PendingPromptLogprobs, PromptLogprobs, PromptRows,
+                                      compute_prompt_logprobs, prompt_logprob_rows)
+from ..sample.sampler import PendingSample, SampleRow, Sampler
+from ..sampling_params import SamplingParams
+from ..structured.bitmask import TokenMasks
 from .cuda_graphs import DecodeGraphs
 from .input_batch import (InputBuilder, StepInputs, batch_buckets, dummy_inputs,
                           table_width)
 from .pool_sizing import auto_num_blocks
 from .prefill_graphs import PrefillGraphs, PromptGraph
-from ..sample.prompt_logprobs import (PendingPromptLogprobs, PromptLogprobs, PromptRows,
-                              compute_prompt_logprobs, prompt_logprob_rows)
-from ..sample.sampler import PendingSample, SampleRow, Sampler
-from ..sampling_params import SamplingParams
 from .tp_messages import StepMessage
-from ..structured.bitmask import TokenMasks
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import torch
 
 from ...core.sliding_window import max_blocks_in_use
 from ...models.config import ModelConfig
-from .input_batch import batch_buckets, padded_rows
 from ..sampling_params import SamplingParams
+from .input_batch import batch_buckets, padded_rows
 
 if TYPE_CHECKING:
     from .model_runner import ModelRunner

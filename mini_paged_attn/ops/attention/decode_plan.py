@@ -32,7 +32,7 @@ import torch
 
 from ...core.args import cdiv, check_bool, is_int, next_pow2, non_negative_int, positive_int
 from ..decode_tiles import (FP8_OCCUPANCY, FP8_TILES, MAX_BLOCK_N, DecodeTiles,
-                           default_tiles, fp8_occupancy_tiles)
+                            default_tiles, fp8_occupancy_tiles)
 from ..heuristics import num_splits_heuristic, wave_efficiency
 from ..kv_quant import FP8_DTYPE
 from ..variants import check_window
