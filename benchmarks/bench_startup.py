@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,13 +22,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from benchmarks.hostile_mix import HOST, free_port
+
 POLL_S = 0.05
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def healthy(url: str) -> bool:
@@ -43,7 +38,7 @@ def healthy(url: str) -> bool:
 def time_start(model: Path, serve_args: list[str], timeout_s: float, log: Path) -> dict:
     """Start ``serve`` on ``model``; seconds until ``/health`` answers, and its load line."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{HOST}:{port}"
     cmd = [sys.executable, "-m", "mini_paged_attn.cli", "--log-level", "INFO", "serve", str(model),
            "--port", str(port),
            "--disable-log-requests", *serve_args]

@@ -179,7 +179,8 @@ async def hostile(kind: str, rng: random.Random, client: httpx.AsyncClient, port
 
 
 # ---- the server ----------------------------------------------------------------------------------
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on HOST that nothing listens on right now."""
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
@@ -190,7 +191,7 @@ class ServerProcess:
 
     def __init__(self, extra_args: list[str]) -> None:
         self.extra_args = extra_args
-        self.port = _free_port()
+        self.port = free_port()
         self.process: subprocess.Popen | None = None
         self.starts = 0
 

@@ -99,6 +99,13 @@ CHAT_GOOD = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}
              "max_tokens": 2}
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for a ``serve`` process)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def wait_until_serving(proc: Any, url: str, timeout_s: float = 120.0) -> None:
     """Wait until the ``serve`` process ``proc`` (a Popen, stdout piped) answers ``/health``
     at ``url``; AssertionError with its output if it exits or takes over ``timeout_s``."""

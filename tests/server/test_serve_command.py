@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import glob
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from server_harness import wait_until_serving
+from server_harness import free_port, wait_until_serving
 
 from mini_paged_attn.commands.serve import wants_engine_process
 from mini_paged_attn.engine import LLM, SamplingParams
@@ -57,14 +56,8 @@ def _gone(pid: int, timeout: float) -> bool:
     return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_with_the_engine_in_its_own_process_answers_like_generate():
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "mini_paged_attn.cli", "serve", "--model", "tiny",
            "--port", str(port), "--device", "cpu", "--dtype", "float32",
            "--num-kv-blocks", "32", "--engine-process", "on"]
@@ -93,7 +86,7 @@ def test_serve_with_the_engine_in_its_own_process_answers_like_generate():
 
 
 def test_serve_prints_its_banner_once_the_port_is_bound_then_logs_and_stops():
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "mini_paged_attn.cli", "serve", "--model", "tiny",
            "--port", str(port), "--device", "cpu", "--num-kv-blocks", "32"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

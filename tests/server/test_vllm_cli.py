@@ -13,7 +13,7 @@ import sys
 import httpx
 import pytest
 
-from server_harness import wait_until_serving
+from server_harness import free_port, wait_until_serving
 
 from mini_paged_attn.cli import build_parser, main
 
@@ -140,16 +140,10 @@ def test_a_bad_chat_template_is_one_error_line_before_the_model_loads(template, 
     assert "--chat-template" in line and says in line
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_model_positional_with_vllm_flags_end_to_end(tmp_path):
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "mini_paged_attn.cli", "--log-level", "INFO", "serve", "tiny",
            "--port", str(port), "--device", "cpu", "--dtype", "float", "--num-kv-blocks", "32",
            "--served-model-name", "first", "second", "--max-model-len", "96",
