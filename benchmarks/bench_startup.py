@@ -4,7 +4,7 @@ A random-weight checkpoint of one of ``bench_engine``'s shapes (Qwen3-0.6B by de
 like any Hugging Face directory, then ``serve`` is started on it ``--repeats`` times, each a new
 process: the first start may compile Triton kernels that later starts find in Triton's cache
 (``~/.triton/cache``), so both are reported. Each start's own account of where the time went
-(the ``MODEL loaded: ...`` line ``serve`` logs at INFO) is printed beside it.
+(the load's INFO line: which phase took how long) is printed beside it.
 
     python -m benchmarks.bench_startup                       # GPU: qwen3-0.6b, 3 starts
     python -m benchmarks.bench_startup --shape qwen2.5-0.5b --serve-args --enforce-eager
@@ -56,7 +56,9 @@ def time_start(model: Path, serve_args: list[str], timeout_s: float, log: Path) 
         finally:
             proc.terminate()
             proc.wait(timeout=60)
-    loaded = [line.strip() for line in log.read_text().splitlines() if " loaded: " in line]
+    # serve's line for an engine process, LLM's for an engine on a thread of the server.
+    loaded = [line.strip() for line in log.read_text().splitlines()
+              if " loaded: " in line or " loaded in " in line]
     return {"seconds": round(seconds, 2), "load": loaded[-1] if loaded else ""}
 
 

@@ -292,12 +292,13 @@ def _serve(args: argparse.Namespace, model: str, chat_template: str | None,
             from mini_paged_attn.engine.process.mp_client import MPEngineClient
             engine = MPEngineClient(model, llm_kwargs, load_progress=bar)
             where = "its own process"
+            # LLM logs where its load's time went; the child's log is not configured.
+            log.info("%s loaded: %s", model, bar.summary())
         else:
             from mini_paged_attn.engine import LLM
             from mini_paged_attn.engine.process.client import InprocEngineClient
             llm_engine = LLM(model, load_progress=bar, **llm_kwargs).engine
             where = "a thread of the server"
-    log.info("%s loaded: %s", model, bar.summary())
     if llm_engine is not None:
         if llm_engine.runner.device.type == "cpu":
             log.info("torch uses %d CPU threads (one core left for HTTP)",
