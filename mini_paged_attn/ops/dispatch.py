@@ -6,9 +6,9 @@ Backends:
   - ``"auto"`` (default): ``"triton"`` for CUDA tensors when Triton imports, else ``"torch"``
     (:func:`~.backend.resolve_backend`, the rule every op family shares).
 
-The attention ops run the backend object :func:`~.attention.select.backend_for_call` picks
-for the call (the reference, Triton, or on sm_90 Hopper, :mod:`.attention`), once per call
-that misses the cache below.
+The three ops run the backend object :func:`~.attention.select.backend_for_call` picks for
+the call (the reference, Triton, or for a prefill on sm_90 Hopper, :mod:`.attention`), once
+per call that misses the cache below.
 
 A backend never falls back silently: asking for ``"triton"`` where it cannot run is an error.
 

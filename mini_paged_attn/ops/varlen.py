@@ -13,6 +13,11 @@ script, transformers' ``_flash_attention_forward``) runs unchanged. Two K/V layo
 
 ``causal`` is bottom-right aligned when ``q_len != k_len``, as in FlashAttention >= 2.1: query row
 t sees keys ``<= k_len - q_len + t``; rows that see no key give 0.
+
+Contiguous K/V run on the attention backend object
+:func:`~mini_paged_attn.ops.attention.select.backend_for_call` picks for the call, as
+``paged_prefill`` does (the reference, Triton, or on sm_90 where the Gluon gate holds
+Hopper, :mod:`.attention`), once per call that misses the launch cache below.
 """
 
 from __future__ import annotations
@@ -76,14 +81,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         block_table: int32 ``[num_seqs, max_blocks_per_seq]`` for paged K/V, else None.
         sinks: keyword only; None or float32 ``[num_q_heads]`` on q's device, a per-head logit
             that joins the softmax denominator only (see :mod:`.variants`).
-        backend: "auto" | "torch" | "triton" (keyword only; see :mod:`.dispatch`).
+        backend: "auto" | "torch" | "triton" (keyword only; see :mod:`.dispatch`), mapped
+            to its backend object on a cache miss.
 
     Returns:
         out ``[total_q, num_q_heads, head_size]`` in q's dtype.
 
     Raises:
         ValueError: bad shapes, dtypes, devices, window, softcap or sinks (and, for the torch
-            backend, lengths).
+            backend, lengths); ``backend`` where the backend refuses the call (Triton on a
+            CPU outside ``TRITON_INTERPRET=1``).
         NotImplementedError: an unimplemented option.
     """
     key = None

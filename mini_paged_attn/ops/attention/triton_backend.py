@@ -1,5 +1,6 @@
-"""The Triton backend: split-KV decode (kernel, merge), the varlen prefill kernel and the
-page copy in front of it (:mod:`mini_paged_attn.ops.prefill_gather`).
+"""The Triton backend: split-KV decode (kernel, merge), the varlen prefill kernel over paged
+or contiguous K/V and the page copy in front of it (:mod:`mini_paged_attn.ops.prefill_gather`),
+and the K/V write (:mod:`mini_paged_attn.ops.kv_write`).
 
 It owns what the engine used to know about it: the decode workspace (a float32 scratch for
 split-KV partials, :data:`WORKSPACE_SPLITS_PER_SEQ` splits a sequence), the memory the page
