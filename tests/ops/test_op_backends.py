@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mini_paged_attn.ops import flash_attn_varlen_func, prefill, store_kv
-from mini_paged_attn.ops.attention import (HOPPER, TORCH, TRITON, AttentionSpec,
+from mini_paged_attn.ops.attention import (HOPPER, TORCH, TRITON, AttentionSpec, TritonBackend,
                                            backend_for_call, select)
 from mini_paged_attn.ops.dispatch import check_store_kv
 
@@ -190,3 +190,32 @@ def test_paged_varlen_checks_lengths_through_the_backend(monkeypatch):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert checks.calls == [TORCH, TORCH]
 
+
+
+@pytest.mark.gpu
+def test_device_varlen_and_store_kv_backends(monkeypatch):
+    """On the device: varlen's backend is Hopper exactly where the Gluon gate holds and gives
+    the reference's result; a store_kv call is Triton's."""
+    from mini_paged_attn.ops import dispatch, prefill_plan, varlen
+    from mini_paged_attn.ops.launch import LaunchCache
+    # Fresh launch caches: a repeat of an earlier test's shapes would skip the choice.
+    monkeypatch.setattr(varlen, "_CONTIGUOUS_RUNS", LaunchCache())
+    monkeypatch.setattr(dispatch, "_STORE_RUNS", LaunchCache())
+    cuda = torch.device("cuda")
+    gate = prefill_plan.hopper_prefill_runs_on(cuda, 128, torch.bfloat16)
+    expected = HOPPER if gate else TRITON
+    assert backend_for_call("auto", cuda, 128, torch.bfloat16) is expected
+    assert backend_for_call("auto", cuda, 128, torch.bfloat16, prefill=False) is TRITON
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(512, 8, 128, generator=gen).to(cuda, torch.bfloat16)
+               for _ in range(3))
+    cu = torch.tensor([0, 256, 512], dtype=torch.int32, device=cuda)
+    chosen = Spy(monkeypatch, type(expected), "varlen")
+    out = flash_attn_varlen_func(q, k, v, cu, cu, 256, 256, causal=True)
+    assert chosen.calls == [expected]
+    ref = flash_attn_varlen_func(q, k, v, cu, cu, 256, 256, causal=True, backend="torch")
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    stores = Spy(monkeypatch, TritonBackend, "store_kv")
+    key, value, key_cache, value_cache, slots = (t.to(cuda) for t in store_inputs())
+    store_kv(key, value, key_cache, value_cache, slots)
+    assert stores.calls == [TRITON]
