@@ -6,9 +6,9 @@ Backends:
   - ``"auto"`` (default): ``"triton"`` for CUDA tensors when Triton imports, else ``"torch"``
     (:func:`~.backend.resolve_backend`, the rule every op family shares).
 
-The attention ops run the backend object :func:`~.attention.select.backend_for_call` picks
-for the call (the reference, Triton, or on sm_90 Hopper, :mod:`.attention`), once per call
-that misses the cache below.
+The three ops run the backend object :func:`~.attention.select.backend_for_call` picks for
+the call (the reference, Triton, or for a prefill on sm_90 Hopper, :mod:`.attention`), once
+per call that misses the cache below.
 
 A backend never falls back silently: asking for ``"triton"`` where it cannot run is an error.
 
@@ -26,8 +26,7 @@ import logging
 import torch
 
 from ..core.args import check_bool, non_negative_int
-from . import reference
-from .attention.base import outputs
+from .attention.base import AttentionBackend, outputs
 from .attention.select import backend_for_call
 from .backend import BACKENDS, resolve_backend, triton_available
 from .checks import (FLOAT_DTYPES, PagedShapes, check_cache_pair, check_index_vector,
@@ -280,11 +279,19 @@ def check_store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         backend: "auto" | "torch" | "triton".
 
     Returns:
-        The backend that runs the write, "torch" or "triton".
+        The backend that runs the write, "torch" or "triton" (its object's ``op_backend``).
 
     Raises:
-        ValueError: naming the first bad argument.
+        ValueError: naming the first bad argument (``backend`` where the backend it names
+            refuses the call, e.g. Triton on a CPU outside the interpreter).
     """
+    return _checked_store_backend(key, value, key_cache, value_cache, slot_mapping, k_scale,
+                                  v_scale, backend).op_backend
+
+
+def _checked_store_backend(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                           backend: str) -> AttentionBackend:
+    """:func:`check_store_kv`, returning the backend object that runs the write."""
     check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
     num_blocks, block_size, num_kv_heads, head_size = check_cache_pair(
         key_cache, value_cache, key.dtype, key.device)
@@ -300,15 +307,10 @@ def check_store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping: expected shape ({key.shape[0]},) (one slot per token), "
                          f"got {tuple(slot_mapping.shape)}")
-    chosen = resolve_backend(backend, key.device)
-    if chosen == "torch":
-        slots = slot_mapping.detach().to("cpu", torch.int64)
-        bad = (slots < -1) | (slots >= num_blocks * block_size)
-        if bad.any():
-            i = int(torch.nonzero(bad)[0])
-            raise ValueError(f"slot_mapping: expected slots in [-1, {num_blocks * block_size}) "
-                             f"(-1 skips), got slot_mapping[{i}]={int(slots[i])}")
-    return chosen
+    # A write attends over nothing: never the Hopper backend's (its writes are Triton's).
+    impl = backend_for_call(backend, key.device, head_size, key.dtype, prefill=False)
+    impl.check_store_slots(slot_mapping, num_blocks * block_size)
+    return impl
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -316,6 +318,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
              backend: str = "auto", k_scale: torch.Tensor | None = None,
              v_scale: torch.Tensor | None = None) -> None:
     """Write new tokens' K/V into the paged caches, in place.
+
+    The write runs on the backend object :func:`~.attention.select.backend_for_call` picks
+    for the call (the reference or Triton; the Hopper backend's writes are Triton's), once
+    per call that misses the launch cache; on CUDA a repeat of an earlier call's shapes
+    relaunches that call's prepared launch (see the module doc).
 
     Args:
         key, value: ``[num_tokens, num_kv_heads, head_size]``, fp16 / bf16 / fp32, in the
@@ -326,15 +333,17 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         slot_mapping: int32 or int64 ``[num_tokens]``; token ``t`` goes to block
             ``slot // block_size``, offset ``slot % block_size``. Slot ``-1`` skips the token
             (padding); nothing else in the caches changes.
-        backend: "auto" | "torch" | "triton".
+        backend: "auto" | "torch" | "triton" (the string the model layers pass; mapped to
+            its backend object on a cache miss).
         k_scale, v_scale: for an fp8 cache, None (= 1.0) or float32 ``[]`` / ``[num_kv_heads]``
             on the key's device: the cache gets ``key / k_scale`` (and ``value / v_scale``)
             clamped to +-448 and rounded to nearest e4m3. A cache in the key's dtype takes None
             and gets the key as is.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices or scales (for the torch backend also slots
-            out of range), before anything is written.
+        ValueError: bad shapes, dtypes, devices or scales, a backend that refuses the call
+            (for the torch backend also slots out of range; the triton backend takes key
+            and value with a contiguous last dim only), before anything is written.
     """
     key_ = None
     if backend != "torch":
@@ -345,16 +354,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                                           *scale_pointers(key_cache, k_scale, v_scale),
                                           slot_mapping)):
             return
-    chosen = check_store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
-                            backend)
-    if chosen == "torch":
-        reference.store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
-    else:
-        from .kv_write import triton_store_kv
-        launch = triton_store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale,
-                                 v_scale)
-        if launch is not None and key_ is not None:
-            _STORE_RUNS.put(key_, launch)
+    impl = _checked_store_backend(key, value, key_cache, value_cache, slot_mapping, k_scale,
+                                  v_scale, backend)
+    launch = impl.store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    if launch is not None and key_ is not None:
+        _STORE_RUNS.put(key_, launch)
 
 
 # BACKENDS, resolve_backend and triton_available live in .backend; re-exported here, where

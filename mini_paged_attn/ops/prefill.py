@@ -186,7 +186,8 @@ def triton_varlen_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              scale: float, out: torch.Tensor, lse: torch.Tensor | None = None,
                              config: PrefillConfig | None = None,
                              window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                             sinks: torch.Tensor | None = None) -> PreparedLaunch | None:
+                             sinks: torch.Tensor | None = None,
+                             hopper: bool = True) -> PreparedLaunch | None:
     """Varlen attention over contiguous K/V into ``out`` (FlashAttention's varlen semantics).
 
     Args:
@@ -201,6 +202,8 @@ def triton_varlen_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         lse: optional float32 ``[total_q, num_q_heads]`` (natural log, ``-inf`` for empty rows).
         config: tile sizes (default: :func:`~.prefill_plan.default_config` for contiguous K/V,
             tensor-descriptor loads included where :func:`~.prefill_plan.tma_usable` allows).
+        hopper: whether this call may take the Hopper kernel, as in
+            :func:`triton_paged_prefill`.
 
     Returns:
         The launch, repeatable for tensors of the same shapes in the kernel's order ``(q, k,
@@ -212,7 +215,7 @@ def triton_varlen_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _launch(q, k, v, out, lse, cu_seqlens_k, cu_seqlens_q, cu_seqlens_k,
             num_seqs=cu_seqlens_q.shape[0] - 1, num_kv_heads=k.shape[1], scale=float(scale),
             causal=causal, paged=False, block_size=1, config=config, window_size=window_size,
-            softcap=softcap, sinks=sinks)
+            softcap=softcap, sinks=sinks, hopper=hopper)
 
 
 __all__ = ["triton_paged_prefill", "triton_varlen_contiguous", "PrefillConfig"]

@@ -13,6 +13,11 @@ script, transformers' ``_flash_attention_forward``) runs unchanged. Two K/V layo
 
 ``causal`` is bottom-right aligned when ``q_len != k_len``, as in FlashAttention >= 2.1: query row
 t sees keys ``<= k_len - q_len + t``; rows that see no key give 0.
+
+Contiguous K/V run on the attention backend object
+:func:`~mini_paged_attn.ops.attention.select.backend_for_call` picks for the call, as
+``paged_prefill`` does (the reference, Triton, or on sm_90 where the Gluon gate holds
+Hopper, :mod:`.attention`), once per call that misses the launch cache below.
 """
 
 from __future__ import annotations
@@ -20,10 +25,9 @@ from __future__ import annotations
 import torch
 
 from ..core.args import check_bool, is_number, non_negative_int
-from . import reference
-from .checks import (FLOAT_DTYPES, check_cu_seqlens, check_index_vector, check_scale,
-                     check_tensor)
-from .dispatch import _call_key, _variant_options, paged_prefill, resolve_backend
+from .attention.select import backend_for_call
+from .checks import FLOAT_DTYPES, check_index_vector, check_scale, check_tensor
+from .dispatch import _call_key, _variant_options, paged_prefill
 from .launch import LaunchCache
 from .variants import check_sinks, check_softcap, check_window
 
@@ -43,16 +47,6 @@ def _not_implemented(dropout_p, alibi_slopes, return_attn_probs) -> None:
     if return_attn_probs:
         raise NotImplementedError("return_attn_probs=True: returning attention probabilities "
                                   "is not implemented")
-
-
-def _check_cu_values(name: str, cu: torch.Tensor, total: int, total_name: str, exact: bool,
-                     max_seqlen_name: str, max_seqlen: int) -> None:
-    """Values of a cu_seqlens tensor (a host sync): 0, non-decreasing, ends at / within total,
-    no length over its max_seqlen."""
-    lens = check_cu_seqlens(name, cu, total, total_name, exact=exact)
-    if lens.numel() and int(lens.max()) > max_seqlen:
-        raise ValueError(f"{max_seqlen_name}: expected >= the longest sequence in {name} "
-                         f"({int(lens.max())}), got {max_seqlen}")
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -87,14 +81,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         block_table: int32 ``[num_seqs, max_blocks_per_seq]`` for paged K/V, else None.
         sinks: keyword only; None or float32 ``[num_q_heads]`` on q's device, a per-head logit
             that joins the softmax denominator only (see :mod:`.variants`).
-        backend: "auto" | "torch" | "triton" (keyword only; see :mod:`.dispatch`).
+        backend: "auto" | "torch" | "triton" (keyword only; see :mod:`.dispatch`), mapped
+            to its backend object on a cache miss.
 
     Returns:
         out ``[total_q, num_q_heads, head_size]`` in q's dtype.
 
     Raises:
         ValueError: bad shapes, dtypes, devices, window, softcap or sinks (and, for the torch
-            backend, lengths).
+            backend, lengths); ``backend`` where the backend refuses the call (Triton on a
+            CPU outside ``TRITON_INTERPRET=1``).
         NotImplementedError: an unimplemented option.
     """
     key = None
@@ -141,13 +137,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     if block_table is not None:
         # Paged K/V: FlashAttention's per-sequence K length is the difference of cu_seqlens_k.
-        chosen = resolve_backend(backend, q.device)
-        if chosen == "torch":
-            total_k = int(cu_seqlens_k[-1]) if cu_seqlens_k.numel() else 0
-            _check_cu_values("cu_seqlens_k", cu_seqlens_k, total_k, "its last value", True,
-                             "max_seqlen_k", max_seqlen_k)
-            _check_cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "total_q", True,
-                             "max_seqlen_q", max_seqlen_q)
+        # A decode-like choice (no Hopper gate): only the lengths' host checks are the
+        # backend's here; paged_prefill picks the backend that attends.
+        impl = backend_for_call(backend, q.device, q.shape[-1], q.dtype, prefill=False)
+        impl.check_varlen_lengths(cu_seqlens_q, cu_seqlens_k, q.shape[0], None, max_seqlen_q,
+                                  max_seqlen_k)
         context_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
         return paged_prefill(q, k, v, block_table, cu_seqlens_q, context_lens, causal=causal,
                              scale=scale, backend=backend, max_seqlen_q=max_seqlen_q, **variant)
@@ -157,26 +151,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     if v.shape != k.shape:
         raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
-    total_q, num_q_heads, head_size = q.shape
+    _, num_q_heads, head_size = q.shape
     if k.shape[2] != head_size:
         raise ValueError(f"k: expected head_size {head_size} (q's last dim), got {k.shape[2]}")
     if k.shape[1] < 1 or num_q_heads % k.shape[1] != 0:
         raise ValueError(f"q: expected num_q_heads divisible by num_kv_heads={k.shape[1]} "
                          f"(k's heads), got num_q_heads={num_q_heads}")
-    chosen = resolve_backend(backend, q.device)
-    if chosen == "torch":
-        _check_cu_values("cu_seqlens_q", cu_seqlens_q, total_q, "total_q", True,
-                         "max_seqlen_q", max_seqlen_q)
-        _check_cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "total_k", False,
-                         "max_seqlen_k", max_seqlen_k)
-        out, _ = reference.varlen_attention_contiguous(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                       causal=causal, scale=scale, **variant)
-        return out.to(q.dtype)
-    from .prefill import triton_varlen_contiguous
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    launch = triton_varlen_contiguous(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                      max_seqlen_k, causal=causal, scale=scale, out=out,
-                                      **variant)
+    impl = backend_for_call(backend, q.device, head_size, q.dtype)
+    out, launch = impl.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              causal=causal, scale=scale, window=window_size, softcap=softcap,
+                              sinks=sinks)
     # Keyed on the tensors as given: only a launch on them (no copy made) is repeatable.
     if launch is not None and key is not None and all(a is b for a, b in zip((q, k, v), given)):
         _CONTIGUOUS_RUNS.put(key, launch)

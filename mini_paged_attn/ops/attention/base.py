@@ -135,16 +135,39 @@ class AttentionBackend:
 
     ``name`` names the backend; ``op_backend`` is what the ops' ``backend=`` argument takes
     for it ("torch" or "triton"), passed along with every step. Subclasses define
-    :attr:`capabilities`, :meth:`decode` and :meth:`prefill`.
+    :attr:`capabilities`, :meth:`decode`, :meth:`prefill`, :meth:`varlen` and
+    :meth:`store_kv`; :attr:`call_capabilities` where one op call needs less than a model.
     """
 
     name: str = ""
     op_backend: str = ""
     capabilities: Capabilities = Capabilities()
+    # What one public op call needs of its device and shapes; a model (``capabilities``)
+    # also needs every op its steps launch, decode's bounds included.
+    call_capabilities: Capabilities = Capabilities()
 
     def refusal(self, spec: AttentionSpec) -> str | None:
         """Why this backend cannot run ``spec``; None where it can."""
         return self.capabilities.refusal(spec)
+
+    def call_refusal(self, spec: AttentionSpec) -> str | None:
+        """Why this backend cannot run one op call of ``spec`` (its device, dtype and head
+        size); None where it can. Asked by :func:`~.select.backend_for_call`, so a refused
+        call fails before it writes anything."""
+        return self.call_capabilities.refusal(spec)
+
+    def check_store_slots(self, slot_mapping: torch.Tensor, num_slots: int) -> None:
+        """Check the values of ``store_kv``'s slot_mapping (int32 / int64 ``[num_tokens]``)
+        against the pool's ``num_slots``, where the backend reads them; the kernels do not
+        (a host sync), so by default nothing is read."""
+
+    def check_varlen_lengths(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                             total_q: int, total_k: int | None, max_seqlen_q: int,
+                             max_seqlen_k: int) -> None:
+        """Check the values of ``flash_attn_varlen_func``'s int32 ``[num_seqs + 1]``
+        cumulative lengths against ``total_q`` query rows and ``total_k`` key rows (None:
+        paged K/V, ``cu_seqlens_k`` ends where it ends) and the max_seqlen bounds, where the
+        backend reads them; the kernels do not (a host sync), so by default nothing is read."""
 
     def decode_workspace(self, limits: AttentionLimits) -> torch.Tensor | None:
         """A persistent float32 scratch the engine passes to every decode call (its size is

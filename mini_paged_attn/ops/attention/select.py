@@ -70,13 +70,31 @@ def backend_for_call(backend: str, device: torch.device, head_size: int,
                      dtype: torch.dtype, *, prefill: bool = True) -> AttentionBackend:
     """The backend of one public op call (arguments already checked): the reference, or
     the Triton backend, or for a prefill on sm_90 the Hopper one, by :func:`resolve_backend`
-    and the Gluon kernel's device-side predicate (a decode call never asks it: the Hopper
-    backend's decode is Triton's). Runs on a call that missed the dispatcher's cache only."""
+    and the Gluon kernel's device-side predicate. Runs on a call that missed the op's launch
+    cache only.
+
+    Args:
+        backend: the op's ``backend=`` ("auto" | "torch" | "triton").
+        device, head_size, dtype: the call's queries (``paged_decode`` / ``paged_prefill``
+            / ``flash_attn_varlen_func``) or keys (``store_kv``).
+        prefill: whether the call attends over several query rows (``paged_prefill``,
+            ``flash_attn_varlen_func``), the one kind the Hopper backend runs differently
+            from Triton; a decode or a ``store_kv`` call never asks its gate.
+
+    Raises:
+        ValueError: ``backend`` is not a backend name, names Triton where it does not
+            import, or the backend it picks refuses the call
+            (:meth:`~.base.AttentionBackend.call_refusal`, e.g. Triton on a CPU outside the
+            interpreter), before anything is written.
+    """
     if resolve_backend(backend, device) == "torch":
         return TORCH
-    if prefill and hopper_prefill_runs_on(device, head_size, dtype):
-        return HOPPER
-    return TRITON
+    chosen = (HOPPER if prefill and hopper_prefill_runs_on(device, head_size, dtype)
+              else TRITON)
+    reason = chosen.call_refusal(AttentionSpec(device, dtype, dtype, head_size))
+    if reason is not None:
+        raise ValueError(f"backend: {chosen.name} {reason}")
+    return chosen
 
 
 __all__ = ["BACKEND_NAMES", "backend_for_call", "choose_backend", "select_backend"]

@@ -1,7 +1,8 @@
 """The reference backend: :mod:`mini_paged_attn.ops.reference` in plain PyTorch, on any
 device, every dtype, head size and variant. It is the specification the kernels are tested
 against, so it refuses nothing the ops' checks let through; it takes no workspace, and its
-warm-up is the decode steps of a few batch sizes (it compiles nothing).
+warm-up is the decode steps of a few batch sizes (it compiles nothing). Unlike the kernels,
+its calls read lengths, block ids and slots on the host and check them (a host sync).
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from .. import reference
-from ..checks import PagedShapes, check_paged_values, check_seq_order_values
+from ..checks import (PagedShapes, check_cu_seqlens, check_paged_values,
+                      check_seq_order_values)
 from .base import AttentionBackend, AttentionLimits, Capabilities, WarmupBatch, outputs
 
 
@@ -23,6 +25,16 @@ def _into(query: torch.Tensor, out: torch.Tensor | None, return_lse: bool,
     if lse is not None:
         lse.copy_(l)
     return out, lse
+
+
+def _check_cu_values(name: str, cu: torch.Tensor, total: int, total_name: str, exact: bool,
+                     max_seqlen_name: str, max_seqlen: int) -> None:
+    """Values of a cu_seqlens tensor (a host sync): 0, non-decreasing, ends at / within total,
+    no length over its max_seqlen."""
+    lens = check_cu_seqlens(name, cu, total, total_name, exact=exact)
+    if lens.numel() and int(lens.max()) > max_seqlen:
+        raise ValueError(f"{max_seqlen_name}: expected >= the longest sequence in {name} "
+                         f"({int(lens.max())}), got {max_seqlen}")
 
 
 class TorchBackend(AttentionBackend):
@@ -68,6 +80,48 @@ class TorchBackend(AttentionBackend):
             causal=causal, scale=shapes.scale, k_scale=k_scale, v_scale=v_scale,
             window_size=window, softcap=softcap, sinks=sinks))
         return out, lse, None
+
+    def check_varlen_lengths(self, cu_seqlens_q, cu_seqlens_k, total_q, total_k,
+                             max_seqlen_q, max_seqlen_k) -> None:
+        """The cumulative lengths' values (see :class:`~.base.AttentionBackend`): paged K/V
+        (``total_k`` None) checks ``cu_seqlens_k`` first, contiguous K/V ``cu_seqlens_q``."""
+        if total_k is None:
+            last = int(cu_seqlens_k[-1]) if cu_seqlens_k.numel() else 0
+            _check_cu_values("cu_seqlens_k", cu_seqlens_k, last, "its last value", True,
+                             "max_seqlen_k", max_seqlen_k)
+            _check_cu_values("cu_seqlens_q", cu_seqlens_q, total_q, "total_q", True,
+                             "max_seqlen_q", max_seqlen_q)
+            return
+        _check_cu_values("cu_seqlens_q", cu_seqlens_q, total_q, "total_q", True,
+                         "max_seqlen_q", max_seqlen_q)
+        _check_cu_values("cu_seqlens_k", cu_seqlens_k, total_k, "total_k", False,
+                         "max_seqlen_k", max_seqlen_k)
+
+    def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+               causal, scale, window, softcap, sinks):
+        """``flash_attn_varlen_func`` over contiguous K/V after its checks (arguments as
+        documented there), the lengths' values checked here. Returns ``(out, None)``: out
+        ``[total_q, num_q_heads, head_size]`` in q's dtype, nothing to repeat."""
+        self.check_varlen_lengths(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
+                                  max_seqlen_q, max_seqlen_k)
+        out, _ = reference.varlen_attention_contiguous(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale,
+            window_size=window, softcap=softcap, sinks=sinks)
+        return out.to(q.dtype), None
+
+    def check_store_slots(self, slot_mapping, num_slots) -> None:
+        """Every slot in ``[-1, num_slots)`` (-1 skips), read on the host."""
+        slots = slot_mapping.detach().to("cpu", torch.int64)
+        bad = (slots < -1) | (slots >= num_slots)
+        if bad.any():
+            i = int(torch.nonzero(bad)[0])
+            raise ValueError(f"slot_mapping: expected slots in [-1, {num_slots}) "
+                             f"(-1 skips), got slot_mapping[{i}]={int(slots[i])}")
+
+    def store_kv(self, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale):
+        """``store_kv`` after :func:`~mini_paged_attn.ops.dispatch.check_store_kv` (slots
+        included). Returns None: nothing to repeat."""
+        reference.store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 TORCH = TorchBackend()

@@ -1,5 +1,6 @@
-"""The Triton backend: split-KV decode (kernel, merge), the varlen prefill kernel and the
-page copy in front of it (:mod:`mini_paged_attn.ops.prefill_gather`).
+"""The Triton backend: split-KV decode (kernel, merge), the varlen prefill kernel over paged
+or contiguous K/V and the page copy in front of it (:mod:`mini_paged_attn.ops.prefill_gather`),
+and the K/V write (:mod:`mini_paged_attn.ops.kv_write`).
 
 It owns what the engine used to know about it: the decode workspace (a float32 scratch for
 split-KV partials, :data:`WORKSPACE_SPLITS_PER_SEQ` splits a sequence), the memory the page
@@ -41,6 +42,20 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _device_types() -> tuple[str, ...]:
+    return ("cuda", "cpu") if _interpreted() else ("cuda",)
+
+
+def _explained(capabilities: Capabilities, spec: AttentionSpec) -> str | None:
+    """``capabilities.refusal(spec)``, with why a CPU is refused and whether Triton imports."""
+    if not triton_available():
+        return "triton is not importable"
+    reason = capabilities.refusal(spec)
+    if reason is not None and spec.device.type == "cpu":
+        reason += " (a CPU runs Triton only under TRITON_INTERPRET=1)"
+    return reason
+
+
 class TritonBackend(AttentionBackend):
     """The Triton kernels: CUDA (or the CPU interpreter), fp16 / bf16 / fp32, head sizes up
     to :data:`MAX_HEAD_SIZE`, every variant and an fp8 cache."""
@@ -50,16 +65,19 @@ class TritonBackend(AttentionBackend):
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(device_types=("cuda", "cpu") if _interpreted() else ("cuda",),
-                            max_head_size=MAX_HEAD_SIZE)
+        return Capabilities(device_types=_device_types(), max_head_size=MAX_HEAD_SIZE)
+
+    @property
+    def call_capabilities(self) -> Capabilities:
+        """One op call's: the device. The prefill, varlen and store kernels take any head
+        size; the decode launcher checks its own bound, :data:`MAX_HEAD_SIZE`."""
+        return Capabilities(device_types=_device_types())
 
     def refusal(self, spec: AttentionSpec) -> str | None:
-        if not triton_available():
-            return "triton is not importable"
-        reason = self.capabilities.refusal(spec)
-        if reason is not None and spec.device.type == "cpu":
-            reason += " (a CPU runs Triton only under TRITON_INTERPRET=1)"
-        return reason
+        return _explained(self.capabilities, spec)
+
+    def call_refusal(self, spec: AttentionSpec) -> str | None:
+        return _explained(self.call_capabilities, spec)
 
     # ---- engine-facing ---------------------------------------------------------------------
     def decode_workspace(self, limits: AttentionLimits) -> torch.Tensor:
@@ -134,6 +152,27 @@ class TritonBackend(AttentionBackend):
                                       softcap=softcap, sinks=sinks,
                                       hopper=self._hopper_prefill)
         return out, lse, launch
+
+    def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+               causal, scale, window, softcap, sinks):
+        """``flash_attn_varlen_func`` over contiguous K/V (arguments as documented there;
+        last dims contiguous). Returns ``(out, launch or None)``: out ``[total_q,
+        num_q_heads, head_size]`` in q's dtype, contiguous."""
+        from ..prefill import triton_varlen_contiguous
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        launch = triton_varlen_contiguous(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, causal=causal, scale=scale, out=out,
+                                          window_size=window, softcap=softcap, sinks=sinks,
+                                          hopper=self._hopper_prefill)
+        return out, launch
+
+    def store_kv(self, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale):
+        """``store_kv`` after :func:`~mini_paged_attn.ops.dispatch.check_store_kv`; a slot
+        past the pool is skipped (the kernel reads no value on the host). Returns the launch
+        or None."""
+        from ..kv_write import triton_store_kv
+        return triton_store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale,
+                               v_scale)
 
 
 TRITON = TritonBackend()
