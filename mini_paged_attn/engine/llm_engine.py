@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 from ..cache.memory_map import MemoryMap
@@ -27,7 +28,7 @@ from ..core.request import Request
 from ..core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ..models.config import ModelConfig
 from ..models.load_progress import LoadTimer
-from ..models.loader import TINY_MODEL, load_model_and_tokenizer
+from ..models.loader import TINY_MODEL, load_model_and_tokenizer, start_loading
 from ..models.tokenizer import Tokenizer
 from .admission import Admission
 from .config import EngineConfig, resolve_max_model_len
@@ -48,18 +49,19 @@ class LLMEngine:
 
     Args:
         model: a ``CausalLM`` (models/) on its device.
-        tokenizer: its :class:`~mini_paged_attn.models.tokenizer.Tokenizer`.
+        tokenizer: its :class:`~mini_paged_attn.models.tokenizer.Tokenizer`, or a Future of it
+            still loading (:func:`~mini_paged_attn.models.loader.start_loading`), waited for
+            once the runner has built the KV pool, the CUDA graphs and the warm-up.
         model_config: its :class:`ModelConfig`.
         config: the :class:`EngineConfig`.
         peers: under tensor parallelism, the other ranks' :class:`~mini_paged_attn.engine.worker.tp_executor.TPWorkers`
             (``model`` is then rank 0's shard); built by :meth:`from_model`.
     """
 
-    def __init__(self, model, tokenizer: Tokenizer, model_config: ModelConfig,
+    def __init__(self, model, tokenizer: Tokenizer | Future, model_config: ModelConfig,
                  config: EngineConfig | None = None, *, peers=None,
                  load_timer: LoadTimer | None = None) -> None:
         self.config = config = config or EngineConfig()
-        self.tokenizer = tokenizer
         self.model_config = model_config
         max_len = resolve_max_model_len(config, model_config.max_position_embeddings)
         self.max_model_len = max_len
@@ -74,6 +76,9 @@ class LLMEngine:
                                          model_config.uniform_sliding_window)
         self.runner.build_cache(self.kv_manager)
         self.cache = self.runner.cache
+        if isinstance(tokenizer, Future):   # loaded beside the runner's build
+            tokenizer = tokenizer.result()
+        self.tokenizer = tokenizer
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
             self.kv_manager)
@@ -136,14 +141,15 @@ class LLMEngine:
         if config.tensor_parallel_size > 1 and (is_gguf_path(model) or is_packaged_model(model)):
             raise ValueError(f"tensor_parallel_size: expected 1 for a GGUF model, got "
                              f"{config.tensor_parallel_size} (model {str(model)!r})")
+        if config.tensor_parallel_size == 1:
+            # The tokenizer loads on a thread while the weights load and the runner builds.
+            net, model_config, pending = start_loading(model, dtype=dtype, device=device,
+                                                       timer=load_timer, tokenizer=tokenizer)
+            return cls(net, pending, model_config, config, load_timer=load_timer)
         other = None
         if tokenizer is not None:   # first: a wrong path fails before the weights load
             from ..models.tokenizer import load_tokenizer
             other = load_tokenizer(tokenizer)
-        if config.tensor_parallel_size == 1:
-            net, model_config, own = load_model_and_tokenizer(
-                model, dtype=dtype, device=device, timer=load_timer)
-            return cls(net, other or own, model_config, config, load_timer=load_timer)
         from .worker.tp_executor import start_tensor_parallel
         net, model_config, own, peers = start_tensor_parallel(model, dtype=dtype,
                                                                device=device, config=config)

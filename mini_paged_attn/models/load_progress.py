@@ -10,6 +10,7 @@ the log at INFO, e.g. ``loaded in 4.1 s: config 0.1, tokenizer 0.3, weights 2.3,
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -49,7 +50,9 @@ class LoadTimer:
     """Times the phases of one load; ``callback`` (optional) sees every :class:`LoadEvent`.
 
     A phase run twice (two files' weights, say) adds up under its name, in the order the
-    phases first ran.
+    phases first ran. Phases may run on several threads (the tokenizer loads beside the
+    weights): the callback sees one event at a time, and a phase marked ``concurrent`` is
+    named so in the summary (its seconds overlap the others').
     """
 
     def __init__(self, callback: ProgressCallback | None = None) -> None:
@@ -59,32 +62,46 @@ class LoadTimer:
         self.callback = callback
         self.start = time.perf_counter()
         self.durations: dict[str, float] = {}
+        self.concurrent: set[str] = set()
+        # One event at a time reaches the callback (a progress bar, a pipe to a parent).
+        self._lock = threading.Lock()
 
     @contextmanager
-    def phase(self, name: str, total: int = 1) -> Iterator[LoadPhase]:
-        """Time the ``with`` block as phase ``name`` of ``total`` units (>= 1)."""
+    def phase(self, name: str, total: int = 1, *,
+              concurrent: bool = False) -> Iterator[LoadPhase]:
+        """Time the ``with`` block as phase ``name`` of ``total`` units (>= 1);
+        ``concurrent``: it runs beside the other phases, on a thread of its own."""
         assert total >= 1, total
         running = LoadPhase(self, name, total)
+        if concurrent:
+            self.concurrent.add(name)
         self._emit(running, finished=False)
         try:
             yield running
         finally:
             elapsed = time.perf_counter() - running.start
-            self.durations[name] = self.durations.get(name, 0.0) + elapsed
+            with self._lock:
+                self.durations[name] = self.durations.get(name, 0.0) + elapsed
             running.done = running.total
             self._emit(running, finished=True)
 
     def _emit(self, running: LoadPhase, *, finished: bool) -> None:
         if self.callback is not None:
-            self.callback(LoadEvent(running.name, running.done, running.total, finished,
-                                    time.perf_counter() - running.start))
+            with self._lock:
+                self.callback(LoadEvent(running.name, running.done, running.total, finished,
+                                        time.perf_counter() - running.start))
 
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.start
 
     def summary(self) -> str:
-        """``"loaded in 4.1 s: config 0.1, weights 2.3, ..."`` (seconds, phases in order)."""
-        parts = ", ".join(f"{name} {seconds:.1f}" for name, seconds in self.durations.items())
+        """``"loaded in 4.1 s: config 0.1, weights 2.3, ..."`` (seconds, phases in order; a
+        concurrent phase as ``tokenizer 0.3 (in parallel)``)."""
+        with self._lock:
+            durations = dict(self.durations)
+        parts = ", ".join(f"{name} {seconds:.1f}" + (" (in parallel)" if name in self.concurrent
+                                                     else "")
+                          for name, seconds in durations.items())
         return f"loaded in {self.elapsed_s():.1f} s" + (f": {parts}" if parts else "")
 
 

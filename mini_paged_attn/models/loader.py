@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,7 +25,11 @@ from .config import ModelConfig, check_model_dir, read_json, resolve_dtype
 from .gguf import is_gguf_path, load_gguf_model
 from .llama import CausalLM
 from .load_progress import LoadTimer, timer_or_new
+from .packaged import resolve_model
 from .registry import init_empty_model
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +170,14 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype | str | None = None,
     if is_gguf_path(model_dir):
         return load_gguf_model(model_dir, dtype=dtype, device=device, tp=tp, timer=timer)
     timer = timer_or_new(timer)
+    config, files = read_checkpoint(model_dir, timer)
+    return load_checkpoint(model_dir, config, files, dtype=dtype, device=device, tp=tp,
+                           timer=timer), config
+
+
+def read_checkpoint(model_dir: str | Path, timer: LoadTimer) -> tuple[ModelConfig, list[Path]]:
+    """The "config" phase of :func:`load_model`: the model's config (read through
+    transformers' config class) and its safetensors files, checked unquantized."""
     with timer.phase("config"):
         config = ModelConfig.from_model_dir(model_dir)
         files = checkpoint_files(model_dir)
@@ -171,13 +185,20 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype | str | None = None,
         # answers garbage.
         config_path = Path(model_dir) / "config.json"
         check_unquantized(read_json(config_path), files, str(config_path))
+    return config, files
+
+
+def load_checkpoint(model_dir: str | Path, config: ModelConfig, files: list[Path], *, dtype,
+                    device, tp: TPGroup | None, timer: LoadTimer) -> CausalLM:
+    """The rest of :func:`load_model` after :func:`read_checkpoint`: the model allocated on
+    ``device`` and its weights read in (the "weights" phase)."""
     load_dtype = resolve_dtype(dtype, config)
     model = init_empty_model(config, dtype=load_dtype, device=device, tp=tp)
     load_weights(model, files, device, timer)
     rank = "" if tp is None or tp.world_size == 1 else f" (rank {tp.rank} of {tp.world_size})"
     logger.info("loaded %s from %s: %d layers, hidden %d, %s on %s%s", config.architecture,
                 model_dir, config.num_layers, config.hidden_size, load_dtype, device, rank)
-    return model, config
+    return model
 
 
 # Name of the embedded random tiny model (models/tiny.py) where a model directory is expected.
@@ -192,8 +213,52 @@ def load_model_and_tokenizer(model: str | Path, *, dtype="auto", device=None,
 
     ``timer`` (see :mod:`.load_progress`) times the phases "config", "tokenizer" and
     "weights" (one unit a tensor of a GGUF file, a file of a safetensors checkpoint)."""
+    net, config, tokenizer = start_loading(model, dtype=dtype, device=device, timer=timer)
+    return net, config, tokenizer.result()
+
+
+def start_loading(model: str | Path, *, dtype="auto", device=None,
+                  timer: LoadTimer | None = None, tokenizer: str | Path | None = None
+                  ) -> tuple[CausalLM, ModelConfig, Future]:
+    """:func:`load_model_and_tokenizer`, with the tokenizer still loading: ``(CausalLM,
+    ModelConfig, Future of the Tokenizer)``.
+
+    A Hugging Face directory's tokenizer (or ``tokenizer``'s, a directory whose tokenizer
+    replaces the model's) loads on a thread of its own, beside the weights and whatever the
+    caller builds before it asks for ``result()`` (the engine's KV pool, CUDA graphs and
+    warm-up). The config is read first, on this thread: it imports transformers, which two
+    threads must not import at once (its lazy modules can then fail to import a name). The
+    paths are checked first too (a missing tokenizer is a FileNotFoundError here, not in
+    ``result()``). A GGUF file and the tiny model make their tokenizer with the weights: the
+    Future is already done.
+    """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     timer = timer_or_new(timer)
+    from .tokenizer import check_tokenizer_dir, load_tokenizer
+    other = None if tokenizer is None else check_tokenizer_dir(tokenizer)
+    if str(model) == TINY_MODEL or is_gguf_path(resolve_model(model)):
+        net, config, own = _load_with_tokenizer(model, dtype, device, timer)
+        done: Future = Future()
+        done.set_result(own if other is None else load_tokenizer(other))
+        return net, config, done
+    model = resolve_model(model)
+    source = other if other is not None else check_tokenizer_dir(model)
+    config, files = read_checkpoint(model, timer)
+
+    def load() -> Tokenizer:
+        with timer.phase("tokenizer", concurrent=True):
+            return load_tokenizer(source)
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
+    pending = pool.submit(load)
+    pool.shutdown(wait=False)      # the thread ends with its one job
+    net = load_checkpoint(model, config, files, dtype=dtype, device=device, tp=None,
+                          timer=timer)
+    return net, config, pending
+
+
+def _load_with_tokenizer(model: str | Path, dtype, device: torch.device, timer: LoadTimer):
+    """The tiny model or a GGUF file: weights, config and tokenizer in one load."""
     if str(model) == TINY_MODEL:
         from .config import parse_dtype
         from .tiny import tiny_llama
@@ -201,12 +266,4 @@ def load_model_and_tokenizer(model: str | Path, *, dtype="auto", device=None,
             return tiny_llama(device, torch.float32 if dtype in (None, "auto")
                               else parse_dtype(dtype))
     from .gguf import load_gguf
-    from .packaged import resolve_model
-    model = resolve_model(model)
-    if is_gguf_path(model):
-        return load_gguf(model, dtype=dtype, device=device, timer=timer)
-    from .tokenizer import load_tokenizer
-    with timer.phase("tokenizer"):
-        tokenizer = load_tokenizer(model)
-    net, config = load_model(model, dtype=dtype, device=device, timer=timer)
-    return net, config, tokenizer
+    return load_gguf(resolve_model(model), dtype=dtype, device=device, timer=timer)

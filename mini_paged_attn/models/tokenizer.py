@@ -232,6 +232,21 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
 
+def check_tokenizer_dir(model_dir: str | Path) -> Path:
+    """``model_dir`` as a Path, if it is a directory holding a tokenizer file: the checks of
+    :func:`load_tokenizer` that need no transformers (a caller that loads the tokenizer on a
+    thread runs them first, so a wrong path fails at once).
+
+    Raises:
+        FileNotFoundError: ``model_dir`` is missing or holds no tokenizer file (named).
+    """
+    model_dir = check_model_dir(model_dir)
+    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"model_dir: no tokenizer in {str(model_dir)!r} (expected one of "
+                                f"{', '.join(TOKENIZER_FILES)})")
+    return model_dir
+
+
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     """The tokenizer of a local Hugging Face model directory (nothing is downloaded).
 
@@ -242,10 +257,7 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     """
     from transformers import AutoTokenizer
 
-    model_dir = check_model_dir(model_dir)
-    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
-        raise FileNotFoundError(f"model_dir: no tokenizer in {str(model_dir)!r} (expected one of "
-                                f"{', '.join(TOKENIZER_FILES)})")
+    model_dir = check_tokenizer_dir(model_dir)
     hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     extra: list[int] = []
     for name in ("config.json", "generation_config.json"):
