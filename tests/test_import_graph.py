@@ -17,14 +17,15 @@ ROOT = "mini_paged_attn/__init__.py"
 # ``distributed`` shares ops' layer but neither imports the other.
 LAYERS = {
     "errors": 0,
+    "lazy_exports": 0,
     "core": 1,
     "cache": 2,
     "ops": 3,
     "distributed": 3,
     "models": 4,
     "engine": 5,
-    # The package root re-exports core's, cache's and ops' public names (and the engine's,
-    # lazily), so it sits above the engine and below the server and the command line.
+    # The package root re-exports core's, cache's, ops' and the engine's public names (each
+    # on first use), so it sits above the engine and below the server and the command line.
     ROOT: 5.5,
     "server": 6,
     "commands": 7,

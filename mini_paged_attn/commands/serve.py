@@ -261,36 +261,65 @@ def run(args: argparse.Namespace) -> int:
     chat_template = (None if args.chat_template is None
                      else read_chat_template(args.chat_template))
     sock = bind(args.host, args.port)
+    early = start_engine_early(args, model)
     try:
-        return _serve(args, model, chat_template, sock)
+        return _serve(args, model, chat_template, sock, early)
+    except BaseException:
+        if early is not None:
+            early.close()
+        raise
     finally:
         sock.close()
 
 
+def start_engine_early(args: argparse.Namespace, model: str):
+    """The engine's process, started before this process imports torch and the server
+    (seconds of imports that then run beside the child's load), where it will likely be
+    wanted: ``--engine-process on``, or ``auto`` on a host that looks like it has a GPU
+    (:func:`~mini_paged_attn.engine.process.spawn.cuda_likely`; torch decides afterwards and
+    a child started for nothing is stopped). None: started later, if at all."""
+    from mini_paged_attn.engine.process.child import CoreLaunch
+    from mini_paged_attn.engine.process.spawn import EngineProcess, cuda_likely
+
+    if args.engine_process == "off" or (args.engine_process == "auto"
+                                        and not cuda_likely(args.device)):
+        return None
+    return EngineProcess.start(CoreLaunch(model, engine_kwargs(args)))
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The ``LLM`` arguments of ``serve``'s engine flags."""
+    return dict(dtype=args.dtype, device=args.device, block_size=args.block_size,
+                num_kv_blocks=args.num_kv_blocks,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len,
+                enable_prefix_caching=not args.no_prefix_caching,
+                enforce_eager=args.enforce_eager, seed=args.seed,
+                kv_cache_dtype=args.kv_cache_dtype,
+                tensor_parallel_size=args.tensor_parallel_size,
+                step_timeout_s=args.step_timeout_s, tokenizer=args.tokenizer)
+
+
 def _serve(args: argparse.Namespace, model: str, chat_template: str | None,
-           sock: socket.socket) -> int:
+           sock: socket.socket, early) -> int:
     import logging
     from pathlib import Path
 
     from mini_paged_attn.server.app import build_app
 
     log = logging.getLogger("mini_paged_attn.serve")
-    llm_kwargs = dict(dtype=args.dtype, device=args.device, block_size=args.block_size,
-                      num_kv_blocks=args.num_kv_blocks,
-                      gpu_memory_utilization=args.gpu_memory_utilization,
-                      max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens,
-                      max_model_len=args.max_model_len,
-                      enable_prefix_caching=not args.no_prefix_caching,
-                      enforce_eager=args.enforce_eager, seed=args.seed,
-                      kv_cache_dtype=args.kv_cache_dtype,
-                      tensor_parallel_size=args.tensor_parallel_size,
-                      step_timeout_s=args.step_timeout_s, tokenizer=args.tokenizer)
+    llm_kwargs = engine_kwargs(args)
+    use_process = wants_engine_process(args.engine_process, args.device)
+    if early is not None and not use_process:   # the hint was wrong: torch sees no CUDA
+        early.close()
+        early = None
     llm_engine = None
     with LoadProgressBar() as bar:
-        if wants_engine_process(args.engine_process, args.device):
+        if use_process:
             from mini_paged_attn.engine.process.mp_client import MPEngineClient
-            engine = MPEngineClient(model, llm_kwargs, load_progress=bar)
+            engine = MPEngineClient(model, llm_kwargs, load_progress=bar, started=early)
             where = "its own process"
             # LLM logs where its load's time went; the child's log is not configured.
             log.info("%s loaded: %s", model, bar.summary())
@@ -341,13 +370,19 @@ def _serve(args: argparse.Namespace, model: str, chat_template: str | None,
 def missing_server_extra() -> str | None:
     """Why ``serve`` cannot run here (None if it can): a package of the server extra is not
     installed."""
-    try:
-        import mini_paged_attn.server.app  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as exc:
-        return (f"serve needs the server extra, and {exc.name or 'a package of it'!r} is not "
-                'installed: pip install -e ".[server]" (or pip install "mini_paged_attn[server]")')
+    import importlib.util
+
+    # Found, not imported: the server's imports (torch among them) run once the engine's
+    # process is loading.
+    for name in SERVER_EXTRA:
+        if importlib.util.find_spec(name) is None:
+            return (f"serve needs the server extra, and {name!r} is not installed: "
+                    'pip install -e ".[server]" (or pip install "mini_paged_attn[server]")')
     return None
+
+
+# The import names of pyproject.toml's server extra.
+SERVER_EXTRA = ("starlette", "pydantic", "uvicorn", "prometheus_client")
 
 
 def _server(app: object, host: str, port: int, banner: str):

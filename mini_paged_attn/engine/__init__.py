@@ -4,18 +4,19 @@ submission, one step at a time), and the ``EngineClient``s a frontend holds
 through them: docs/architecture.md, ``engine/``.
 """
 
-from .config import EngineConfig
-from .process.client import EngineClient, EngineDeadError, InprocEngineClient
-from .llm import LLM
-from .llm_engine import LLMEngine
-from .process.mp_client import MPEngineClient
-from .outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
-from .prompts import PromptType, TextPrompt, TokensPrompt
-from .sampling_params import SamplingParams
-from .structured import StructuredOutputsParams
+from ..lazy_exports import lazy_exports
 
-__all__ = ["CompletionOutput", "EngineClient", "EngineConfig", "EngineDeadError", "EngineStats",
-           "InprocEngineClient", "LLM", "LLMEngine", "Logprob", "MPEngineClient", "PromptType",
-           "RequestMetrics",
-           "RequestOutput", "SamplingParams", "StructuredOutputsParams", "TextPrompt",
-           "TokensPrompt"]
+_EXPORTS = {
+    "EngineConfig": ".config", "LLM": ".llm", "LLMEngine": ".llm_engine",
+    "EngineClient": ".process.client", "EngineDeadError": ".process.client",
+    "InprocEngineClient": ".process.client", "MPEngineClient": ".process.mp_client",
+    **{name: ".outputs" for name in ("CompletionOutput", "EngineStats", "Logprob",
+                                     "RequestMetrics", "RequestOutput")},
+    "PromptType": ".prompts", "TextPrompt": ".prompts", "TokensPrompt": ".prompts",
+    "SamplingParams": ".sampling_params", "StructuredOutputsParams": ".structured",
+}
+# Imported on first use: the engine's process boundary (its messages, outputs and sampling
+# params) loads without torch, so a server can start its engine process first.
+__getattr__ = lazy_exports(__name__, globals(), _EXPORTS)
+
+__all__ = sorted(_EXPORTS)

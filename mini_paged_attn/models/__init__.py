@@ -10,14 +10,14 @@ cache, read from local Hugging Face dirs.
 - :func:`tiny_llama` / :func:`write_tiny_llama` (``tiny.py``): the embedded RANDOM tiny Llama.
 """
 
-from .attention import AttentionMetadata
-from .config import ModelConfig, RopeConfig, resolve_dtype
-from .llama import CausalLM
-from .registry import init_empty_model
-from .loader import load_model
-from .tiny import tiny_llama, write_tiny_llama
-from .tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from ..lazy_exports import lazy_exports
 
-__all__ = ["AttentionMetadata", "CausalLM", "IncrementalDetokenizer", "ModelConfig", "RopeConfig",
-           "Tokenizer", "init_empty_model", "load_model", "load_tokenizer", "resolve_dtype",
-           "tiny_llama", "write_tiny_llama"]
+_EXPORTS = {"AttentionMetadata": ".attention", "ModelConfig": ".config", "RopeConfig": ".config",
+            "resolve_dtype": ".config", "CausalLM": ".llama", "init_empty_model": ".registry",
+            "load_model": ".loader", "tiny_llama": ".tiny", "write_tiny_llama": ".tiny",
+            "IncrementalDetokenizer": ".tokenizer", "Tokenizer": ".tokenizer",
+            "load_tokenizer": ".tokenizer"}
+# Imported on first use: ``models.load_progress`` and the config readers need no torch.
+__getattr__ = lazy_exports(__name__, globals(), _EXPORTS)
+
+__all__ = sorted(_EXPORTS)

@@ -3,6 +3,10 @@ an ``engine.EngineClient``; the engine steps in its core, never here. ``mini-pag
 runs it with uvicorn. The files: docs/architecture.md, ``server/``.
 """
 
-from .app import build_app
+from ..lazy_exports import lazy_exports
+
+# Imported on first use: ``serve`` reads its limits' defaults (``server.limits``) to build its
+# command line, before anything needs the app.
+__getattr__ = lazy_exports(__name__, globals(), {"build_app": ".app"})
 
 __all__ = ["build_app"]

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...models.load_progress import ProgressCallback
+from ...models.load_progress import LoadEvent, ProgressCallback
 from ..outputs import EngineStats, RequestOutput
 from .core import EngineCore
 from .messages import (CompletionDelta, EngineDead, Loading, Message, OutputDelta, Outputs, Ready,
@@ -126,6 +127,29 @@ class PipeOutbox:
         self._conn.send_bytes(encode(message))
 
 
+class _LoadingSender:
+    """The load's progress for the client: every phase's first and last event, and between
+    them at most one event a phase every :data:`PROGRESS_INTERVAL_S`. A client may still be
+    importing its own stack when the load starts; fewer messages than the pipe's buffer holds
+    keep the load from waiting for it."""
+
+    def __init__(self, outbox: PipeOutbox) -> None:
+        self._outbox = outbox
+        self._last: dict[str, float] = {}
+
+    def __call__(self, event: LoadEvent) -> None:
+        now = time.monotonic()
+        first = event.done == 0 and not event.finished
+        if not (first or event.finished) and now - self._last.get(event.phase, 0.0) < \
+                PROGRESS_INTERVAL_S:
+            return
+        self._last[event.phase] = now
+        self._outbox.send(Loading(event))
+
+
+PROGRESS_INTERVAL_S = 0.1
+
+
 def run_core_process(launch: CoreLaunch, commands: Any, results: Any) -> None:
     """The child: build the engine, say :class:`Ready`, then serve until shut down.
 
@@ -136,7 +160,7 @@ def run_core_process(launch: CoreLaunch, commands: Any, results: Any) -> None:
     """
     outbox = PipeOutbox(results)
     try:
-        engine = launch.build_engine(lambda event: outbox.send(Loading(event)))
+        engine = launch.build_engine(_LoadingSender(outbox))
         outbox.send(Ready(engine.tokenizer, engine.model_config, engine.max_model_len,
                           engine.admission, engine.stats()))
         core = EngineCore(engine, PipeInbox(commands), outbox,

@@ -11,7 +11,6 @@ work per step at 64 requests: here it runs off the engine's interpreter lock).
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -20,10 +19,11 @@ from typing import Any
 from ...models.load_progress import ProgressCallback
 from ..outputs import CompletionOutput, EngineStats, GrowingListView, RequestOutput
 from ..sampling_params import SamplingParams
-from .child import CoreLaunch, run_core_process
+from .child import CoreLaunch
 from .client import ClientBookkeeping
 from .messages import (AbortRequest, AddRequest, EngineDead, Loading, Message, OutputDelta,
                        Outputs, Ready, Shutdown, StepFailed, decode, encode)
+from .spawn import EngineProcess
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,8 @@ class MPEngineClient(ClientBookkeeping):
         max_consecutive_failures: failed steps in a row after which the engine is dead.
         load_progress: called with each :class:`~mini_paged_attn.models.load_progress.LoadEvent`
             of the child's load, on this thread, before the constructor returns.
+        started: a child already started (:meth:`.spawn.EngineProcess.start`, with the same
+            launch), e.g. before this process imported torch; None: start it here.
 
     Raises:
         RuntimeError: the child did not start, or its engine could not be built.
@@ -119,24 +121,17 @@ class MPEngineClient(ClientBookkeeping):
     def __init__(self, model: str, llm_kwargs: dict | None = None, *,
                  start_timeout: float = 900.0, engine_factory: str | None = None,
                  max_consecutive_failures: int = 3,
-                 load_progress: ProgressCallback | None = None) -> None:
+                 load_progress: ProgressCallback | None = None,
+                 started: EngineProcess | None = None) -> None:
         if max_consecutive_failures < 1:
             raise ValueError("max_consecutive_failures: expected >= 1, "
                              f"got {max_consecutive_failures}")
-        launch = CoreLaunch(str(model), dict(llm_kwargs or {}), engine_factory,
-                            max_consecutive_failures)
-        ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
-        child_commands, self._commands = ctx.Pipe(duplex=False)  # (receiving, sending) ends
-        self._results, child_results = ctx.Pipe(duplex=False)
-        # A daemonic process may not start children, and a tensor-parallel engine starts its
-        # other ranks: that core is not a daemon, and shutdown() (or its pipe's end, when this
-        # process dies) stops it.
-        daemon = launch.llm_kwargs.get("tensor_parallel_size", 1) == 1
-        self.process = ctx.Process(target=run_core_process, name="engine-core", daemon=daemon,
-                                   args=(launch, child_commands, child_results))
-        self.process.start()
-        child_commands.close()
-        child_results.close()
+        if started is None:
+            started = EngineProcess.start(CoreLaunch(str(model), dict(llm_kwargs or {}),
+                                                     engine_factory, max_consecutive_failures))
+        self._child = started
+        self.process, self._commands, self._results = (started.process, started.commands,
+                                                       started.results)
         # Ready brings the tokenizer, whose unpickling imports transformers' tokenizer stack
         # (seconds on a cold host); import it here while the child loads, not after.
         threading.Thread(target=_import_tokenizer_modules, name="engine-client-imports",
@@ -221,10 +216,7 @@ class MPEngineClient(ClientBookkeeping):
             self._commands.send_bytes(data)
 
     def _stop_process(self, timeout: float) -> None:
-        self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+        self._child.stop(timeout)
 
     def _read_outputs(self) -> None:
         """The output thread: read the child's messages and hand them on until it is gone."""

@@ -3,12 +3,14 @@ Lark/GBNF grammar) through llguidance, an optional dependency (``pip install -e 
 The files: docs/architecture.md, ``engine/structured/``.
 """
 
-from .bitmask import TokenMasks, apply_token_masks, bitmask_words
-from .grammar import INSTALL_HINT, GrammarCompiler, check_grammar
-from .limits import DEFAULT_LIMITS, GrammarLimits, check_limits
-from .manager import Advance, StructuredOutputs
-from .params import StructuredOutputsParams
+from ...lazy_exports import lazy_exports
 
-__all__ = ["Advance", "DEFAULT_LIMITS", "GrammarCompiler", "GrammarLimits", "INSTALL_HINT",
-           "StructuredOutputs", "StructuredOutputsParams", "TokenMasks", "apply_token_masks",
-           "bitmask_words", "check_grammar", "check_limits"]
+_EXPORTS = {"TokenMasks": ".bitmask", "apply_token_masks": ".bitmask", "bitmask_words": ".bitmask",
+            "INSTALL_HINT": ".grammar", "GrammarCompiler": ".grammar", "check_grammar": ".grammar",
+            "DEFAULT_LIMITS": ".limits", "GrammarLimits": ".limits", "check_limits": ".limits",
+            "Advance": ".manager", "StructuredOutputs": ".manager",
+            "StructuredOutputsParams": ".params"}
+# Imported on first use: SamplingParams needs the params, not the masks' torch.
+__getattr__ = lazy_exports(__name__, globals(), _EXPORTS)
+
+__all__ = sorted(_EXPORTS)
