@@ -17,9 +17,9 @@ class Logprob(float):
     working: ``entry == -0.5``, ``math.exp(entry)``, ``sorted(d.values())`` and
     ``json.dumps`` treat it as that number.
 
-    ``rank``: 1 for the most likely token, 2 for the next ... among the returned top tokens;
-    None for a sampled token outside them (its place in the whole vocabulary is not
-    computed). ``decoded_token``: the token's text (special tokens included), or None.
+    ``rank``: 1 for the most likely token, 2 for the next ...: the returned top tokens' place
+    among them, and the sampled (or prompt) token's place in the whole vocabulary, 1 + the
+    tokens strictly more likely, as vLLM counts it. ``decoded_token``: the token's text (special tokens included), or None.
     """
 
     __slots__ = ("rank", "decoded_token")
@@ -46,12 +46,15 @@ class Logprob(float):
 def logprob_objects(entries: dict[int, float], top: int, decode: Callable[[int], str]
                     ) -> dict[int, Logprob]:
     """``{token_id: logprob}`` (the top ``top`` tokens and maybe the sampled one) as
-    :class:`Logprob` entries, ranked by logprob among the top ones; ``decode(token_id)``
-    gives a token's text."""
+    :class:`Logprob` entries, ranked by logprob among the top ones; an entry that is already
+    a :class:`Logprob` with a rank (the sampled or prompt token, ranked in the vocabulary by
+    the sampler) keeps it. ``decode(token_id)`` gives a token's text."""
     ranked = sorted(entries.items(), key=lambda kv: kv[1], reverse=True)
     top_ids = {tid for tid, _ in ranked[:top]}
     rank = {tid: i + 1 for i, (tid, _) in enumerate(ranked) if tid in top_ids}
-    return {tid: Logprob(lp, rank.get(tid), decode(tid)) for tid, lp in entries.items()}
+    return {tid: Logprob(lp, known if (known := getattr(lp, "rank", None)) is not None
+                         else rank.get(tid), decode(tid))
+            for tid, lp in entries.items()}
 
 
 class GrowingListView(Sequence):

@@ -4,6 +4,7 @@ stop_reason, and LLM.get_tokenizer(); in process and through an engine in its ow
 from __future__ import annotations
 
 import pytest
+import torch
 
 from mini_paged_attn.engine import LLM, SamplingParams
 
@@ -162,12 +163,57 @@ def test_logprobs_are_vllm_logprob_objects_and_still_the_floats(llm):
         assert token_id in entries and all(isinstance(e, Logprob) for e in entries.values())
 
 
-def test_a_sampled_token_outside_the_top_has_no_rank():
-    from mini_paged_attn.engine.outputs import logprob_objects
+def test_sampled_and_prompt_tokens_have_their_rank_in_the_vocabulary(tiny_model_factory):
+    """vLLM's rank: 1 + the tokens strictly more likely, in the whole vocabulary, for a
+    sampled token outside the top ones too; checked against transformers' log-softmax."""
+    from helpers.tiny_models import hf_logits, hf_reference_model, random_prompts
 
-    entries = logprob_objects({5: -0.1, 7: -3.0}, 1, str)
-    assert (entries[5].rank, entries[7].rank) == (1, None)
+    model_dir = tiny_model_factory("llama")
+    hf = hf_reference_model(model_dir)
+    prompt = random_prompts(hf.config.vocab_size, [9], seed=3)[0]
+    with LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=16,
+             max_model_len=64) as llm:
+        out = llm.generate({"prompt_token_ids": prompt},
+                           SamplingParams(temperature=1.5, seed=7, max_tokens=16,
+                                          ignore_eos=True, logprobs=1, prompt_logprobs=1),
+                           use_tqdm=False)[0]
+    sample = out.outputs[0]
+    ids = prompt + list(sample.token_ids)
+    reference = torch.log_softmax(hf_logits(hf, ids), dim=-1)   # row t: the token t + 1
+    outside = 0
+    for at, entries in [*zip(range(1, len(prompt)), out.prompt_logprobs[1:]),
+                        *zip(range(len(prompt), len(ids)), sample.logprobs)]:
+        token, row = ids[at], reference[at - 1]
+        want = int((row > row[token]).sum()) + 1
+        # Float noise between the two forwards may move a token past a near-tie.
+        close = int((row > row[token] + 1e-4).sum()) + 1, int((row >= row[token] - 1e-4).sum())
+        assert close[0] <= entries[token].rank <= close[1], (at, entries[token].rank, want)
+        outside += want > 1
+    assert outside >= 3      # temperature 1.5: several picks are not the most likely
+
+
+def test_an_entry_ranked_by_the_sampler_keeps_its_rank():
+    from mini_paged_attn.engine.outputs import Logprob, logprob_objects
+
+    entries = logprob_objects({5: -0.1, 7: Logprob(-3.0, 412)}, 1, str)
+    assert (entries[5].rank, entries[7].rank) == (1, 412)
     assert entries[7].decoded_token == "7" and entries[7] == -3.0
+    assert logprob_objects({5: -0.1, 7: -3.0}, 1, str)[7].rank is None
+
+
+def test_token_ranks_count_the_strictly_more_likely_tokens():
+    from mini_paged_attn.engine.sample.sampler import token_ranks
+
+    gen = torch.Generator().manual_seed(0)
+    logprobs = torch.log_softmax(torch.randn(6, 50, generator=gen), dim=-1)
+    logprobs[2, :10] = logprobs[2, 10]            # ties: none of them counts as above
+    picks = torch.tensor([0, 7, 10, 49, 3, 25])
+    chosen = logprobs.gather(1, picks[:, None])[:, 0]
+    order = logprobs.argsort(dim=-1, descending=True)
+    got = token_ranks(logprobs, chosen).tolist()
+    for r, pick in enumerate(picks.tolist()):
+        above = sum(1 for t in order[r].tolist() if logprobs[r, t] > logprobs[r, pick])
+        assert got[r] == above + 1
 
 
 def test_tokenizer_of_another_directory_replaces_the_model_s(tiny_model_factory, tmp_path):

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from ...core.scheduler import SchedulerOutput
+from ..outputs import Logprob
+from .sampler import token_ranks
 
 # Prompt positions whose full-vocabulary logits exist at once.
 PROMPT_LOGPROBS_CHUNK = 256
@@ -74,17 +76,18 @@ def prompt_logprob_rows(out: SchedulerOutput) -> PromptRows | None:
 @dataclass
 class PendingPromptLogprobs:
     """A step's prompt logprobs on the device: ``chosen`` float32 ``[num_rows]`` (of each
-    row's prompt token); ``top_values`` float32 / ``top_ids`` int64 ``[num_rows, k]`` for the
+    row's prompt token) and ``ranks`` int64 ``[num_rows]`` (its rank in the vocabulary); ``top_values`` float32 / ``top_ids`` int64 ``[num_rows, k]`` for the
     largest k asked (None when it is 0)."""
 
     wanted: PromptRows
     chosen: torch.Tensor
+    ranks: torch.Tensor
     top_values: torch.Tensor | None
     top_ids: torch.Tensor | None
 
     def read(self) -> list[PromptLogprobs]:
         """To the host (a sync), one :class:`PromptLogprobs` per request."""
-        chosen = self.chosen.tolist()
+        chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
         values = self.top_values.tolist() if self.top_values is not None else None
         ids = self.top_ids.tolist() if self.top_ids is not None else None
         targets = self.wanted.targets
@@ -93,7 +96,7 @@ class PendingPromptLogprobs:
             entries = []
             for r in range(first, first + count):
                 entry = {ids[r][j]: values[r][j] for j in range(k)} if k else {}
-                entry[targets[r]] = chosen[r]
+                entry[targets[r]] = Logprob(chosen[r], ranks[r])
                 entries.append(entry)
             results.append(PromptLogprobs(request_id, start, entries))
         return results
@@ -108,17 +111,18 @@ def compute_prompt_logprobs(model, hidden: torch.Tensor,
     rows = torch.tensor(wanted.rows, dtype=torch.int64, device=device)
     targets = torch.tensor(wanted.targets, dtype=torch.int64, device=device)
     k = max(wanted.top_k)
-    chosen, top_values, top_ids = [], [], []
+    chosen, ranks, top_values, top_ids = [], [], [], []
     for at in range(0, len(wanted.rows), PROMPT_LOGPROBS_CHUNK):
         part = slice(at, at + PROMPT_LOGPROBS_CHUNK)
         logprobs = torch.log_softmax(model.compute_logits(hidden.index_select(0, rows[part])),
                                      dim=-1)
         chosen.append(logprobs.gather(1, targets[part, None])[:, 0])
+        ranks.append(token_ranks(logprobs, chosen[-1]))
         if k:
             values, ids = logprobs.topk(k, dim=-1)
             top_values.append(values)
             top_ids.append(ids)
-    return PendingPromptLogprobs(wanted, torch.cat(chosen),
+    return PendingPromptLogprobs(wanted, torch.cat(chosen), torch.cat(ranks),
                                  torch.cat(top_values) if k else None,
                                  torch.cat(top_ids) if k else None)
 

@@ -29,6 +29,7 @@ from operator import attrgetter
 import torch
 
 from ...ops.sample import nothing_to_sample, sample_tokens
+from ..outputs import Logprob
 from ..sampling_params import SamplingParams
 from ..structured.bitmask import TokenMasks, apply_token_masks
 from .penalties import TokenHistory, add_logit_bias, apply_penalties, mask_tokens
@@ -67,7 +68,9 @@ class SamplerOutput:
     """Sampled token ids (host list, one per row) and, when any row asked, logprobs.
 
     ``logprobs[i]`` is None for rows that did not ask, else ``(logprob of the sampled token,
-    {token_id: logprob} of the top-k tokens and the sampled one)``. ``invalid_rows``: the rows
+    {token_id: logprob} of the top-k tokens and the sampled one)``; the sampled token's entry
+    is a :class:`~mini_paged_attn.engine.outputs.Logprob` (a float) that knows its rank in
+    the whole vocabulary. ``invalid_rows``: the rows
     (ascending) that had nothing to sample, every logit -inf or a NaN among them; their ids
     are in the vocabulary but mean nothing.
     """
@@ -75,6 +78,13 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[tuple[float, dict[int, float]] | None] | None = None
     invalid_rows: list[int] = field(default_factory=list)
+
+
+def token_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Each row's rank of its chosen token in the whole vocabulary, as vLLM counts it: 1 +
+    the tokens strictly more likely (``logprobs`` float32 ``[rows, vocab]``, ``chosen``
+    float32 ``[rows]``); int64 ``[rows]``."""
+    return (logprobs > chosen[:, None]).sum(dim=-1) + 1
 
 
 class PendingSample:
@@ -104,7 +114,8 @@ class PendingSample:
         device = token_ids.device
         pending = [packed]
         if raw_logprobs is not None:
-            pending.append(raw_logprobs.gather(1, token_ids[:, None])[:, 0])
+            chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
+            pending.extend((chosen, token_ranks(raw_logprobs, chosen)))
             k = max(v for v in want_logprobs if v is not None)
             if k > 0:
                 pending.extend(raw_logprobs.topk(k, dim=-1))
@@ -126,16 +137,16 @@ class PendingSample:
         invalid = [i for i, flag in enumerate(flags) if flag]
         if len(self._host) == 1:
             return SamplerOutput(ids, None, invalid)
-        chosen = self._host[1].tolist()
-        top_values, top_ids = ((self._host[2].tolist(), self._host[3].tolist())
-                               if len(self._host) == 4 else (None, None))
+        chosen, ranks = self._host[1].tolist(), self._host[2].tolist()
+        top_values, top_ids = ((self._host[3].tolist(), self._host[4].tolist())
+                               if len(self._host) == 5 else (None, None))
         logprobs: list[tuple[float, dict[int, float]] | None] = []
         for i, w in enumerate(self.want_logprobs):
             if w is None:
                 logprobs.append(None)
                 continue
             entry = {top_ids[i][j]: top_values[i][j] for j in range(w)} if w else {}
-            entry[ids[i]] = chosen[i]
+            entry[ids[i]] = Logprob(chosen[i], ranks[i])
             logprobs.append((chosen[i], entry))
         return SamplerOutput(ids, logprobs, invalid)
 
