@@ -32,6 +32,11 @@ if TYPE_CHECKING:
     from mini_paged_attn.server.limits import ServerLimits
 
 
+# engine/tools/parsers.py's PARSERS, named here so that building the command line imports
+# no engine (tests/server/test_tool_calls_parsers.py keeps the two the same).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model_help = ("local Hugging Face model directory (config.json, *.safetensors, tokenizer "
                   "files), a .gguf file, 'smollm2-135m' or 'tiny' (the embedded random tiny "
@@ -68,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--engine-process", choices=("auto", "on", "off"), default="auto",
                       help="run the engine in a process of its own, so HTTP work does not slow "
                            "its steps (auto, the default: on when it runs on a GPU)")
-    http.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+    http.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                       help="the format of tool calls in the model's output, read when a chat "
                            "request has tools and tool_choice auto (default: the one the chat "
                            "template shows; hermes if it shows none)")

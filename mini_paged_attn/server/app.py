@@ -167,7 +167,8 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | Sequence[st
         allowed_hosts: if set, a request whose Host header names another host gets 400 (a
             DNS-rebinding web page); ``cross_site.LOOPBACK_HOSTS`` for a server on 127.0.0.1.
         tool_call_parser: the tool-call format ``tool_choice`` "auto" reads
-            (``engine.tool_calls.PARSERS``: "hermes", "llama3_json"); None: the chat template's.
+            (``engine.tools.parsers.PARSERS``: "hermes", "llama3_json", "mistral", "pythonic");
+            None: the chat template's.
         chat_template: a Jinja chat template chats render with instead of the tokenizer's
             (/v1/chat/completions and /tokenize); None: the tokenizer's.
     """

@@ -39,7 +39,7 @@ class ServedModel:
     could never be admitted; ``max_prompt_bytes``: prompts of more bytes cannot fit the context
     and are refused before they are tokenized (``prompt_bytes.prompt_byte_cap``; None: no cap).
     ``tool_call_parser``: the format of tool calls ``tool_choice`` "auto" looks for (a
-    ``engine.tool_calls.PARSERS`` key); None: the one the chat template shows.
+    ``engine.tools.parsers.PARSERS`` key); None: the one the chat template shows.
     ``aliases``: more names requests may use for the model (responses carry ``name``);
     ``chat_template``: the Jinja template chats render with, instead of the tokenizer's.
     """

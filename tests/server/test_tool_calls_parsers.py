@@ -123,3 +123,67 @@ def test_chat_template_receives_the_tools():
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                    tools=tools) == "[get_time]hi"
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi"
+
+
+mistral = PARSERS["mistral"]
+pythonic = PARSERS["pythonic"]
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}]', None, [("f", {"x": 1})]),
+    ('Sure. [TOOL_CALLS] [{"name": "f", "arguments": {}}, {"name": "g", "arguments": '
+     '{"y": "ü"}}]', "Sure.", [("f", {}), ("g", {"y": "ü"})]),
+    # Newer tokenizers: one [TOOL_CALLS]name[ARGS]{...} per call, maybe with a call id.
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[CALL_ID]a1b2c3d4e[ARGS]{}',
+     None, [("get_weather", {"city": "Paris"}), ("now", {})]),
+    # Decoded without special tokens: the marker is gone, the list remains.
+    ('[{"name": "f", "arguments": {"x": [1, 2]}}]', None, [("f", {"x": [1, 2]})]),
+    ("no call here", "no call here", []),
+    ("[1, 2, 3]", None, []),                                        # a list, not of calls
+    ('[TOOL_CALLS][{"name": "f", "arguments": {]', None, []),         # broken JSON
+    ('[TOOL_CALLS]f[ARGS]{"x": ', None, []),
+    ("[TOOL_CALLS]" + "[" * 5000, None, []),                          # deep: not read
+])
+def test_mistral(text, content, calls):
+    got_content, got_calls = mistral.extract(text)
+    assert _calls(got_calls) == calls
+    assert got_content == (content if calls else text)
+
+
+@pytest.mark.parametrize("text, calls", [
+    ('[get_weather(city="San Francisco", unit="c")]',
+     [("get_weather", {"city": "San Francisco", "unit": "c"})]),
+    ('<|python_start|>[f(x=1, y=[1, 2.5], z={"a": None, "b": True}), g()]<|python_end|>',
+     [("f", {"x": 1, "y": [1, 2.5], "z": {"a": None, "b": True}}), ("g", {})]),
+    ("Paris is sunny.", []),
+    ("[f(1)]", []),                               # positional arguments: not a call format
+    ("[f(x=open('/etc/passwd'))]", []),           # not a literal: never evaluated
+    ("[os.system(cmd='ls')]", []),                # attribute, not a function name
+    ("[f(x={1, 2})]", []),                        # a set: JSON cannot carry it
+    ("[f(x=1)] trailing", []),
+    ("[f(x=" + "(" * 3000 + "1" + ")" * 3000 + ")]", []),
+    ("[]", []),
+])
+def test_pythonic(text, calls):
+    content, got = pythonic.extract(text)
+    assert _calls(got) == calls
+    assert content == (None if calls else text)
+
+
+@pytest.mark.parametrize("parser, text, end", [
+    ("mistral", "Hello", 5), ("mistral", "Hello [TOOL", 6), ("mistral", "Hi [TOOL_CALLS][", 3),
+    ("mistral", '[{"na', 0), ("pythonic", "Hello", 5), ("pythonic", "[f(", 0),
+    ("pythonic", "<|python", 0),
+])
+def test_the_new_formats_stream_content_up_to_a_possible_call(parser, text, end):
+    assert PARSERS[parser].content_end(text) == end
+
+
+def test_the_template_of_a_mistral_model_picks_its_parser():
+    assert parser_for_template("{{ '[TOOL_CALLS]' + tool_calls|tojson }}") == "mistral"
+
+
+def test_the_command_line_offers_every_parser():
+    from mini_paged_attn.commands.serve import TOOL_CALL_PARSERS
+
+    assert sorted(TOOL_CALL_PARSERS) == sorted(PARSERS)

@@ -7,6 +7,7 @@ Formats:
   blocks, possibly several, possibly after some text.
 - ``llama3_json`` (Llama 3.1-3.3): the whole output is a JSON object ``{"name": ...,
   "parameters": {...}}`` (several separated by ``;``), after an optional ``<|python_tag|>``.
+- ``mistral`` and ``pythonic``: in ``more_formats.py``.
 
 With ``tool_choice`` "required" or a named function the grammar shapes the output instead (see
 ``engine/tools/choice.py``), and :class:`ToolCallMode` reads that shape.
@@ -163,14 +164,21 @@ class Llama3JsonParser:
         return len(text)
 
 
-PARSERS = {p.name: p for p in (HermesParser(), Llama3JsonParser())}
+# The other formats build on this module's helpers, so they are imported once those exist.
+from .more_formats import MistralParser, PythonicParser  # noqa: E402
+
+PARSERS = {p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser(),
+                               PythonicParser())}
 
 
 def parser_for_template(chat_template: str | None) -> str:
-    """The parser a chat template's tool format needs (``hermes`` when it shows none)."""
+    """The parser a chat template's tool format needs (``hermes`` when it shows none;
+    ``pythonic`` is never guessed: its templates look like JSON ones)."""
     template = chat_template or ""
     if "<tool_call>" in template:
         return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
     if _PYTHON_TAG in template or ('"parameters"' in template and "ipython" in template):
         return "llama3_json"
     return "hermes"
