@@ -26,6 +26,7 @@ repository root:
 from __future__ import annotations
 
 import argparse
+import inspect
 import random
 import statistics
 import time
@@ -41,6 +42,9 @@ from mini_paged_attn.engine.process.core import EngineCore
 from mini_paged_attn.engine.process.messages import AddRequest, decode
 from mini_paged_attn.engine.process.mp_client import MPEngineClient, _engine_text
 
+# As run_core_process makes its core (from the commit where the engine makes the deltas on).
+CORE_OPTIONS = ({"deltas": True} if "deltas" in inspect.signature(EngineCore).parameters
+                else {})
 LLM_KWARGS = dict(device="cpu", dtype="float32", block_size=16, max_num_seqs=256,
                   max_model_len=512, enable_prefix_caching=False, seed=0)
 
@@ -124,7 +128,7 @@ def run_once(engine: Any, requests: int, params: SamplingParams, prompt_len: int
 
     EngineStep._report = timed_report
     try:
-        EngineCore(engine, inbox, outbox).run()
+        EngineCore(engine, inbox, outbox, **CORE_OPTIONS).run()
     finally:
         EngineStep._report = original
     inbox.get(0.0)       # the client's side of the last message
