@@ -7,8 +7,9 @@ times, in microseconds:
 
 - ``outputs``: the engine making the step's outputs (``EngineStep._report``: text where the
   core makes it, then one output per request);
-- ``send``: the outbox's flush of the previous step's outputs (what is left to turn them into a
-  message, and encoding it; the pipe write is left out: a stand-in keeps the bytes);
+- ``send``: the outbox taking the step's outputs (and the engine's stats) and, in the next
+  step, flushing them (what is left to turn them into a message, and encoding it; the pipe
+  write is left out: a stand-in keeps the bytes);
 - ``core``: the two together, the host work per step the engine's process adds to a streaming
   step (what an offline ``final_only`` run does not do);
 - ``client``: decoding the message and rebuilding the outputs in the client
@@ -20,16 +21,19 @@ cores the timed host work needs, which a GPU host's step does not see. Run from 
 repository root:
 
     python -m benchmarks.bench_core_outputs [--requests 1 8 64] [--tokens 64] [--stop]
-        [--logprobs K] [--n N] [--repeats 3] [--threads 1]
+        [--logprobs K] [--n N] [--repeats 3] [--threads 1] [--codecs]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
+import marshal
 import random
 import statistics
 import time
+import timeit
 from typing import Any
 
 import torch
@@ -39,7 +43,7 @@ from mini_paged_attn.engine.engine_step import EngineStep
 from mini_paged_attn.engine.process.child import PipeOutbox
 from mini_paged_attn.engine.process.client import ClientBookkeeping
 from mini_paged_attn.engine.process.core import EngineCore
-from mini_paged_attn.engine.process.messages import AddRequest, decode
+from mini_paged_attn.engine.process.messages import AddRequest, Outputs, decode, encode
 from mini_paged_attn.engine.process.mp_client import MPEngineClient, _engine_text
 
 # As run_core_process makes its core (from the commit where the engine makes the deltas on).
@@ -63,6 +67,13 @@ class _TimedOutbox(PipeOutbox):
     def __init__(self, conn: _Pipe) -> None:
         super().__init__(conn)
         self.flush_us: list[tuple[float, int]] = []   # (us, requests in the message)
+        self.outputs_us: list[float] = []             # taking the step's outputs and stats
+
+    def outputs(self, outputs: list, stats: Any, adds_seen: int) -> None:
+        self.flush()            # already done in the step's overlap, but at the core's end
+        t0 = time.perf_counter()
+        super().outputs(outputs, stats, adds_seen)
+        self.outputs_us.append(1e6 * (time.perf_counter() - t0))
 
     def flush(self) -> None:
         if self._pending is None:
@@ -70,7 +81,10 @@ class _TimedOutbox(PipeOutbox):
         count = len(self._pending[0])
         t0 = time.perf_counter()
         super().flush()
-        self.flush_us.append((1e6 * (time.perf_counter() - t0), count))
+        # With what outputs() took for this message (the engine's stats, mostly).
+        taken = self.outputs_us[len(self.flush_us)] if len(self.outputs_us) > len(
+            self.flush_us) else 0.0
+        self.flush_us.append((taken + 1e6 * (time.perf_counter() - t0), count))
 
 
 class _Inbox:
@@ -80,6 +94,7 @@ class _Inbox:
     def __init__(self, adds: list[AddRequest], engine: Any, pipe: _Pipe, client: Any) -> None:
         self.adds, self.engine, self.pipe, self.client = list(adds), engine, pipe, client
         self.client_us: list[tuple[float, int]] = []
+        self.messages: list[Any] = []               # every Outputs message, decoded
 
     def get(self, timeout: float | None) -> Any:
         for data in self.pipe.sent:
@@ -87,6 +102,7 @@ class _Inbox:
             message = decode(data)
             self.client._on_outputs(message)
             us = 1e6 * (time.perf_counter() - t0)
+            self.messages.append(message)
             self.client_us.append((us, len(getattr(message, "deltas", ()))))
         self.pipe.sent.clear()
         if self.adds:
@@ -139,9 +155,27 @@ def run_once(engine: Any, requests: int, params: SamplingParams, prompt_len: int
         return kept[:-1] or kept
 
     outputs, send, client = full(report_us), full(outbox.flush_us), full(inbox.client_us)
+    middle = [m for m in inbox.messages if isinstance(m, Outputs) and len(m.deltas) == requests]
     return {"outputs": statistics.median(outputs), "send": statistics.median(send),
             "core": statistics.median([a + b for a, b in zip(outputs, send)]),
-            "client": statistics.median(client), "steps": len(outputs)}
+            "client": statistics.median(client), "steps": len(outputs),
+            "message": middle[len(middle) // 2]}
+
+
+def codec_us(message: Outputs, repeats: int = 2000) -> dict[str, float]:
+    """us to encode / decode one step's message: the pipe's pickle, and marshal (stdlib, plain
+    values only: the metrics and stats as tuples of their fields)."""
+    stats = dataclasses.astuple(message.stats)
+    plain = ("outputs", ([(d[0], d[1], d[2], d[3] and dataclasses.astuple(d[3]), d[4])
+                          for d in message.deltas], stats, message.adds_seen))
+    pickled, marshalled = encode(message), marshal.dumps(plain)
+
+    def us(fn: Any) -> float:
+        return 1e6 * min(timeit.repeat(fn, number=repeats, repeat=3)) / repeats
+    return {"pickle dumps": us(lambda: encode(message)), "pickle loads": us(lambda: decode(pickled)),
+            "marshal dumps": us(lambda: marshal.dumps(plain)),
+            "marshal loads": us(lambda: marshal.loads(marshalled)),
+            "pickle bytes": len(pickled), "marshal bytes": len(marshalled)}
 
 
 def main() -> None:
@@ -156,6 +190,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1, help="samples per request")
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration")
     parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads")
+    parser.add_argument("--codecs", action="store_true",
+                        help="also time pickle against marshal on a full step's message")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -174,6 +210,9 @@ def main() -> None:
         best = {key: min(r[key] for r in runs) for key in ("outputs", "send", "core", "client")}
         print(f"{requests:>9}{best['outputs']:>10.1f}{best['send']:>10.1f}{best['core']:>10.1f}"
               f"{best['client']:>10.1f}{runs[0]['steps']:>7}")
+        if args.codecs:
+            print("          " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                          for k, v in codec_us(runs[0]["message"]).items()))
 
 
 if __name__ == "__main__":

@@ -261,7 +261,7 @@ class OutputProcessor:
                 cumulative, logprobs,
                 self._stop_reason(state.texts.get(seq.index), seq) if reason else None))
         prompt_logprobs = None
-        if not state.prompt_logprobs_sent:
+        if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
             prompt_logprobs = self._prompt_logprobs(state, finished)
             state.prompt_logprobs_sent = prompt_logprobs is not None
         metrics = _metrics(request, num_generated) if first or finished else None
