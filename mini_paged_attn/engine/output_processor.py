@@ -36,7 +36,7 @@ class _SampleText:
 class _Sent:
     """What the deltas of one sample have reported so far."""
 
-    __slots__ = ("tokens", "logprobs", "text")
+    __slots__ = ("logprobs", "text", "tokens")
 
     def __init__(self) -> None:
         self.tokens = 0       # generated token ids
