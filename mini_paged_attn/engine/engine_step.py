@@ -67,7 +67,7 @@ class EngineStep:
         self.out: SchedulerOutput | None = None
 
     # ---- the pipeline --------------------------------------------------------------------------
-    def run(self) -> list[RequestOutput]:
+    def run(self) -> list[RequestOutput | tuple]:
         engine = self.engine
         self._apply_queued()
         prev, engine._in_flight = engine._in_flight, None
@@ -285,11 +285,14 @@ class EngineStep:
             touched.pop(request_id)
         self.engine._carried = touched
 
-    def _report(self) -> list[RequestOutput]:
+    def _report(self) -> list[RequestOutput | tuple]:
         """An output for every request this call touched (``final_only`` ones when they
-        finish); finished requests are retired."""
+        finish; an output delta for a request added with ``deltas``); finished requests are
+        retired."""
         engine = self.engine
-        process, make_output = engine.output_processor.process, engine.output_processor.make_output
+        processor = engine.output_processor
+        process, make_output, make_delta = (processor.process, processor.make_output,
+                                            processor.make_delta)
         outputs, finished_ids = [], []
         for request_id, state in self.touched.items():
             request = state.request
@@ -301,7 +304,7 @@ class EngineStep:
                     process(state, seq)   # flush held-back text
             elif state.final_only:
                 continue
-            outputs.append(make_output(state))
+            outputs.append(make_delta(state) if state.deltas else make_output(state))
         engine._retire(finished_ids)
         engine._maybe_log()
         return outputs

@@ -183,7 +183,7 @@ class LLMEngine:
     # ---- requests (any thread) ----------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, final_only: bool = False,
-                    detokenize: bool = True) -> str:
+                    detokenize: bool = True, deltas: bool = False) -> str:
         """Queue a request; returns its id. Thread-safe.
 
         ``prompt``: a str, a list of token ids, ``{"prompt": str}`` or ``{"prompt_token_ids":
@@ -193,6 +193,9 @@ class LLMEngine:
         ``detokenize=False``: the outputs carry token ids and an empty text, unless the request
         has stop strings (found in the text, so the engine makes it then). For a frontend that
         turns ids into text itself, off the stepping thread (the server's engine process).
+        ``deltas=True``: ``step()`` reports the request as what changed since its previous
+        report (an output delta, ``engine/deltas.py``) instead of a cumulative
+        ``RequestOutput``; what the server's engine process sends its client.
 
         Raises:
             TypeError: a prompt of no known form.
@@ -200,8 +203,9 @@ class LLMEngine:
                 never fit (prompt + max_tokens over max_model_len or over the whole KV pool),
                 or structured outputs that do not compile (or llguidance missing).
         """
-        if not isinstance(detokenize, bool):
-            raise ValueError(f"detokenize: expected a bool, got {detokenize!r}")
+        for name, flag in (("detokenize", detokenize), ("deltas", deltas)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}: expected a bool, got {flag!r}")
         params, text, ids = self.admission.check(prompt, params, self.tokenizer)
         if params.structured_outputs is not None:
             self.structured.compiler.compile(params.structured_outputs)  # cached for the step
@@ -219,7 +223,7 @@ class LLMEngine:
                               arrival_time=time.time(),
                               uses_prefix_cache=params.prompt_logprobs is None)
             self._pending_adds.append(RequestState(request, text, final_only, params.stop,
-                                                   detokenize))
+                                                   detokenize, deltas))
             self._live.add(request_id)
         return request_id
 
@@ -240,7 +244,8 @@ class LLMEngine:
 
     # ---- stepping (one thread) -----------------------------------------------------------------
     def step(self, overlap: Callable[[], None] | None = None) -> list[RequestOutput]:
-        """Run one scheduler step; an output for every request that got tokens or finished.
+        """Run one scheduler step; an output for every request that got tokens or finished
+        (a ``RequestOutput``, or an output delta for a request added with ``deltas=True``).
 
         Under asynchronous scheduling (``EngineConfig.async_scheduling``, see
         :mod:`.in_flight`) the step launches the next batch and reports the tokens of the

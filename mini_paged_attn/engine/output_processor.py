@@ -6,6 +6,9 @@ once, when it finishes. While stop strings may still match, the last ``len(longe
 characters are held back, so the text of successive outputs only ever grows and never shows
 the start of a stop string that later matches.
 
+A request added with ``deltas=True`` is reported by :meth:`OutputProcessor.make_delta` as what
+changed since its previous report (``engine/deltas.py``) instead of a cumulative output.
+
 ``SamplingParams.skip_special_tokens`` decides whether special tokens are decoded, and
 ``include_stop_str_in_output`` whether the stop string (or the stop token's text) that ended a
 sample ends its text; ``stop_reason`` records which one it was.
@@ -30,6 +33,17 @@ class _SampleText:
     stop_string: str | None = None  # the stop string that ended the sample
 
 
+class _Sent:
+    """What the deltas of one sample have reported so far."""
+
+    __slots__ = ("logprobs", "text", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens = 0       # generated token ids
+        self.logprobs = 0     # logprob entries
+        self.text = ""        # the text as last reported
+
+
 @dataclass
 class RequestState:
     """The engine's side of a request: its prompt text and per-sample text state."""
@@ -39,7 +53,11 @@ class RequestState:
     final_only: bool                # only the finished output is wanted (LLM.generate)
     stop: tuple[str, ...] = ()
     detokenize: bool = True         # False: outputs carry token ids only (text "")
+    deltas: bool = False            # reported by make_delta (what changed), not make_output
     texts: dict[int, _SampleText] = field(default_factory=dict)
+    # With deltas: per sample index, what was reported; and whether the prompt logprobs were.
+    sent: dict[int, _Sent] = field(default_factory=dict)
+    prompt_logprobs_sent: bool = False
     # One copy of the prompt for all the request's outputs (they share it: read-only).
     prompt_token_ids: list[int] = field(init=False)
     # Per prompt position so far (None at position 0), when the request asked for them.
@@ -189,24 +207,75 @@ class OutputProcessor:
                 logprobs=logprobs,
                 stop_reason=self._stop_reason(state.texts.get(seq.index), seq)
                 if reason else None))
-        first = request.sequences[0]
-        metrics = RequestMetrics(
-            arrival_time=request.arrival_time,
-            first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time,
-            finished_time=request.finished_time,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=first.num_cached_tokens,
-            num_generation_tokens=num_generated,
-            last_token_time=request.last_token_time)
+        return RequestOutput(request_id=request.request_id, prompt=state.prompt,
+                             prompt_token_ids=state.prompt_token_ids,
+                             outputs=completions, finished=finished,
+                             metrics=_metrics(request, num_generated),
+                             prompt_logprobs=self._prompt_logprobs(state, finished))
+
+    def make_delta(self, state: RequestState) -> tuple:
+        """What changed in the request since its previous delta: a plain tuple laid out as
+        :class:`~.deltas.OutputDelta`, its completions as :class:`~.deltas.CompletionDelta`
+        (see ``engine/deltas.py``). Per sample: the new token ids, the text's edit (where the
+        engine makes the text: ``keep`` is what stays of the text last reported, all of it
+        unless a stop string cut it), the new logprob entries and ``cumulative_logprob`` (when
+        asked), finish and stop reason once it ends; the metrics in the first and the finished
+        delta; the prompt logprobs once complete. Costs O(new tokens), plus a comparison of the
+        text with the one last reported. Lists in it are the delta's own (the engine only
+        appends to what it copied them from), so it may be sent after the next step ran."""
+        request = state.request
+        finished = request.is_finished
+        params = request.params
+        wants_logprobs = params.logprobs is not None
+        objects = finished and state.final_only   # as make_output's: vLLM's Logprob entries
+        start = request.num_prompt_tokens
+        sent = state.sent
+        first = not sent
+        completions = []
+        num_generated = 0
+        for seq in request.sequences:    # in index order: the scheduler appends them so
+            tokens = seq.token_ids
+            # A token still in flight (asynchronous scheduling) is not reported yet.
+            end = len(tokens) - seq.awaits_token
+            num_generated += end - start
+            mark = sent.get(seq.index)
+            if mark is None:
+                mark = sent[seq.index] = _Sent()
+            new_ids = tokens[start + mark.tokens:end]
+            mark.tokens = end - start
+            text = self._text_of(state, seq)
+            keep = len(mark.text) if text.startswith(mark.text) else 0  # a stop string may cut
+            mark.text = text
+            logprobs = cumulative = None
+            if wants_logprobs:
+                entries = seq.logprobs if seq.logprobs is not None else ()
+                logprobs = list(entries[mark.logprobs:])
+                mark.logprobs = len(entries)
+                if objects:
+                    logprobs = self._logprob_objects(logprobs, params.logprobs)
+                cumulative = seq.cumulative_logprob
+            # A sample that ended on its length with its last token in flight is not done yet.
+            reason = seq.finish_reason if end == len(tokens) else None
+            completions.append((
+                seq.index, keep, text[keep:], new_ids, reason.value if reason else None,
+                cumulative, logprobs,
+                self._stop_reason(state.texts.get(seq.index), seq) if reason else None))
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
+            prompt_logprobs = self._prompt_logprobs(state, finished)
+            state.prompt_logprobs_sent = prompt_logprobs is not None
+        metrics = _metrics(request, num_generated) if first or finished else None
+        return (request.request_id, completions, finished, metrics, prompt_logprobs)
+
+    def _prompt_logprobs(self, state: RequestState, finished: bool
+                         ) -> list[dict[int, float] | None] | None:
+        """The request's prompt logprobs once complete (else None); as vLLM's Logprob entries
+        in a final-only request's finished output."""
         prompt_logprobs = state.prompt_logprobs_done()
         if finished and state.final_only and prompt_logprobs is not None:
             prompt_logprobs = [None, *self._logprob_objects(prompt_logprobs[1:],
-                                                            request.params.prompt_logprobs)]
-        return RequestOutput(request_id=request.request_id, prompt=state.prompt,
-                             prompt_token_ids=state.prompt_token_ids,
-                             outputs=completions, finished=finished, metrics=metrics,
-                             prompt_logprobs=prompt_logprobs)
+                                                            state.request.params.prompt_logprobs)]
+        return prompt_logprobs
 
     def _logprob_objects(self, entries: list[dict[int, float]], top: int
                          ) -> list[dict[int, Logprob]]:
@@ -222,6 +291,19 @@ class OutputProcessor:
             return text
 
         return [logprob_objects(e, top, decode) for e in entries]
+
+
+def _metrics(request: Request, num_generated: int) -> RequestMetrics:
+    """The request's metrics now; ``num_generated``: its tokens reported, over all samples."""
+    return RequestMetrics(
+        arrival_time=request.arrival_time,
+        first_scheduled_time=request.first_scheduled_time,
+        first_token_time=request.first_token_time,
+        finished_time=request.finished_time,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.sequences[0].num_cached_tokens,
+        num_generation_tokens=num_generated,
+        last_token_time=request.last_token_time)
 
 
 __all__ = ["OutputProcessor", "RequestState"]

@@ -174,8 +174,9 @@ class RequestMetrics:
         return (self.num_generation_tokens - 1) / elapsed if elapsed > 0 else None
 
     def __reduce__(self):
-        # The engine process sends every live request's metrics every step: as a plain
-        # tuple of fields they pickle ~4x faster than through the dataclass's __dict__.
+        # The engine process sends a request's metrics in its first and last output delta:
+        # as a plain tuple of fields they pickle ~4x faster than through the dataclass's
+        # __dict__.
         return (RequestMetrics, _metric_fields(self))
 
 
@@ -235,12 +236,20 @@ class EngineStats:
     def kv_cache_usage(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
+    def __reduce__(self):
+        # Sent with every step's outputs from the engine process: a tuple of fields pickles
+        # several times faster than the dataclass's __dict__.
+        return (EngineStats, _stats_fields(self))
+
     def summary(self) -> str:
         return (f"running {self.num_running}, waiting {self.num_waiting}, "
                 f"KV blocks used {self.kv_blocks_used}/{self.kv_blocks_total} "
                 f"({100 * self.kv_cache_usage:.1f}%), prefix hit rate "
                 f"{100 * self.prefix_cache_hit_rate:.1f}%, preemptions {self.num_preemptions}, "
                 f"generation {self.generation_tokens_per_s:.1f} tok/s")
+
+
+_stats_fields = operator.attrgetter(*(f.name for f in fields(EngineStats)))
 
 
 __all__ = ["CompletionOutput", "EngineStats", "GrowingListView", "Logprob", "RequestMetrics",

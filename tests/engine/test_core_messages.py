@@ -20,9 +20,11 @@ MESSAGES = [
     Shutdown(),
     Loading(LoadEvent("weights", 3, 10, False, 0.25)),
     Ready("tokenizer", {"vocab_size": 10}, 64, "admission", STATS),
-    Outputs([OutputDelta("a", [CompletionDelta(0, 2, "lo", [7, 8], None, -1.5, [{7: -0.5}]),
-                               CompletionDelta(1, 0, "", [9], "stop", None, None)],
-                         False, RequestMetrics(arrival_time=1.0, num_prompt_tokens=3))],
+    # Output deltas are plain tuples, laid out as OutputDelta / CompletionDelta.
+    Outputs([("a", [(0, 2, "lo", [7, 8], None, -1.5, [{7: -0.5}], None),
+                    (1, 0, "", [9], "stop", None, None, 9)],
+              False, RequestMetrics(arrival_time=1.0, num_prompt_tokens=3), [None, {4: -1.0}]),
+             ("b", [(0, 0, "", [3], None, None, None, None)], False, None, None)],
             STATS, adds_seen=2),
     StepFailed("RuntimeError: boom", ("a", "b")),
     EngineDead("the engine core died"),
@@ -39,6 +41,22 @@ def test_every_kind_has_one_payload_and_is_covered():
 def test_round_trip(message):
     back = decode(encode(message))
     assert type(back) is type(message) and back == message
+
+
+def test_output_deltas_travel_as_plain_tuples_and_read_by_name():
+    """No class is pickled per delta (that costs a Python call per object); the named tuples
+    read what arrives."""
+    outputs = next(m for m in MESSAGES if isinstance(m, Outputs))
+    back = decode(encode(outputs))
+    assert all(type(d) is tuple and all(type(c) is tuple for c in d[1]) for d in back.deltas)
+    assert type(back.stats) is EngineStats and back.stats == STATS
+    delta = OutputDelta(*back.deltas[0])
+    assert delta.request_id == "a" and delta.metrics.num_prompt_tokens == 3
+    first, second = (CompletionDelta(*c) for c in delta.completions)
+    assert (first.suffix, first.new_logprobs, second.stop_reason) == ("lo", [{7: -0.5}], 9)
+    data = encode(outputs)
+    assert b"OutputDelta" not in data and b"CompletionDelta" not in data
+    assert b"kv_blocks_total" not in data and b"arrival_time" not in data  # fields, no names
 
 
 def test_payloads_are_frozen():

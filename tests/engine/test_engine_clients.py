@@ -46,6 +46,8 @@ def test_inproc_and_mp_clients_give_the_same_outputs(inproc_client, mp_client):
                                     presence_penalty=1.0, frequency_penalty=0.5,
                                     repetition_penalty=1.3, logit_bias={5: 2.0},
                                     min_tokens=2)),
+        (PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                    prompt_logprobs=2)),
         (PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
                                     logprobs=2))]
     want = run_requests(inproc_client, stop_cases, "in")
@@ -62,6 +64,15 @@ def test_inproc_and_mp_clients_give_the_same_outputs(inproc_client, mp_client):
                                                                           abs=1e-4)
     assert want[-1].outputs[0].finish_reason == "stop"
     assert [o.prompt for o in got[:3]] == [o.prompt for o in want[:3]]
+    # The prompt logprobs, and the finished outputs' metrics, arrive whole.
+    assert got[-3].prompt_logprobs[0] is None and len(got[-3].prompt_logprobs) == 4
+    for g, w in zip(got[-3].prompt_logprobs[1:], want[-3].prompt_logprobs[1:]):
+        assert g.keys() == w.keys() and list(g.values()) == pytest.approx(list(w.values()),
+                                                                          abs=1e-4)
+    for g, w in zip(got, want):
+        assert (g.metrics.num_prompt_tokens, g.metrics.num_generation_tokens) == \
+            (w.metrics.num_prompt_tokens, w.metrics.num_generation_tokens)
+        assert g.metrics.finished_time is not None and g.metrics.last_token_time is not None
 
 
 @pytest.mark.parametrize("which", ["inproc", "mp"])

@@ -4,9 +4,10 @@ In one process the engine thread and the HTTP event loop take turns on the inter
 GPU, where a step is mostly Python waiting on short kernels, the event loop's per-chunk work
 lengthens every step (docs/performance-notes.md, "Server"). Here the engine steps in a child
 process, unhindered,
-and sends each step's outputs as deltas (new token ids; text only where stop strings need it)
-while its next step runs on the GPU. The parent's side is
-:class:`~mini_paged_attn.engine.process.mp_client.MPEngineClient`.
+and sends each step's outputs while its next step runs on the GPU: the output deltas the
+engine makes itself for requests added with ``deltas=True`` (``engine/deltas.py``: new token
+ids; text only where stop strings need it), with no cumulative output built per step. The
+parent's side is :class:`~mini_paged_attn.engine.process.mp_client.MPEngineClient`.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...models.load_progress import LoadEvent, ProgressCallback
-from ..outputs import EngineStats, RequestOutput
+from ..outputs import EngineStats
 from .core import EngineCore
-from .messages import (CompletionDelta, EngineDead, Loading, Message, OutputDelta, Outputs, Ready,
-                       StepFailed, decode, encode)
+from .messages import EngineDead, Loading, Message, Outputs, Ready, StepFailed, decode, encode
 
 logger = logging.getLogger(__name__)
 
@@ -49,34 +49,6 @@ class CoreLaunch:
         return getattr(importlib.import_module(module), name)(self.model, **self.llm_kwargs)
 
 
-@dataclass
-class _Sent:
-    """What the child has sent of one completion so far."""
-
-    text: str = ""
-    tokens: int = 0
-
-
-def _delta(out: RequestOutput, sent: dict[str, dict[int, _Sent]]) -> OutputDelta:
-    """``out`` as what changed since the last delta of its request."""
-    # A request's outputs start once its prompt is computed: the first carries them all.
-    first = out.request_id not in sent
-    per_completion = sent.pop(out.request_id, {}) if out.finished else \
-        sent.setdefault(out.request_id, {})
-    completions = []
-    for comp in out.outputs:
-        s = per_completion.setdefault(comp.index, _Sent())
-        keep = len(s.text) if comp.text.startswith(s.text) else 0  # stop strings may cut it
-        new_logprobs = None if comp.logprobs is None else list(comp.logprobs[s.tokens:])
-        completions.append(CompletionDelta(comp.index, keep, comp.text[keep:],
-                                           list(comp.token_ids[s.tokens:]), comp.finish_reason,
-                                           comp.cumulative_logprob, new_logprobs,
-                                           comp.stop_reason))
-        s.text, s.tokens = comp.text, len(comp.token_ids)
-    return OutputDelta(out.request_id, completions, out.finished, out.metrics,
-                       out.prompt_logprobs if first else None)
-
-
 class PipeInbox:
     """The core's end of the client's command pipe."""
 
@@ -90,18 +62,18 @@ class PipeInbox:
 
 
 class PipeOutbox:
-    """The core's end of the result pipe. A step's outputs wait to be sent until the next step
-    has enqueued its device work (``flush`` is the step's ``overlap``): turning them into
-    deltas, pickling and writing them then runs while the GPU computes, not between steps
-    (inline, that work is a gap between steps; on a thread of its own, the interpreter lock
-    puts it inside the next step's host phase; docs/performance-notes.md, "Server")."""
+    """The core's end of the result pipe; its core reports output deltas (``deltas=True``).
+    A step's deltas wait to be sent until the next step has enqueued its device work
+    (``flush`` is the step's ``overlap``): pickling and writing them then runs while the GPU
+    computes, not between steps (inline, that work is a gap between steps; on a thread of its
+    own, the interpreter lock puts it inside the next step's host phase;
+    docs/performance-notes.md, "Server")."""
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
-        self._sent: dict[str, dict[int, _Sent]] = {}  # request id -> completion -> sent so far
-        self._pending: tuple[list[RequestOutput], EngineStats, int] | None = None
+        self._pending: tuple[list[tuple], EngineStats, int] | None = None
 
-    def outputs(self, outputs: list[RequestOutput], stats: Callable[[], EngineStats],
+    def outputs(self, outputs: list[tuple], stats: Callable[[], EngineStats],
                 adds_seen: int) -> None:
         self.flush()
         self._pending = (outputs, stats(), adds_seen)
@@ -111,11 +83,9 @@ class PipeOutbox:
             return
         outputs, stats, adds_seen = self._pending
         self._pending = None
-        self.send(Outputs([_delta(o, self._sent) for o in outputs], stats, adds_seen))
+        self.send(Outputs(outputs, stats, adds_seen))
 
     def failed(self, message: str, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self._sent.pop(request_id, None)
         self.send(StepFailed(message, tuple(request_ids)))
 
     def dead(self, message: str) -> None:
@@ -164,7 +134,7 @@ def run_core_process(launch: CoreLaunch, commands: Any, results: Any) -> None:
         outbox.send(Ready(engine.tokenizer, engine.model_config, engine.max_model_len,
                           engine.admission, engine.stats()))
         core = EngineCore(engine, PipeInbox(commands), outbox,
-                          max_consecutive_failures=launch.max_consecutive_failures)
+                          max_consecutive_failures=launch.max_consecutive_failures, deltas=True)
     except (ValueError, FileNotFoundError) as exc:   # what it was given cannot be loaded
         logger.debug("the engine could not start", exc_info=True)
         kind = "FileNotFoundError" if isinstance(exc, FileNotFoundError) else "ValueError"

@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from ...errors import TensorParallelError
+from ..deltas import request_of
 from ..outputs import EngineStats, RequestOutput
 from .messages import AbortRequest, AddRequest, Message, Shutdown
 
@@ -52,10 +53,11 @@ class CoreInbox(Protocol):
 class CoreOutbox(Protocol):
     """Where the core's results go (called on the core's thread only)."""
 
-    def outputs(self, outputs: list[RequestOutput], stats: Callable[[], EngineStats],
+    def outputs(self, outputs: list[RequestOutput | tuple], stats: Callable[[], EngineStats],
                 adds_seen: int) -> None:
-        """One step's outputs; they may wait until :meth:`flush`. ``stats``: the engine's
-        stats now, for an outbox that reports them (taking them costs a little per step)."""
+        """One step's outputs (output deltas from a core made with ``deltas=True``); they may
+        wait until :meth:`flush`. ``stats``: the engine's stats now, for an outbox that
+        reports them (taking them costs a little per step)."""
 
     def flush(self) -> None:
         """Deliver what waits. Called inside each step once its device work is enqueued (host
@@ -77,17 +79,22 @@ class EngineCore:
         inbox: where messages come from.
         outbox: where outputs, failures and the core's death go.
         max_consecutive_failures: failed steps in a row after which the core is dead.
+        deltas: add every request with ``deltas=True``: the outbox gets output deltas
+            (``engine/deltas.py``), not cumulative outputs (the engine process's core).
     """
 
     def __init__(self, engine: Any, inbox: CoreInbox, outbox: CoreOutbox, *,
-                 max_consecutive_failures: int = 3) -> None:
+                 max_consecutive_failures: int = 3, deltas: bool = False) -> None:
         if max_consecutive_failures < 1:
             raise ValueError("max_consecutive_failures: expected >= 1, "
                              f"got {max_consecutive_failures}")
+        if not isinstance(deltas, bool):
+            raise ValueError(f"deltas: expected a bool, got {deltas!r}")
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
         self.max_consecutive_failures = max_consecutive_failures
+        self._add_options = {"deltas": True} if deltas else {}
         # AddRequest messages applied so far (read from the client's threads: an int, so a
         # torn read cannot happen).
         self.adds_seen = 0
@@ -157,7 +164,10 @@ class EngineCore:
                 outbox.failed(text, failed)
                 continue
             failures = 0
-            self._live.difference_update(o.request_id for o in outputs if o.finished)
+            for output in outputs:
+                request_id, finished = request_of(output)
+                if finished:
+                    self._live.discard(request_id)
             outbox.outputs(outputs, engine.stats, self.adds_seen)
 
     def _apply(self, message: Message) -> None:
@@ -208,7 +218,7 @@ class EngineCore:
         try:
             self.engine.add_request(prompt, message.params, request_id=message.request_id,
                                     final_only=message.final_only,
-                                    detokenize=message.detokenize)
+                                    detokenize=message.detokenize, **self._add_options)
         except ValueError as exc:  # the client checked the same limits: a bug
             self.outbox.failed(f"the engine rejected {message.request_id}: {exc}",
                                [message.request_id])

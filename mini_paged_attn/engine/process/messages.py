@@ -9,7 +9,9 @@ stopped for good, or could not start).
 In one process the payload objects travel as they are; between processes :func:`encode` /
 :func:`decode` turn them into bytes as ``(kind, fields)`` pickles. Pickle rather than a schema
 codec: ``Ready`` carries the tokenizer and ``AddRequest`` the ``SamplingParams`` as they are, and
-the per-step deltas are small tuples that pickle about as fast as anything else would.
+the per-step output deltas are plain tuples of lists, strings and numbers (``engine/deltas.py``),
+which pickle in C without a Python call per object, as fast as ``marshal`` writes them
+(docs/performance-notes.md, "Start-up and the engine process's per-step outputs").
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from __future__ import annotations
 import enum
 import pickle
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, NamedTuple, Union
+from typing import Any, ClassVar, Union
 
 from ...models.load_progress import LoadEvent
-from ..outputs import EngineStats, RequestMetrics
+from ..deltas import CompletionDelta, OutputDelta
+from ..outputs import EngineStats
 from ..sampling_params import SamplingParams
 
 
@@ -89,40 +92,13 @@ class Ready:
     kind: ClassVar[MessageKind] = MessageKind.READY
 
 
-class CompletionDelta(NamedTuple):
-    """What changed in one completion since the last delta of its request.
-
-    The text edit is ``text[:keep] + suffix`` (a stop string may cut text already sent); both
-    are empty when the core does not make the text.
-    """
-
-    index: int
-    keep: int
-    suffix: str
-    new_token_ids: list[int]
-    finish_reason: str | None
-    cumulative_logprob: float | None
-    new_logprobs: list[dict[int, float]] | None
-    stop_reason: str | int | None = None
-
-
-class OutputDelta(NamedTuple):
-    """One ``RequestOutput`` as what changed since the last delta of its request
-    (``prompt_logprobs``: in the request's first delta only, where it is complete)."""
-
-    request_id: str
-    completions: list[CompletionDelta]
-    finished: bool
-    metrics: RequestMetrics
-    prompt_logprobs: list | None = None
-
-
 @dataclass(frozen=True)
 class Outputs:
-    """One step: its outputs, the engine's stats after it, and how many ``AddRequest`` messages
-    the core had received by then (the client counts the others as waiting)."""
+    """One step: its output deltas (plain tuples laid out as :class:`OutputDelta`), the
+    engine's stats after it, and how many ``AddRequest`` messages the core had received by then
+    (the client counts the others as waiting)."""
 
-    deltas: list[OutputDelta]
+    deltas: list[tuple]
     stats: EngineStats
     adds_seen: int
     kind: ClassVar[MessageKind] = MessageKind.OUTPUTS

@@ -3,9 +3,15 @@
 :class:`MPEngineClient` starts the child, validates each request with the child's own limits
 (:class:`~mini_paged_attn.engine.admission.Admission`) before sending it, so a bad request still
 fails at once with a ``ValueError`` and nothing is queued, and rebuilds cumulative
-``RequestOutput`` objects from the child's per-step deltas on its output thread, making the text
-here from the token ids where the child sent none (detokenizing was ~60% of the engine's host
-work per step at 64 requests: here it runs off the engine's interpreter lock).
+``RequestOutput`` objects from the output deltas the child's engine makes (``engine/deltas.py``)
+on its output thread, making the text here from the token ids where the child sent none
+(detokenizing was ~60% of the engine's host work per step at 64 requests: here it runs off the
+engine's interpreter lock).
+
+The rebuilt outputs are the engine's cumulative ones, but for their metrics: the child sends a
+request's metrics in its first and its finished delta only, so a running request's outputs
+carry those of its first output (arrival, scheduling and first-token times, cached prompt
+tokens), and the finished output all of them.
 """
 
 from __future__ import annotations
@@ -17,12 +23,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...models.load_progress import ProgressCallback
-from ..outputs import CompletionOutput, EngineStats, GrowingListView, RequestOutput
+from ..outputs import (CompletionOutput, EngineStats, GrowingListView, RequestMetrics,
+                       RequestOutput)
 from ..sampling_params import SamplingParams
 from .child import CoreLaunch
 from .client import ClientBookkeeping
-from .messages import (AbortRequest, AddRequest, EngineDead, Loading, Message, OutputDelta,
-                       Outputs, Ready, Shutdown, StepFailed, decode, encode)
+from .messages import (AbortRequest, AddRequest, EngineDead, Loading, Message, Outputs, Ready,
+                       Shutdown, StepFailed, decode, encode)
 from .spawn import EngineProcess
 
 logger = logging.getLogger(__name__)
@@ -44,6 +51,7 @@ class _Rebuilt:
     tokens: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, list] = field(default_factory=dict)
     prompt_logprobs: list | None = None
+    metrics: RequestMetrics | None = None     # the latest the engine sent
 
     def text_of(self, index: int, keep: int, suffix: str, new_ids: list[int],
                 reason: str | None, tokenizer: Any) -> str:
@@ -62,10 +70,13 @@ class _Rebuilt:
             det.flush()
         return det.text
 
-    def rebuild(self, delta: OutputDelta, tokenizer: Any) -> RequestOutput:
+    def rebuild(self, delta: tuple, tokenizer: Any) -> RequestOutput:
+        """The request's cumulative output after ``delta`` (laid out as
+        :class:`~mini_paged_attn.engine.deltas.OutputDelta`)."""
+        request_id, completions, finished, metrics, prompt_logprobs = delta
         outs = []
         for (index, keep, suffix, new_ids, reason, cum_logprob, new_logprobs,
-             stop_reason) in delta.completions:
+             stop_reason) in completions:
             text = self.text_of(index, keep, suffix, new_ids, reason, tokenizer)
             tokens = self.tokens.setdefault(index, [])
             tokens += new_ids
@@ -78,10 +89,12 @@ class _Rebuilt:
             outs.append(CompletionOutput(index, text, GrowingListView(tokens, 0, len(tokens)),
                                          reason, cum_logprob, logprobs,
                                          stop_reason=stop_reason))
-        if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = delta.prompt_logprobs
-        return RequestOutput(delta.request_id, self.prompt, self.prompt_token_ids, outs,
-                             delta.finished, delta.metrics, self.prompt_logprobs)
+        if prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs
+        if metrics is not None:
+            self.metrics = metrics
+        return RequestOutput(request_id, self.prompt, self.prompt_token_ids, outs, finished,
+                             self.metrics, self.prompt_logprobs)
 
 
 def _import_tokenizer_modules() -> None:
@@ -244,12 +257,14 @@ class MPEngineClient(ClientBookkeeping):
             self._stats, self._seen_adds = message.stats, message.adds_seen
             outputs = []
             for delta in message.deltas:
-                state = self._live.get(delta.request_id)
+                request_id = delta[0]
+                state = self._live.get(request_id)
                 if state is None:  # aborted here after the child had stepped it
                     continue
-                outputs.append(state.rebuild(delta, self.tokenizer))
-                if delta.finished:
-                    del self._live[delta.request_id]
+                output = state.rebuild(delta, self.tokenizer)
+                outputs.append(output)
+                if output.finished:
+                    del self._live[request_id]
         handler = self._handler
         if handler is not None and outputs:
             handler.on_outputs(outputs)
