@@ -75,7 +75,7 @@ def test_vllm_dtype_names(text, dtype):
     (["--dtype", "int8"], "--dtype"), (["--gpu-memory-utilization", "1.5"],
                                        "--gpu-memory-utilization"),
     (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
-    (["--tool-call-parser", "mistral"], "--tool-call-parser"),
+    (["--tool-call-parser", "granite"], "--tool-call-parser"),
 ])
 def test_bad_values_are_usage_errors_naming_the_option(argv, option, capsys):
     with pytest.raises(SystemExit) as exc:
