@@ -91,7 +91,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``flash_attn_with_kvcache`` (same positional order and defaults; forward only).
 
     Args:
-        q: ``[batch, seqlen_q, num_heads, head_size]``, fp16 / bf16 / fp32.
+        q: ``[batch, seqlen_q, num_heads, head_size]``, fp16 / bf16 / fp32 (a strided last
+            dim is copied, as FlashAttention does; so are k and v's).
         k_cache, v_cache: ``[batch_cache, seqlen_cache, num_kv_heads, head_size]``, or with
             ``block_table`` paged ``[num_blocks, page_size, num_kv_heads, head_size]`` (any
             page size; FlashAttention wants multiples of 256); q's dtype and device, last dim
@@ -158,6 +159,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if chosen == "torch":
         check_kvcache_values(call, cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
 
+    # FlashAttention copies a q, k or v whose last dim is strided rather than refusing it.
+    q, k, v = (x if x is None or x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     q_rows = q.reshape(call.batch * call.seqlen_q, call.num_heads, call.head_size)
     if k is not None:
         k_rows = k.reshape(-1, call.num_kv_heads, call.head_size)

@@ -224,6 +224,7 @@ def _bad_calls(case):
         ("k_cache", dict(k_cache=case["k_cache"].double())),
         ("v_cache", dict(v_cache=case["v_cache"][:, :-1])),
         ("k", dict(k=k[:, :, :1])),
+        ("k", dict(k=k.to("meta"))),                       # another device
         ("v", dict(v=None)),
         ("cache_seqlens", dict(cache_seqlens=case["seqlens"].long())),
         ("cache_seqlens", dict(cache_seqlens=None)),
@@ -241,7 +242,7 @@ def _bad_calls(case):
     ]
 
 
-@pytest.mark.parametrize("index", range(17))
+@pytest.mark.parametrize("index", range(18))
 def test_bad_arguments_raise_before_anything_is_written(index):
     case = make_case(seqlens=(5, 0, 17), seed=6)
     name, bad = _bad_calls(case)[index]
@@ -270,6 +271,20 @@ def test_torch_backend_checks_values_before_writing(name, bad):
     with pytest.raises(ValueError, match=f"^{name}: expected"):
         flash_attn_with_kvcache(**args)
     same(args["k_cache"], before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_inputs_are_copied(backend):
+    case = make_case(seqlens=(5, 0, 17), seed=8)
+    strided = {n: torch.stack([case[n], case[n]], dim=-1)[..., 0] for n in ("q", "k", "v")}
+    assert strided["q"].stride(-1) == 2
+    outs = []
+    for inputs in (strided, case):
+        k_cache, v_cache = case["k_cache"].clone(), case["v_cache"].clone()
+        outs.append(flash_attn_with_kvcache(inputs["q"], k_cache, v_cache, inputs["k"],
+                                            inputs["v"], cache_seqlens=case["seqlens"],
+                                            causal=True, backend=backend))
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
 
 
 def test_alibi_raises_not_implemented():
