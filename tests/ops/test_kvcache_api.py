@@ -179,15 +179,18 @@ def test_paged_cache_append(seqlen_q, dtype, backend):
     rows = torch.arange(3, dtype=torch.int32)
     for name in ("k_cache", "v_cache"):
         case[name] = poison(case[name], rows, case["seqlens"])
-    want, want_lse, want_k, want_v = reference(case, rows, causal=True)
+    interleaved = seqlen_q == 1
+    want, want_lse, want_k, want_v = reference(case, rows, causal=True, rotary=True,
+                                               interleaved=interleaved)
     # One seed for all four: the same shuffled blocks.
     (k_pool, table), (v_pool, _), (want_k_pool, _), (want_v_pool, _) = (
         to_pages(c, page, torch.Generator().manual_seed(7))
         for c in (case["k_cache"], case["v_cache"], want_k, want_v))
     before = k_pool.clone()
     out, lse = flash_attn_with_kvcache(
-        case["q"], k_pool, v_pool, case["k"], case["v"], cache_seqlens=case["seqlens"],
-        block_table=table, causal=True, return_softmax_lse=True, backend=backend)
+        case["q"], k_pool, v_pool, case["k"], case["v"], case["cos"], case["sin"],
+        cache_seqlens=case["seqlens"], block_table=table, causal=True,
+        rotary_interleaved=interleaved, return_softmax_lse=True, backend=backend)
     check(out, lse, want, want_lse, dtype)
     check_cache(k_pool, want_k_pool, before)
     same(v_pool, want_v_pool)
