@@ -4,7 +4,11 @@ checked entry point each.
 - :func:`paged_decode`, :func:`paged_prefill`, :func:`store_kv`: the paged attention ops, over
   an fp8 (e4m3) KV cache too (``k_scale`` / ``v_scale``), run through an attention backend
   (:mod:`.attention`); :func:`resolve_backend` is the rule every op family shares.
-- :func:`flash_attn_varlen_func`: FlashAttention's function of that name.
+- FlashAttention's inference API as drop-ins over these kernels (forward only):
+  :func:`flash_attn_varlen_func`, :func:`flash_attn_func`, the packed
+  :func:`flash_attn_qkvpacked_func`, :func:`flash_attn_kvpacked_func`,
+  :func:`flash_attn_varlen_qkvpacked_func`, :func:`flash_attn_varlen_kvpacked_func`, and
+  :func:`flash_attn_with_kvcache` (rotary, in-place append, paged or not).
 - Attention variants for every op and backend: sliding windows (``window_size``), logit
   soft-capping (``softcap``) and attention sinks (``sinks``).
 - :func:`merge_attention_states`: the online-softmax combine of two partial results.
@@ -26,8 +30,14 @@ from .merge import merge_attention_states
 from .moe import fused_moe
 from .sample import sample_tokens
 from .varlen import flash_attn_varlen_func
+from .flash_api import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                        flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
+from .kvcache_api import flash_attn_with_kvcache
 
 __all__ = ["paged_decode", "paged_prefill", "store_kv", "flash_attn_varlen_func",
+           "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
+           "flash_attn_with_kvcache",
            "merge_attention_states", "num_splits_heuristic", "explain_decode",
            "resolve_backend", "rms_norm", "apply_rotary", "KVWrite", "silu_and_mul",
            "fused_moe", "sample_tokens", "linear", "SplitKWorkspace"]

@@ -36,7 +36,7 @@ from .variants import check_sinks, check_softcap, check_window
 _CONTIGUOUS_RUNS = LaunchCache()
 
 
-def _not_implemented(dropout_p, alibi_slopes, return_attn_probs) -> None:
+def _not_implemented(dropout_p, alibi_slopes) -> None:
     if not is_number(dropout_p) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
     if dropout_p > 0:
@@ -44,9 +44,6 @@ def _not_implemented(dropout_p, alibi_slopes, return_attn_probs) -> None:
                                   "(inference only); pass dropout_p=0.0")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes: ALiBi is not implemented; pass None")
-    if return_attn_probs:
-        raise NotImplementedError("return_attn_probs=True: returning attention probabilities "
-                                  "is not implemented")
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -68,8 +65,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             caches ``[num_blocks, block_size, num_kv_heads, head_size]``; q's dtype and device.
         cu_seqlens_q, cu_seqlens_k: int32 ``[num_seqs + 1]``, cumulative lengths from 0.
         max_seqlen_q, max_seqlen_k: ints, at least the longest q / k length (launch bounds).
-        dropout_p, alibi_slopes, return_attn_probs: only their defaults (0.0, None, False)
-            are implemented; other values raise NotImplementedError naming the option.
+        dropout_p, alibi_slopes: only their defaults (0.0, None) are implemented; other
+            values raise NotImplementedError naming the option.
         softmax_scale: default ``head_size ** -0.5``.
         causal: bottom-right aligned causal mask.
         window_size: ``(left, right)`` ints >= -1 (-1: unbounded): query row ``t`` of a
@@ -78,6 +75,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             window are never read.
         softcap: ``>= 0``; scores become ``softcap * tanh(scores / softcap)`` (0: off).
         deterministic: accepted and ignored (the forward pass is deterministic).
+        return_attn_probs: also return the softmax's log-sum-exp and FlashAttention's
+            ``S_dmask``, which it returns only under dropout: None here (dropout is 0).
         block_table: int32 ``[num_seqs, max_blocks_per_seq]`` for paged K/V, else None.
         sinks: keyword only; None or float32 ``[num_q_heads]`` on q's device, a per-head logit
             that joins the softmax denominator only (see :mod:`.variants`).
@@ -85,7 +84,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             to its backend object on a cache miss.
 
     Returns:
-        out ``[total_q, num_q_heads, head_size]`` in q's dtype.
+        out ``[total_q, num_q_heads, head_size]`` in q's dtype; with ``return_attn_probs``
+        the triple ``(out, softmax_lse, None)``: ``softmax_lse`` float32 ``[num_q_heads,
+        total_q]``, contiguous (FlashAttention's varlen layout), the natural log-sum-exp of
+        each row's scaled (and soft-capped) scores, the sink included where ``sinks`` is
+        given. A row that sees no key gets ``-inf`` (log 0, what FlashAttention 3 writes and
+        :func:`~mini_paged_attn.ops.merge.merge_attention_states` takes; FlashAttention 2
+        writes ``+inf`` there), or its head's sink.
 
     Raises:
         ValueError: bad shapes, dtypes, devices, window, softcap or sinks (and, for the torch
@@ -116,7 +121,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                      cu_seqlens_q.data_ptr(), cu_k, q_ptr if sinks is None else sinks.data_ptr()),
                     launch.stream()):
                 return out
-    _not_implemented(dropout_p, alibi_slopes, return_attn_probs)
+    _not_implemented(dropout_p, alibi_slopes)
+    check_bool("return_attn_probs", return_attn_probs)
     window_size = check_window(window_size)
     softcap = check_softcap(softcap)
     max_seqlen_q = non_negative_int("max_seqlen_q", max_seqlen_q)
@@ -143,8 +149,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         impl.check_varlen_lengths(cu_seqlens_q, cu_seqlens_k, q.shape[0], None, max_seqlen_q,
                                   max_seqlen_k)
         context_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
-        return paged_prefill(q, k, v, block_table, cu_seqlens_q, context_lens, causal=causal,
-                             scale=scale, backend=backend, max_seqlen_q=max_seqlen_q, **variant)
+        result = paged_prefill(q, k, v, block_table, cu_seqlens_q, context_lens, causal=causal,
+                               scale=scale, backend=backend, max_seqlen_q=max_seqlen_q,
+                               return_lse=return_attn_probs, **variant)
+        if not return_attn_probs:
+            return result
+        out, lse = result
+        # paged_prefill's lse is [total_q, num_q_heads]; FlashAttention's varlen layout is
+        # its transpose, contiguous.
+        return out, lse.t().contiguous(), None
 
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=q.device)
     check_tensor("v", v, ndim=3, dtypes=(q.dtype,), device=q.device)
@@ -158,9 +171,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise ValueError(f"q: expected num_q_heads divisible by num_kv_heads={k.shape[1]} "
                          f"(k's heads), got num_q_heads={num_q_heads}")
     impl = backend_for_call(backend, q.device, head_size, q.dtype)
+    # FlashAttention's [num_q_heads, total_q] lse; the kernels write it through its
+    # transposed view (they take the lse's strides), so it needs no copy.
+    lse = (torch.empty(num_q_heads, q.shape[0], dtype=torch.float32, device=q.device)
+           if return_attn_probs else None)
     out, launch = impl.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               causal=causal, scale=scale, window=window_size, softcap=softcap,
-                              sinks=sinks)
+                              sinks=sinks, lse=None if lse is None else lse.t())
+    if return_attn_probs:
+        return out, lse, None
     # Keyed on the tensors as given: only a launch on them (no copy made) is repeatable.
     if launch is not None and key is not None and all(a is b for a, b in zip((q, k, v), given)):
         _CONTIGUOUS_RUNS.put(key, launch)

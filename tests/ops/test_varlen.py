@@ -125,7 +125,6 @@ def test_seed_003_script_passes(capsys):
 @pytest.mark.parametrize("option, kwargs", [
     ("dropout_p", dict(dropout_p=0.1)),
     ("alibi_slopes", dict(alibi_slopes=torch.ones(8))),
-    ("return_attn_probs", dict(return_attn_probs=True)),
 ])
 def test_unimplemented_options_raise_naming_the_option(option, kwargs):
     q, k, v, cu_q, cu_k = make_varlen([3], [3])

@@ -98,15 +98,19 @@ class TorchBackend(AttentionBackend):
                          "max_seqlen_k", max_seqlen_k)
 
     def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-               causal, scale, window, softcap, sinks):
+               causal, scale, window, softcap, sinks, lse=None):
         """``flash_attn_varlen_func`` over contiguous K/V after its checks (arguments as
-        documented there), the lengths' values checked here. Returns ``(out, None)``: out
-        ``[total_q, num_q_heads, head_size]`` in q's dtype, nothing to repeat."""
+        documented there), the lengths' values checked here; ``lse``: None or a float32
+        ``[total_q, num_q_heads]`` tensor (any strides) the log-sum-exp is written into.
+        Returns ``(out, None)``: out ``[total_q, num_q_heads, head_size]`` in q's dtype,
+        nothing to repeat."""
         self.check_varlen_lengths(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
                                   max_seqlen_q, max_seqlen_k)
-        out, _ = reference.varlen_attention_contiguous(
+        out, row_lse = reference.varlen_attention_contiguous(
             q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale,
             window_size=window, softcap=softcap, sinks=sinks)
+        if lse is not None:
+            lse.copy_(row_lse)
         return out.to(q.dtype), None
 
     def check_store_slots(self, slot_mapping, num_slots) -> None:

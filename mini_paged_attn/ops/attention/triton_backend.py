@@ -154,16 +154,17 @@ class TritonBackend(AttentionBackend):
         return out, lse, launch
 
     def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-               causal, scale, window, softcap, sinks):
+               causal, scale, window, softcap, sinks, lse=None):
         """``flash_attn_varlen_func`` over contiguous K/V (arguments as documented there;
-        last dims contiguous). Returns ``(out, launch or None)``: out ``[total_q,
+        last dims contiguous; ``lse`` None or float32 ``[total_q, num_q_heads]``, any
+        strides, written). Returns ``(out, launch or None)``: out ``[total_q,
         num_q_heads, head_size]`` in q's dtype, contiguous."""
         from ..prefill import triton_varlen_contiguous
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         launch = triton_varlen_contiguous(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                           max_seqlen_k, causal=causal, scale=scale, out=out,
-                                          window_size=window, softcap=softcap, sinks=sinks,
-                                          hopper=self._hopper_prefill)
+                                          lse=lse, window_size=window, softcap=softcap,
+                                          sinks=sinks, hopper=self._hopper_prefill)
         return out, launch
 
     def store_kv(self, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale):
