@@ -10,6 +10,14 @@ are freed (full blocks stay in the prefix cache, so its recompute is mostly hits
 the front of the waiting queue. The oldest running sequence can always proceed, since every
 request fits the pool alone (checked at submission), so the scheduler never deadlocks.
 
+A paused request (:meth:`Scheduler.set_paused`: its consumer takes none of its output, e.g. a
+stream whose client stopped reading) gets no tokens: its running sequences keep their blocks but
+are skipped, its waiting ones are passed over at admission (the others keep their order), and
+when blocks run out (or seats, for a waiting sequence) the newest paused running sequence is
+preempted before any sequence that computes. So the scheduler still always makes progress on
+the requests that are not paused, and a request nobody reads costs them neither compute nor,
+under pressure, memory or seats.
+
 Under a sliding window (``KVCacheManager.sliding_window``) a sequence gives back the blocks left
 of its window after every step, and "fits the pool alone" means one window: a prompt chunk is
 then also capped at what the pool holds next to the window (``KVCacheManager.chunk_limit``).
@@ -119,6 +127,20 @@ class Scheduler:
                 self.finish_sequence(seq, FinishReason.ABORT)
         return request
 
+    def set_paused(self, request_id: str, paused: bool) -> Request | None:
+        """Pause a request (its sequences get no tokens from the next :meth:`schedule` on, and
+        keep their blocks unless preempted) or resume it. A request whose consumer takes none
+        of its output should not be given compute: that is what pausing is for.
+
+        Returns the request, or None if it is unknown or already finished.
+        """
+        if not isinstance(paused, bool):
+            raise ValueError(f"paused: expected a bool, got {paused!r}")
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.paused = paused
+        return request
+
     def finish_sequence(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence now (e.g. the engine matched a stop string): free its blocks."""
         if seq.is_finished:
@@ -168,16 +190,22 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
+            if seq.request.paused:
+                i += 1
+                continue
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if windowed:
                 n = min(n, kv.chunk_limit(seq.num_computed_tokens))
             assert n > 0, seq
             copies = kv.allocate_slots(seq, n)
             while copies is None:
-                victim = running.pop()
+                at = self._victim_index()
+                victim = running.pop(at)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
+                if at < i:      # a paused one before seq: it was not scheduled this step
+                    i -= 1
                 copies = kv.allocate_slots(seq, n)
             if copies is None:
                 break
@@ -190,19 +218,43 @@ class Scheduler:
             self._admit(out, budget)
         return out
 
+    def _victim_index(self) -> int:
+        """Which running sequence to preempt: the newest paused one (it computes nothing, so
+        freeing its blocks delays no one), else the newest."""
+        running = self.running
+        for at in range(len(running) - 1, -1, -1):
+            if running[at].request.paused:
+                return at
+        return len(running) - 1
+
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv
+        waiting = self.waiting
         seats = sum(self._seats(s) for s in self.running)
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        at = 0      # paused sequences before it are passed over, keeping their places
+        while at < len(waiting) and budget > 0:
+            seq = waiting[at]
+            if seq.request.paused:
+                at += 1
+                continue
             if seats + self._seats(seq) > self.config.max_num_seqs:
-                break
+                victim = self._preempt_paused(out)
+                if victim is None:
+                    break
+                seats -= self._seats(victim)
+                at += 1     # the victim went to the front of the queue
+                continue
             hit = kv.find_cached_prefix(seq)
             n = min(seq.num_tokens - hit.num_tokens, budget, kv.chunk_limit(hit.num_tokens))
             copies = kv.allocate_slots(seq, n, hit)
             if copies is None:
-                break
-            self.waiting.popleft()
+                victim = self._preempt_paused(out)
+                if victim is None:
+                    break
+                seats -= self._seats(victim)
+                at += 1
+                continue
+            del waiting[at]
             if seq.request.first_scheduled_time is None:   # the prompt's first admission
                 kv.record_lookup(seq.num_tokens, hit.num_tokens)
                 seq.request.first_scheduled_time = time.time()
@@ -211,6 +263,17 @@ class Scheduler:
             seats += self._seats(seq)
             self._add(out, seq, n, copies)
             budget -= n
+
+    def _preempt_paused(self, out: SchedulerOutput) -> Sequence | None:
+        """Preempt the newest paused running sequence, so that a request that computes can be
+        admitted in the seats and blocks it held; None if none is paused."""
+        running = self.running
+        for at in range(len(running) - 1, -1, -1):
+            if running[at].request.paused:
+                victim = running.pop(at)
+                self._preempt(victim, out)
+                return victim
+        return None
 
     def _add(self, out: SchedulerOutput, seq: Sequence, n: int, copies: list) -> None:
         # (Called for every sequence of every step: plain attribute reads, no properties.)

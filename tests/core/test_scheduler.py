@@ -101,6 +101,63 @@ def test_abort_frees_blocks_in_any_state():
     assert_all_free(sched)
 
 
+def test_a_paused_request_gets_no_tokens_and_keeps_its_blocks():
+    sched, device = make_scheduler(32, 4)
+    rng = random.Random(5)
+    a = submit(sched, "a", range(1, 6), max_tokens=6)
+    b = submit(sched, "b", range(10, 15), max_tokens=6)
+    step(sched, device, rng)
+    blocks = list(a.sequences[0].block_ids)
+    assert sched.set_paused("a", True) is a
+    for _ in range(3):
+        out = step(sched, device, rng)
+        assert [s.request.request_id for s in out.seqs] == ["b"]
+    assert a.sequences[0].block_ids == blocks and a.sequences[0].num_output_tokens == 1
+    sched.set_paused("a", False)
+    assert [s.request.request_id for s in step(sched, device, rng).seqs] == ["a", "b"]
+    drain(sched, device, rng)
+    assert [r.sequences[0].num_output_tokens for r in (a, b)] == [6, 6]
+    assert sched.set_paused("a", True) is None      # finished: unknown
+    assert_all_free(sched)
+
+
+def test_a_paused_sequence_is_preempted_before_one_that_computes():
+    # 6 blocks of 2 tokens: a (older, paused) and b cannot both grow to 10 tokens.
+    sched, device = make_scheduler(6, 2, prefix_caching=False)
+    rng = random.Random(6)
+    a = submit(sched, "a", [1, 2, 3, 4, 5], max_tokens=6)
+    b = submit(sched, "b", [6, 7, 8, 9, 10], max_tokens=6)
+    step(sched, device, rng)
+    sched.set_paused("a", True)
+    preempted = []
+    while not b.is_finished:
+        out = step(sched, device, rng)
+        check_blocks(sched)
+        preempted += [s.request.request_id for s in out.preempted]
+    assert preempted == ["a"] and b.sequences[0].num_output_tokens == 6
+    sched.set_paused("a", False)
+    drain(sched, device, rng)
+    assert a.sequences[0].num_output_tokens == 6
+    assert_all_free(sched)
+
+
+def test_paused_requests_holding_every_seat_make_room_for_a_waiting_one():
+    sched, device = make_scheduler(64, 4, max_num_seqs=2)
+    rng = random.Random(7)
+    submit(sched, "a", range(1, 5), max_tokens=8, n=2)
+    step(sched, device, rng)
+    sched.set_paused("a", True)
+    c = submit(sched, "c", range(20, 24), max_tokens=3)
+    out = step(sched, device, rng)      # one seat is enough: one sample of a goes
+    assert [s.request.request_id for s in out.preempted] == ["a"]
+    assert [s.request.request_id for s in out.seqs] == ["c"]
+    while not c.is_finished:
+        assert [s.request.request_id for s in step(sched, device, rng).seqs] == ["c"]
+    sched.set_paused("a", False)
+    drain(sched, device, rng)
+    assert_all_free(sched)
+
+
 class PlainSchedulerMachine(SchedulerMachine):
     """Random submit / step / failed step / stop / abort without a window: blocks are never
     leaked, progress is always made, and every sequence always reads its own tokens from the
