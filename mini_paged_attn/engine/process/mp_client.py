@@ -23,7 +23,8 @@ from ..sampling_params import SamplingParams
 from .child import CoreLaunch, run_core_process
 from .client import ClientBookkeeping
 from .messages import (AbortRequest, AddRequest, EngineDead, Loading, Message, OutputDelta,
-                       Outputs, Ready, Shutdown, StepFailed, decode, encode)
+                       Outputs, PauseRequest, Ready, Shutdown, StepFailed, decode,
+                       encode)
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +193,12 @@ class MPEngineClient(ClientBookkeeping):
         if known:
             self._send(AbortRequest(request_id))
         return known
+
+    def pause_request(self, request_id: str, paused: bool = True) -> bool:
+        if not self._is_live(request_id, paused):
+            return False
+        self._send(PauseRequest(request_id, paused))
+        return True
 
     def _new_state(self, params: SamplingParams, text: str | None, ids: list[int]) -> _Rebuilt:
         return _Rebuilt(text, ids, None if _engine_text(params) else {})
