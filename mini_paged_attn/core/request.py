@@ -72,6 +72,8 @@ class Sequence:
     # A full block whose prefix-cache registration waits for its last token, a
     # PLACEHOLDER_TOKEN when it was allocated (see KVCacheManager.register_deferred).
     deferred_block: int | None = None
+    # Steps in a row the context budget left it out of (``core/context_budget.py``).
+    num_deferred: int = 0
 
     @property
     def awaits_token(self) -> bool:

@@ -18,6 +18,10 @@ preempted before any sequence that computes. So the scheduler still always makes
 the requests that are not paused, and a request nobody reads costs them neither compute nor,
 under pressure, memory or seats.
 
+With ``SchedulerConfig.max_num_batched_context_tokens`` a step's running sequences attend over
+that many KV tokens at most, shortest context first (``core/context_budget.py``): long requests
+then take turns instead of slowing every step of the short ones.
+
 Under a sliding window (``KVCacheManager.sliding_window``) a sequence gives back the blocks left
 of its window after every step, and "fits the pool alone" means one window: a prompt chunk is
 then also capped at what the pool holds next to the window (``KVCacheManager.chunk_limit``).
@@ -31,21 +35,32 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from .args import positive_int
+from .context_budget import context_cost, defer_for_context
 from .kv_cache_manager import KVCacheManager
 from .request import PLACEHOLDER_TOKEN, FinishReason, Request, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one step and of one sequence."""
+    """Limits of one step and of one sequence.
+
+    ``max_num_batched_context_tokens``: the most KV tokens a step's running sequences may
+    attend over, summed (see ``core/context_budget.py``: shortest context first, the long
+    ones in turn); None: no bound. Admissions are not counted: a new request's prefill is
+    bounded by ``max_num_batched_tokens`` alone.
+    """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
+    max_num_batched_context_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             object.__setattr__(self, name, positive_int(name, getattr(self, name)))
+        if self.max_num_batched_context_tokens is not None:
+            object.__setattr__(self, "max_num_batched_context_tokens", positive_int(
+                "max_num_batched_context_tokens", self.max_num_batched_context_tokens))
 
 
 @dataclass
@@ -187,10 +202,11 @@ class Scheduler:
         # 1. Running sequences, oldest first; preempt from the newest end when blocks run out.
         running = self.running
         windowed = kv.sliding_window is not None
+        deferred = self._deferred_for_context()
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            if seq.request.paused:
+            if seq.request.paused or seq.seq_id in deferred:
                 i += 1
                 continue
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
@@ -199,12 +215,12 @@ class Scheduler:
             assert n > 0, seq
             copies = kv.allocate_slots(seq, n)
             while copies is None:
-                at = self._victim_index()
+                at = self._victim_index(deferred)
                 victim = running.pop(at)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-                if at < i:      # a paused one before seq: it was not scheduled this step
+                if at < i:      # one before seq left out of this step: it was not scheduled
                     i -= 1
                 copies = kv.allocate_slots(seq, n)
             if copies is None:
@@ -218,13 +234,29 @@ class Scheduler:
             self._admit(out, budget)
         return out
 
-    def _victim_index(self) -> int:
+    def _deferred_for_context(self) -> Collection[int]:
+        """The ids of the running sequences the context budget leaves out of this step."""
+        limit = self.config.max_num_batched_context_tokens
+        if limit is None:
+            return ()
+        tokens, window = self.config.max_num_batched_tokens, self.kv.sliding_window
+        candidates = [s for s in self.running if not s.request.paused]
+        costs = [context_cost(s, min(len(s.token_ids) - s.num_computed_tokens, tokens), window)
+                 for s in candidates]
+        return defer_for_context(candidates, costs, limit)
+
+    def _victim_index(self, deferred: Collection[int]) -> int:
         """Which running sequence to preempt: the newest paused one (it computes nothing, so
-        freeing its blocks delays no one), else the newest."""
+        freeing its blocks delays no one), else the newest the context budget left out of
+        this step (it computes nothing now either), else the newest."""
         running = self.running
         for at in range(len(running) - 1, -1, -1):
             if running[at].request.paused:
                 return at
+        if deferred:
+            for at in range(len(running) - 1, -1, -1):
+                if running[at].seq_id in deferred:
+                    return at
         return len(running) - 1
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
@@ -296,6 +328,7 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_cached_tokens = 0
+        seq.num_deferred = 0
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         out.released_seq_ids.append(seq.seq_id)

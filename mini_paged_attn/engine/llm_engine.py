@@ -75,7 +75,8 @@ class LLMEngine:
         self.runner.build_cache(self.kv_manager)
         self.cache = self.runner.cache
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
+                            config.max_num_batched_context_tokens),
             self.kv_manager)
         self.output_processor = OutputProcessor(tokenizer)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)

@@ -54,10 +54,12 @@ class SimDevice:
 
 
 def make_scheduler(num_blocks, block_size, window=None, *, max_num_seqs=8,
-                   max_num_batched_tokens=64, max_model_len=256, prefix_caching=True):
+                   max_num_batched_tokens=64, max_model_len=256, prefix_caching=True,
+                   max_num_batched_context_tokens=None):
     """A scheduler over a fresh pool of ``num_blocks`` blocks, and its simulated device."""
     kv = KVCacheManager(BlockManager(num_blocks), block_size, prefix_caching, window)
-    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
+    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
+                             max_num_batched_context_tokens)
     return Scheduler(config, kv), SimDevice(num_blocks, block_size, window)
 
 
@@ -164,9 +166,20 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, stop_prob):
         sched = self.sched
         unpaused = any(not r.paused for r in sched.requests.values())
+        was_running = {s.seq_id for s in sched.running}
         out = step(sched, self.device, self.rng, stop_prob)
         assert not out.is_empty or not unpaused, "no progress with unfinished requests"
         assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
+        limit = sched.config.max_num_batched_context_tokens
+        if limit is not None:
+            # Counted after the step: computed tokens now = context the step attended over.
+            window = sched.kv.sliding_window
+            costs = [s.num_computed_tokens if window is None
+                     else min(s.num_computed_tokens, window + n)
+                     for s, n in zip(out.seqs, out.num_new_tokens) if s.seq_id in was_running]
+            # Within the limit but for the one taking its turn (and the shortest, always).
+            assert len(costs) <= 2 or sum(costs) - max(costs) <= limit, (costs, limit)
+            assert all(s.num_deferred <= sched.config.max_num_seqs for s in sched.running)
         assert not any(s.request.paused for s in out.seqs), "a paused request computed"
         if any(not s.request.paused for s in out.preempted):
             # Paused sequences are preempted first: none may be left holding blocks.
