@@ -2,7 +2,7 @@
 KV kept) once its unsent output passes ``max_unsent_tokens``, and runs on when the client
 reads again; an ordinary client beside it is served meanwhile.
 
-Raw sockets with small buffers, so the test decides when the peer reads; every wait is
+Raw sockets with a small receive buffer, so the test decides when the peer reads; every wait is
 bounded by a socket timeout or a polling deadline.
 """
 
@@ -17,6 +17,7 @@ import time
 import httpx
 import pytest
 
+from mini_paged_attn.commands.serve import bind
 from mini_paged_attn.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mini_paged_attn.server.async_client import AsyncClient
 from mini_paged_attn.server.limits import ServerLimits
@@ -29,7 +30,9 @@ MAX_TOKENS = 230
 
 @pytest.fixture(scope="module")
 def server(llm):
-    with served(llm.engine, api_key=API_KEY, limits=LIMITS, sndbuf=4096) as s:
+    # The socket `serve` listens on, kernel buffers as they come: what it bounds is what lets
+    # a stream fall behind its client at all (else the kernel queues the whole stream).
+    with served(llm.engine, api_key=API_KEY, limits=LIMITS, sock=bind("127.0.0.1", 0)) as s:
         yield s
 
 
