@@ -58,7 +58,7 @@ _CANCELLED = object()
 @dataclass
 class _Route:
     """Where the outputs of one HTTP request's engine requests go (the route itself is looked
-    up under AsyncClient._lock; ``queue`` and ``latest`` are touched on ``loop`` only).
+    up under AsyncClient._lock; the other fields are touched on ``loop`` only).
 
     ``queue`` holds request ids (an output is ready), failures and the cancel mark; ``latest``
     the newest output of each request not yet taken. Outputs are cumulative, so one that
@@ -69,8 +69,8 @@ class _Route:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     latest: dict[str, RequestOutput] = field(default_factory=dict)
-    # Backpressure (None: none): the client to pause a request in, the bound, the tokens of
-    # each request's output last taken, and the requests paused for their backlog.
+    # Backpressure (no client: none): the client to pause a request in, the bound, the tokens
+    # of each request's output last taken, and the requests paused for their backlog.
     client: EngineClient | None = None
     max_unsent_tokens: int = 0
     taken: dict[str, int] = field(default_factory=dict)
