@@ -112,6 +112,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool) -> N
                         help="most requests in one batch (default 256)")
     engine.add_argument("--max-num-batched-tokens", type=positive_int, default=8192,
                         help="token budget of one step (default 8192)")
+    engine.add_argument("--max-num-batched-context-tokens", type=positive_int, default=None,
+                        help="KV tokens the running requests of one step may attend over, "
+                             "summed; past it short contexts go first and long ones take "
+                             "turns (default: no bound)")
     engine.add_argument("--no-prefix-caching", action="store_true",
                         help="turn automatic prefix caching off")
     engine.add_argument("--seed", type=int, default=0,

@@ -225,6 +225,10 @@ def read_chat_template(text: str) -> str:
     return template
 
 
+# Bytes a connection's kernel send queue may hold that were not sent yet (TCP_NOTSENT_LOWAT).
+UNSENT_SOCKET_BYTES = 64 * 1024
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port``, for the server to listen on; bound before the model
     loads, so that a busy port is said at once, and no other program can take it meanwhile.
@@ -241,6 +245,12 @@ def bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     # What uvicorn does: a port whose last server just stopped (TIME_WAIT) binds at once.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if hasattr(socket, "TCP_NOTSENT_LOWAT"):    # Linux, macOS; accepted sockets inherit it
+        # The kernel would otherwise queue megabytes a client has not read (the send buffer
+        # grows to tcp_wmem's maximum), so a stream whose client stops reading ran to its end
+        # unseen by the server's backpressure (--max-unsent-tokens) and send timeout. Bounding
+        # the unsent bytes, not the buffer (SO_SNDBUF), keeps a reading client's throughput.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, UNSENT_SOCKET_BYTES)
     try:
         sock.bind(address)
     except OSError as exc:
@@ -299,6 +309,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_batched_context_tokens=args.max_num_batched_context_tokens,
                 max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching,
                 enforce_eager=args.enforce_eager, seed=args.seed,

@@ -72,6 +72,8 @@ class Sequence:
     # A full block whose prefix-cache registration waits for its last token, a
     # PLACEHOLDER_TOKEN when it was allocated (see KVCacheManager.register_deferred).
     deferred_block: int | None = None
+    # Steps in a row the context budget left it out of (``core/context_budget.py``).
+    num_deferred: int = 0
 
     @property
     def awaits_token(self) -> bool:
@@ -127,6 +129,10 @@ class Request:
     # False: the prompt is computed in full, never served from the prefix cache (the engine
     # needs every prompt position's logits for prompt logprobs).
     uses_prefix_cache: bool = True
+    # True: its consumer has stopped taking its output (e.g. a stream whose client does not
+    # read): the scheduler gives its sequences no tokens until it is resumed; they keep their
+    # blocks, and are the first preempted when blocks run out (see ``Scheduler.set_paused``).
+    paused: bool = False
     # Wall-clock times (time.time()) for the request's metrics, set by the scheduler/engine.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

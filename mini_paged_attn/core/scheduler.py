@@ -10,6 +10,18 @@ are freed (full blocks stay in the prefix cache, so its recompute is mostly hits
 the front of the waiting queue. The oldest running sequence can always proceed, since every
 request fits the pool alone (checked at submission), so the scheduler never deadlocks.
 
+A paused request (:meth:`Scheduler.set_paused`: its consumer takes none of its output, e.g. a
+stream whose client stopped reading) gets no tokens: its running sequences keep their blocks but
+are skipped, its waiting ones are passed over at admission (the others keep their order), and
+when blocks run out (or seats, for a waiting sequence) the newest paused running sequence is
+preempted before any sequence that computes. So the scheduler still always makes progress on
+the requests that are not paused, and a request nobody reads costs them neither compute nor,
+under pressure, memory or seats.
+
+With ``SchedulerConfig.max_num_batched_context_tokens`` a step's running sequences attend over
+that many KV tokens at most, shortest context first (``core/context_budget.py``): long requests
+then take turns instead of slowing every step of the short ones.
+
 Under a sliding window (``KVCacheManager.sliding_window``) a sequence gives back the blocks left
 of its window after every step, and "fits the pool alone" means one window: a prompt chunk is
 then also capped at what the pool holds next to the window (``KVCacheManager.chunk_limit``).
@@ -23,21 +35,32 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from .args import positive_int
+from .context_budget import context_cost, defer_for_context
 from .kv_cache_manager import KVCacheManager
 from .request import PLACEHOLDER_TOKEN, FinishReason, Request, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one step and of one sequence."""
+    """Limits of one step and of one sequence.
+
+    ``max_num_batched_context_tokens``: the most KV tokens a step's running sequences may
+    attend over, summed (see ``core/context_budget.py``: shortest context first, the long
+    ones in turn); None: no bound. Admissions are not counted: a new request's prefill is
+    bounded by ``max_num_batched_tokens`` alone.
+    """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
+    max_num_batched_context_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             object.__setattr__(self, name, positive_int(name, getattr(self, name)))
+        if self.max_num_batched_context_tokens is not None:
+            object.__setattr__(self, "max_num_batched_context_tokens", positive_int(
+                "max_num_batched_context_tokens", self.max_num_batched_context_tokens))
 
 
 @dataclass
@@ -119,6 +142,20 @@ class Scheduler:
                 self.finish_sequence(seq, FinishReason.ABORT)
         return request
 
+    def set_paused(self, request_id: str, paused: bool) -> Request | None:
+        """Pause a request (its sequences get no tokens from the next :meth:`schedule` on, and
+        keep their blocks unless preempted) or resume it. A request whose consumer takes none
+        of its output should not be given compute: that is what pausing is for.
+
+        Returns the request, or None if it is unknown or already finished.
+        """
+        if not isinstance(paused, bool):
+            raise ValueError(f"paused: expected a bool, got {paused!r}")
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.paused = paused
+        return request
+
     def finish_sequence(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence now (e.g. the engine matched a stop string): free its blocks."""
         if seq.is_finished:
@@ -165,19 +202,26 @@ class Scheduler:
         # 1. Running sequences, oldest first; preempt from the newest end when blocks run out.
         running = self.running
         windowed = kv.sliding_window is not None
+        deferred = self._deferred_for_context()
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
+            if seq.request.paused or seq.seq_id in deferred:
+                i += 1
+                continue
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if windowed:
                 n = min(n, kv.chunk_limit(seq.num_computed_tokens))
             assert n > 0, seq
             copies = kv.allocate_slots(seq, n)
             while copies is None:
-                victim = running.pop()
+                at = self._victim_index(deferred)
+                victim = running.pop(at)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
+                if at < i:      # one before seq left out of this step: it was not scheduled
+                    i -= 1
                 copies = kv.allocate_slots(seq, n)
             if copies is None:
                 break
@@ -190,19 +234,59 @@ class Scheduler:
             self._admit(out, budget)
         return out
 
+    def _deferred_for_context(self) -> Collection[int]:
+        """The ids of the running sequences the context budget leaves out of this step."""
+        limit = self.config.max_num_batched_context_tokens
+        if limit is None:
+            return ()
+        tokens, window = self.config.max_num_batched_tokens, self.kv.sliding_window
+        candidates = [s for s in self.running if not s.request.paused]
+        costs = [context_cost(s, min(len(s.token_ids) - s.num_computed_tokens, tokens), window)
+                 for s in candidates]
+        return defer_for_context(candidates, costs, limit)
+
+    def _victim_index(self, deferred: Collection[int]) -> int:
+        """Which running sequence to preempt: the newest paused one (it computes nothing, so
+        freeing its blocks delays no one), else the newest the context budget left out of
+        this step (it computes nothing now either), else the newest."""
+        running = self.running
+        for at in range(len(running) - 1, -1, -1):
+            if running[at].request.paused:
+                return at
+        if deferred:
+            for at in range(len(running) - 1, -1, -1):
+                if running[at].seq_id in deferred:
+                    return at
+        return len(running) - 1
+
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv
+        waiting = self.waiting
         seats = sum(self._seats(s) for s in self.running)
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        at = 0      # paused sequences before it are passed over, keeping their places
+        while at < len(waiting) and budget > 0:
+            seq = waiting[at]
+            if seq.request.paused:
+                at += 1
+                continue
             if seats + self._seats(seq) > self.config.max_num_seqs:
-                break
+                victim = self._preempt_paused(out)
+                if victim is None:
+                    break
+                seats -= self._seats(victim)
+                at += 1     # the victim went to the front of the queue
+                continue
             hit = kv.find_cached_prefix(seq)
             n = min(seq.num_tokens - hit.num_tokens, budget, kv.chunk_limit(hit.num_tokens))
             copies = kv.allocate_slots(seq, n, hit)
             if copies is None:
-                break
-            self.waiting.popleft()
+                victim = self._preempt_paused(out)
+                if victim is None:
+                    break
+                seats -= self._seats(victim)
+                at += 1
+                continue
+            del waiting[at]
             if seq.request.first_scheduled_time is None:   # the prompt's first admission
                 kv.record_lookup(seq.num_tokens, hit.num_tokens)
                 seq.request.first_scheduled_time = time.time()
@@ -211,6 +295,17 @@ class Scheduler:
             seats += self._seats(seq)
             self._add(out, seq, n, copies)
             budget -= n
+
+    def _preempt_paused(self, out: SchedulerOutput) -> Sequence | None:
+        """Preempt the newest paused running sequence, so that a request that computes can be
+        admitted in the seats and blocks it held; None if none is paused."""
+        running = self.running
+        for at in range(len(running) - 1, -1, -1):
+            if running[at].request.paused:
+                victim = running.pop(at)
+                self._preempt(victim, out)
+                return victim
+        return None
 
     def _add(self, out: SchedulerOutput, seq: Sequence, n: int, copies: list) -> None:
         # (Called for every sequence of every step: plain attribute reads, no properties.)
@@ -233,6 +328,7 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_cached_tokens = 0
+        seq.num_deferred = 0
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         out.released_seq_ids.append(seq.seq_id)

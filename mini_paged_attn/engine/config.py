@@ -25,6 +25,10 @@ class EngineConfig:
         cpu_kv_cache_bytes: the KV budget on CPU (default 1 GiB).
         max_num_seqs: sequences in one step at most (also the largest CUDA-graph batch).
         max_num_batched_tokens: tokens in one step at most (the scheduler's budget).
+        max_num_batched_context_tokens: the KV tokens a step's running sequences may attend
+            over, summed; past it the step takes the shortest contexts first and the long ones
+            in turn (``core/context_budget.py``), so a few long requests do not slow every
+            step of the short ones. None: no bound (every running sequence, every step).
         max_model_len: prompt + generated tokens of one sequence at most; None: the model's
             max_position_embeddings.
         enable_prefix_caching: reuse the KV blocks of earlier prompts with the same prefix.
@@ -62,6 +66,7 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    max_num_batched_context_tokens: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -79,7 +84,7 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_bytes",
                      "tensor_parallel_size"):
             object.__setattr__(self, name, positive_int(name, getattr(self, name)))
-        for name in ("num_kv_blocks", "max_model_len"):
+        for name in ("num_kv_blocks", "max_model_len", "max_num_batched_context_tokens"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, positive_int(name, getattr(self, name)))
         u = self.gpu_memory_utilization

@@ -1,7 +1,7 @@
 """One call of ``LLMEngine.step()``, read top to bottom.
 
-:meth:`EngineStep.run` is the pipeline: apply the queued adds and aborts, open the step the
-previous call left in flight (:class:`~.in_flight.InFlightStep`), schedule, build the inputs
+:meth:`EngineStep.run` is the pipeline: apply the queued adds, aborts and pauses, open the step
+the previous call left in flight (:class:`~.in_flight.InFlightStep`), schedule, build the inputs
 (``ModelRunner.prepare``), launch the forward (``ModelRunner.forward``), sample, and update the
 scheduler and the outputs with the tokens. What overlaps across calls is data, not callbacks:
 the engine keeps the launched step whose tokens it has not read (``LLMEngine._in_flight``) and
@@ -93,17 +93,20 @@ class EngineStep:
         return self._report()
 
     def _apply_queued(self) -> None:
-        """The adds and aborts queued since the previous call, into the scheduler."""
+        """The adds, aborts and pauses queued since the previous call, into the scheduler."""
         engine, scheduler, touched = self.engine, self.scheduler, self.touched
         with engine._lock:
             adds, engine._pending_adds = engine._pending_adds, []
             aborts, engine._pending_aborts = engine._pending_aborts, []
+            pauses, engine._pending_pauses = engine._pending_pauses, {}
         for state in adds:
             engine._admit(state)
         for request_id in aborts:
             if scheduler.abort_request(request_id) is not None:
                 touched[request_id] = engine._states[request_id]
                 self.aborted.append(request_id)
+        for request_id, paused in pauses.items():
+            scheduler.set_paused(request_id, paused)
 
     def _open_held(self, held: InFlightStep) -> None:
         """Take the tokens of the step before ``held`` (the grammars need them), then start

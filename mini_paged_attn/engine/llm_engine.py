@@ -1,6 +1,6 @@
 """LLMEngine: requests in, one scheduler step at a time, RequestOutputs out.
 
-``add_request`` and ``abort_request`` may be called from any thread: they validate at once
+``add_request``, ``abort_request`` and ``pause_request`` may be called from any thread: they validate at once
 (errors reach the caller, nothing is queued then) and queue the change under a lock; ``step()``
 (one thread) applies the queued changes at its start, so the scheduler, the KV cache manager and
 the model runner are only ever touched by the stepping thread.
@@ -80,7 +80,8 @@ class LLMEngine:
             tokenizer = tokenizer.result()
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
+                            config.max_num_batched_context_tokens),
             self.kv_manager)
         self.output_processor = OutputProcessor(tokenizer)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
@@ -112,6 +113,8 @@ class LLMEngine:
         self._step_lock = threading.Lock()
         self._pending_adds: list[RequestState] = []
         self._pending_aborts: list[str] = []
+        self._pending_pauses: dict[str, bool] = {}     # request id -> paused, the latest wins
+        self._paused: set[str] = set()        # live request ids whose latest ask was "pause"
         self._live: set[str] = set()          # request ids pending or in the scheduler
         self._states: dict[str, RequestState] = {}
         self._ids = itertools.count()
@@ -238,9 +241,39 @@ class LLMEngine:
             self._pending_aborts.append(request_id)
             return True
 
+    def pause_request(self, request_id: str, paused: bool = True) -> bool:
+        """Pause a live request (from the next step on its sequences get no tokens and keep
+        their KV blocks, unless the scheduler needs them for a request that computes, see
+        ``core/scheduler.py``) or, with ``paused=False``, resume it. For a consumer that has
+        stopped taking the request's output, e.g. a stream whose client does not read.
+
+        Returns whether the request was known and unfinished. Thread-safe.
+        """
+        if not isinstance(paused, bool):
+            raise ValueError(f"paused: expected a bool, got {paused!r}")
+        with self._lock:
+            if request_id not in self._live:
+                return False
+            self._pending_pauses[request_id] = paused
+            if paused:
+                self._paused.add(request_id)
+            else:
+                self._paused.discard(request_id)
+            return True
+
     def has_unfinished_requests(self) -> bool:
         with self._lock:
             return bool(self._live)
+
+    def only_paused_requests(self) -> bool:
+        """Every unfinished request is paused and no change or step is pending: a step would
+        compute nothing, so whoever steps the engine may wait for a resume, an add or an abort.
+        (Stepping thread.)"""
+        with self._lock:
+            if (not self._live or self._pending_adds or self._pending_aborts
+                    or self._pending_pauses or not self._live <= self._paused):
+                return False
+        return self._in_flight is None and self._held is None and not self._carried
 
     # ---- stepping (one thread) -----------------------------------------------------------------
     def step(self, overlap: Callable[[], None] | None = None) -> list[RequestOutput]:
@@ -310,6 +343,7 @@ class LLMEngine:
             return
         with self._lock:
             self._live.difference_update(finished_ids)
+            self._paused.difference_update(finished_ids)
             # An abort queued while the request was finishing anyway must not reach a new
             # request that reuses its id.
             if self._pending_aborts:

@@ -200,7 +200,9 @@ def build_app(engine: LLMEngine | EngineClient, *, model_name: str | Sequence[st
         raise ValueError(f"engine: expected an LLMEngine or an EngineClient, got "
                          f"{type(engine).__name__}")
     try:
-        async_client = AsyncClient(client, max_queue=max_queue, owns_client=owns_client)
+        async_client = AsyncClient(client, max_queue=max_queue,
+                                   max_unsent_tokens=limits.max_unsent_tokens,
+                                   owns_client=owns_client)
     except ValueError:
         if owns_client:
             client.shutdown()

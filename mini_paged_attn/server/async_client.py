@@ -6,6 +6,13 @@ never here: requests from every client join its one continuous batch. Handlers c
 ``EngineClient``, and await their outputs on an ``asyncio.Queue``, filled from the client's
 output thread through ``loop.call_soon_threadsafe`` (one wake-up per step and event loop).
 
+Backpressure: a consumer that takes nothing (a stream whose client stopped reading makes its
+handler wait in ``send``) leaves its request's newest output waiting while the engine makes more.
+Once a request's waiting output is ``max_unsent_tokens`` tokens (in its longest completion) past
+the last one taken, the request is paused in the engine (no compute, its KV kept, see
+``LLMEngine.pause_request``) and resumed when its consumer takes an output again; a client that
+never reads is then dropped by the server's send timeout, which aborts the request.
+
 Failures: the engine cannot say which request made a step raise, so every request in flight at
 that moment fails (HTTP 500), and the engine goes on with the next requests. Once the engine is
 dead (too many failed steps in a row, an error outside a step, its process gone) every request
@@ -51,7 +58,7 @@ _CANCELLED = object()
 @dataclass
 class _Route:
     """Where the outputs of one HTTP request's engine requests go (the route itself is looked
-    up under AsyncClient._lock; ``queue`` and ``latest`` are touched on ``loop`` only).
+    up under AsyncClient._lock; the other fields are touched on ``loop`` only).
 
     ``queue`` holds request ids (an output is ready), failures and the cancel mark; ``latest``
     the newest output of each request not yet taken. Outputs are cumulative, so one that
@@ -62,6 +69,34 @@ class _Route:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     latest: dict[str, RequestOutput] = field(default_factory=dict)
+    # Backpressure (no client: none): the client to pause a request in, the bound, the tokens
+    # of each request's output last taken, and the requests paused for their backlog.
+    client: EngineClient | None = None
+    max_unsent_tokens: int = 0
+    taken: dict[str, int] = field(default_factory=dict)
+    paused: set[str] = field(default_factory=set)
+
+    def note_taken(self, out: RequestOutput) -> None:
+        """The consumer took ``out``: a request paused for its backlog runs again."""
+        if self.client is None:
+            return
+        self.taken[out.request_id] = _tokens(out)
+        if out.request_id in self.paused:
+            self.paused.discard(out.request_id)
+            self.client.pause_request(out.request_id, False)
+
+    def note_unsent(self, out: RequestOutput) -> None:
+        """``out`` arrived while an earlier output of its request still waits to be taken."""
+        rid = out.request_id
+        if (self.client is not None and rid not in self.paused and not out.finished
+                and _tokens(out) - self.taken.get(rid, 0) > self.max_unsent_tokens):
+            self.paused.add(rid)
+            self.client.pause_request(rid, True)
+
+
+def _tokens(out: RequestOutput) -> int:
+    """The tokens of ``out``'s longest completion."""
+    return max((len(c.token_ids) for c in out.outputs), default=0)
 
 
 @dataclass
@@ -86,6 +121,7 @@ class Submission:
     def __init__(self, engine: AsyncClient, request_ids: list[str], route: _Route):
         self.request_ids = request_ids
         self._engine = engine
+        self._route = route
         self._queue = route.queue
         self._latest = route.latest
         self._index = {rid: i for i, rid in enumerate(request_ids)}
@@ -114,6 +150,7 @@ class Submission:
     def _take(self, item: Any) -> tuple[int, Any]:
         if isinstance(item, str):   # a request id: its latest output is ready
             item = self._latest.pop(item)
+            self._route.note_taken(item)
         if item is _CANCELLED:
             raise ClientGoneError("the client disconnected")
         if isinstance(item, _Failure):  # the failed ones are aborted; the others go too
@@ -146,15 +183,24 @@ class AsyncClient:
         max_queue: at most this many requests may wait in the engine's queue (``num_waiting`` of
             its stats: admitted, not yet scheduled); beyond it :meth:`submit` raises
             :class:`QueueFullError`. None: no limit.
+        max_unsent_tokens: a request whose waiting output is more than this many tokens past
+            what its consumer took is paused until the consumer takes it (see the module doc).
+            None: never paused.
         owns_client: :meth:`shutdown` shuts the client down too.
     """
 
     def __init__(self, client: EngineClient, *, max_queue: int | None = None,
-                 owns_client: bool = False) -> None:
+                 max_unsent_tokens: int | None = None, owns_client: bool = False) -> None:
         if max_queue is not None and max_queue < 1:
             raise ValueError(f"max_queue: expected None or >= 1, got {max_queue}")
+        if max_unsent_tokens is not None and (
+                not isinstance(max_unsent_tokens, int) or isinstance(max_unsent_tokens, bool)
+                or max_unsent_tokens < 1):
+            raise ValueError(f"max_unsent_tokens: expected None or an int >= 1, got "
+                             f"{max_unsent_tokens!r}")
         self.client = client
         self.max_queue = max_queue
+        self.max_unsent_tokens = max_unsent_tokens
         self.owns_client = owns_client
         self.counters = ServerCounters()
         # Called with the final output of every request that finishes while its client waits
@@ -217,7 +263,8 @@ class AsyncClient:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         request_ids = [f"req-{uuid.uuid4().hex}" for _ in prompts]
-        route = _Route(loop, queue)
+        route = _Route(loop, queue) if self.max_unsent_tokens is None else \
+            _Route(loop, queue, client=self.client, max_unsent_tokens=self.max_unsent_tokens)
         with self._lock:  # routed before they are added, so no output can arrive unrouted
             for rid in request_ids:
                 self._routes[rid] = route
@@ -316,4 +363,6 @@ def _put_all(items: list[tuple[_Route, Any]]) -> None:
             continue
         if item.request_id not in route.latest:    # else the waiting mark covers this one
             route.queue.put_nowait(item.request_id)
+        else:
+            route.note_unsent(item)
         route.latest[item.request_id] = item

@@ -42,7 +42,9 @@ class ServerLimits:
     alternatives fits; 128 choices of 250 tokens with 20 do not: that was 65 MB). A 30 s budget
     for a body to arrive and for a client to take each piece of a response: a stalled upload
     or a client that never reads holds a connection and its buffers, nothing more, and not for
-    long.
+    long; and 32 tokens a stream may run ahead of its client: past them (the socket's and the
+    server's write buffers are full by then) the request is paused, so a client that does not
+    read is given no compute while the send budget runs out.
     """
 
     max_request_bytes: int = _cap(4 * 1024 * 1024,
@@ -63,6 +65,10 @@ class ServerLimits:
     send_timeout_s: int = _cap(30, "seconds the server waits for a client to take a piece of "
                                    "its response; a client that reads none for that long is "
                                    "dropped and its requests aborted")
+    max_unsent_tokens: int = _cap(32, "tokens a request's output may run ahead of what its "
+                                      "client has taken (a stream whose client does not read); "
+                                      "past it the request gets no compute until the client "
+                                      "reads again")
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -101,6 +101,100 @@ def test_abort_frees_blocks_in_any_state():
     assert_all_free(sched)
 
 
+def test_a_paused_request_gets_no_tokens_and_keeps_its_blocks():
+    sched, device = make_scheduler(32, 4)
+    rng = random.Random(5)
+    a = submit(sched, "a", range(1, 6), max_tokens=6)
+    b = submit(sched, "b", range(10, 15), max_tokens=6)
+    step(sched, device, rng)
+    blocks = list(a.sequences[0].block_ids)
+    assert sched.set_paused("a", True) is a
+    for _ in range(3):
+        out = step(sched, device, rng)
+        assert [s.request.request_id for s in out.seqs] == ["b"]
+    assert a.sequences[0].block_ids == blocks and a.sequences[0].num_output_tokens == 1
+    sched.set_paused("a", False)
+    assert [s.request.request_id for s in step(sched, device, rng).seqs] == ["a", "b"]
+    drain(sched, device, rng)
+    assert [r.sequences[0].num_output_tokens for r in (a, b)] == [6, 6]
+    assert sched.set_paused("a", True) is None      # finished: unknown
+    assert_all_free(sched)
+
+
+def test_a_paused_sequence_is_preempted_before_one_that_computes():
+    # 6 blocks of 2 tokens: a (older, paused) and b cannot both grow to 10 tokens.
+    sched, device = make_scheduler(6, 2, prefix_caching=False)
+    rng = random.Random(6)
+    a = submit(sched, "a", [1, 2, 3, 4, 5], max_tokens=6)
+    b = submit(sched, "b", [6, 7, 8, 9, 10], max_tokens=6)
+    step(sched, device, rng)
+    sched.set_paused("a", True)
+    preempted = []
+    while not b.is_finished:
+        out = step(sched, device, rng)
+        check_blocks(sched)
+        preempted += [s.request.request_id for s in out.preempted]
+    assert preempted == ["a"] and b.sequences[0].num_output_tokens == 6
+    sched.set_paused("a", False)
+    drain(sched, device, rng)
+    assert a.sequences[0].num_output_tokens == 6
+    assert_all_free(sched)
+
+
+def test_paused_requests_holding_every_seat_make_room_for_a_waiting_one():
+    sched, device = make_scheduler(64, 4, max_num_seqs=2)
+    rng = random.Random(7)
+    submit(sched, "a", range(1, 5), max_tokens=8, n=2)
+    step(sched, device, rng)
+    sched.set_paused("a", True)
+    c = submit(sched, "c", range(20, 24), max_tokens=3)
+    out = step(sched, device, rng)      # one seat is enough: one sample of a goes
+    assert [s.request.request_id for s in out.preempted] == ["a"]
+    assert [s.request.request_id for s in out.seqs] == ["c"]
+    while not c.is_finished:
+        assert [s.request.request_id for s in step(sched, device, rng).seqs] == ["c"]
+    sched.set_paused("a", False)
+    drain(sched, device, rng)
+    assert_all_free(sched)
+
+
+def test_the_context_budget_takes_short_contexts_first_and_long_ones_in_turn():
+    # Three long sequences (40-70 tokens of context) and two short ones (3-11): the budget
+    # holds the short ones, and one long one takes its turn each step.
+    sched, device = make_scheduler(128, 4, max_num_batched_context_tokens=30)
+    rng = random.Random(8)
+    longs = [submit(sched, f"long{i}", range(10 * i + 1, 10 * i + 41), max_tokens=30)
+             for i in range(3)]
+    for _ in range(3):      # prompts in (admission is not counted), then in turn
+        step(sched, device, rng)
+    shorts = [submit(sched, f"short{i}", range(200 + 3 * i, 203 + 3 * i), max_tokens=8)
+              for i in range(2)]
+    step(sched, device, rng)        # the short ones are admitted
+    ran = {r.request_id: 0 for r in longs}
+    while not all(r.is_finished for r in shorts):
+        out = step(sched, device, rng)
+        ids = [s.request.request_id for s in out.seqs]
+        # The short ones run every step, beside the one long one whose turn it is.
+        assert all(r.sequences[0] in out.seqs for r in shorts)
+        assert sum(i.startswith("long") for i in ids) == 1
+        for i in ids:
+            if i in ran:
+                ran[i] += 1
+    assert max(ran.values()) - min(ran.values()) <= 1      # each long one in its turn
+    drain(sched, device, rng)
+    assert all(r.sequences[0].num_output_tokens == 30 for r in longs)
+    assert_all_free(sched)
+
+
+def test_a_sequence_over_the_context_budget_alone_still_runs():
+    sched, device = make_scheduler(64, 4, max_num_batched_context_tokens=8)
+    rng = random.Random(9)
+    request = submit(sched, "a", range(1, 21), max_tokens=5)
+    drain(sched, device, rng)
+    assert request.sequences[0].num_output_tokens == 5
+    assert_all_free(sched)
+
+
 class PlainSchedulerMachine(SchedulerMachine):
     """Random submit / step / failed step / stop / abort without a window: blocks are never
     leaked, progress is always made, and every sequence always reads its own tokens from the
@@ -108,12 +202,14 @@ class PlainSchedulerMachine(SchedulerMachine):
 
     @initialize(num_blocks=st.integers(4, 12), block_size=st.sampled_from([1, 2, 4]),
                 budget=st.integers(1, 12), max_num_seqs=st.integers(1, 4),
-                caching=st.booleans(), seed=st.integers(0, 2**16))
-    def setup(self, num_blocks, block_size, budget, max_num_seqs, caching, seed):
+                caching=st.booleans(), seed=st.integers(0, 2**16),
+                context=st.one_of(st.none(), st.integers(1, 24)))
+    def setup(self, num_blocks, block_size, budget, max_num_seqs, caching, seed, context):
         self.capacity = num_blocks * block_size
         self.start(*make_scheduler(
             num_blocks, block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-            max_model_len=self.capacity, prefix_caching=caching), seed, prefix_len=8)
+            max_model_len=self.capacity, prefix_caching=caching,
+            max_num_batched_context_tokens=context), seed, prefix_len=8)
 
     def fits(self, prompt_len, max_tokens):
         return prompt_len + max_tokens - 1 <= self.capacity

@@ -7,7 +7,7 @@ import pytest
 from mini_paged_attn.engine import SamplingParams
 from mini_paged_attn.engine.process.messages import (
     PAYLOADS, AbortRequest, AddRequest, CompletionDelta, EngineDead, Loading, MessageKind,
-    OutputDelta, Outputs, Ready, Shutdown, StepFailed, decode, encode)
+    OutputDelta, Outputs, PauseRequest, Ready, Shutdown, StepFailed, decode, encode)
 from mini_paged_attn.engine.outputs import EngineStats, RequestMetrics
 from mini_paged_attn.models.load_progress import LoadEvent
 
@@ -17,6 +17,7 @@ MESSAGES = [
                                                     stop=["x"]), True),
     AddRequest("b", "hi", [4], SamplingParams(n=2, seed=1), False, final_only=True),
     AbortRequest("a"),
+    PauseRequest("a", True),
     Shutdown(),
     Loading(LoadEvent("weights", 3, 10, False, 0.25)),
     Ready("tokenizer", {"vocab_size": 10}, 64, "admission", STATS),

@@ -1,5 +1,5 @@
 """The two EngineClients over the tiny model: the same greedy outputs, aborts that free the
-pool, failed steps that fail only their requests, death that says why, and no child process
+pool, a paused request that computes nothing until resumed, failed steps that fail only their requests, death that says why, and no child process
 left after shutdown."""
 
 from __future__ import annotations
@@ -88,6 +88,47 @@ def test_abort_frees_the_pool_and_stops_the_outputs(which, request):
     wait_pool_free(client)
     assert "long" not in collector.final or collector.final["long"].outputs[0].finish_reason \
         == "abort"
+    client.set_output_handler(None)
+
+
+def _settled(read, what: str, interval_s: float = 0.3):
+    """``read()`` once two reads ``interval_s`` apart agree (a paused request's outputs stop)."""
+    deadline = time.monotonic() + 30
+    before = read()
+    while True:
+        time.sleep(interval_s)
+        now = read()
+        if now == before:
+            return now
+        assert time.monotonic() < deadline, f"{what} never settled"
+        before = now
+
+
+@pytest.mark.parametrize("which", ["inproc", "mp"])
+def test_a_paused_request_computes_nothing_until_resumed(which, request):
+    client = request.getfixturevalue(f"{which}_client")
+    collector = Collector()
+    client.set_output_handler(collector)
+    # Few tokens: a loaded machine decodes a handful a second in the engine process.
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    client.add_request("paused", [5] * 20, long)
+    collector.wait_for(lambda: "paused" in collector.outputs, "a first output")
+    assert client.pause_request("paused")
+    with pytest.raises(ValueError, match="paused"):
+        client.pause_request("paused", "yes")
+
+    def tokens():
+        return len(collector.outputs["paused"][-1].outputs[0].token_ids)
+
+    held = _settled(tokens, "the paused request's tokens")
+    assert held < 60 and "paused" not in collector.final
+    if which == "inproc":       # the core waits for a message instead of stepping
+        _settled(lambda: client.stats().num_steps, "the step count")
+    assert client.pause_request("paused", False)
+    collector.wait_for(lambda: "paused" in collector.final, "the resumed request's end")
+    assert len(collector.final["paused"].outputs[0].token_ids) == 60
+    assert not client.pause_request("paused")        # finished: no longer live
+    wait_pool_free(client)
     client.set_output_handler(None)
 
 

@@ -2,7 +2,7 @@
 
 The device stores which token id each KV slot holds; after every step each query must read its
 own tokens back from the slots its window reaches. ``SchedulerMachine`` is the Hypothesis state
-machine (submit / step / failed step / stop / abort) both the plain and the windowed scheduler
+machine (submit / step / failed step / stop / abort / pause) both the plain and the windowed scheduler
 tests subclass: they add the ``@initialize`` setup and the ``submit`` rule, whose strategies and
 admission rule differ.
 
@@ -54,10 +54,12 @@ class SimDevice:
 
 
 def make_scheduler(num_blocks, block_size, window=None, *, max_num_seqs=8,
-                   max_num_batched_tokens=64, max_model_len=256, prefix_caching=True):
+                   max_num_batched_tokens=64, max_model_len=256, prefix_caching=True,
+                   max_num_batched_context_tokens=None):
     """A scheduler over a fresh pool of ``num_blocks`` blocks, and its simulated device."""
     kv = KVCacheManager(BlockManager(num_blocks), block_size, prefix_caching, window)
-    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
+    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
+                             max_num_batched_context_tokens)
     return Scheduler(config, kv), SimDevice(num_blocks, block_size, window)
 
 
@@ -131,8 +133,10 @@ def assert_all_free(sched):
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random step / failed step / stop / abort on the scheduler ``start`` was given: no block
-    is leaked or freed twice, progress is always made, and every query reads its own tokens.
+    """Random step / failed step / stop / abort / pause on the scheduler ``start`` was given: no
+    block is leaked or freed twice, progress is always made on the requests not paused, a
+    paused one never computes and is preempted before one that does, and every query reads its
+    own tokens.
 
     A subclass adds an ``@initialize`` rule that calls :meth:`start`, and a ``submit`` rule that
     calls :meth:`submit_random` with its own strategies; :meth:`fits` is its admission rule."""
@@ -160,9 +164,33 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.sched.has_unfinished())
     @rule(stop_prob=st.sampled_from([0.0, 0.2]))
     def step(self, stop_prob):
-        out = step(self.sched, self.device, self.rng, stop_prob)
-        assert not out.is_empty, "no progress with unfinished requests"
-        assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
+        sched = self.sched
+        unpaused = any(not r.paused for r in sched.requests.values())
+        was_running = {s.seq_id for s in sched.running}
+        out = step(sched, self.device, self.rng, stop_prob)
+        assert not out.is_empty or not unpaused, "no progress with unfinished requests"
+        assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
+        limit = sched.config.max_num_batched_context_tokens
+        if limit is not None:
+            # Counted after the step: computed tokens now = context the step attended over.
+            window = sched.kv.sliding_window
+            costs = [s.num_computed_tokens if window is None
+                     else min(s.num_computed_tokens, window + n)
+                     for s, n in zip(out.seqs, out.num_new_tokens) if s.seq_id in was_running]
+            # Within the limit but for the one taking its turn (and the shortest, always).
+            assert len(costs) <= 2 or sum(costs) - max(costs) <= limit, (costs, limit)
+            assert all(s.num_deferred <= sched.config.max_num_seqs for s in sched.running)
+        assert not any(s.request.paused for s in out.seqs), "a paused request computed"
+        if any(not s.request.paused for s in out.preempted):
+            # Paused sequences are preempted first: none may be left holding blocks.
+            assert not any(s.request.paused for s in sched.running), out.preempted
+
+    @precondition(lambda self: self.sched.requests)
+    @rule(data=st.data(), paused=st.booleans())
+    def pause(self, data, paused):
+        """A consumer stops (or starts again) taking a request's output."""
+        rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
+        assert self.sched.set_paused(rid, paused).paused is paused
 
     @precondition(lambda self: self.sched.has_unfinished())
     @rule()
@@ -194,6 +222,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def teardown(self):
         if hasattr(self, "sched"):
+            for rid in list(self.sched.requests):
+                self.sched.set_paused(rid, False)
             drain(self.sched, self.device, self.rng)
             assert_all_free(self.sched)
 

@@ -63,9 +63,11 @@ class Server:
 
 
 @contextlib.contextmanager
-def served(engine: Any, *, sndbuf: int | None = None, **app_kwargs: Any) -> Iterator[Server]:
+def served(engine: Any, *, sndbuf: int | None = None, sock: socket.socket | None = None,
+           **app_kwargs: Any) -> Iterator[Server]:
     """Start the server for ``engine`` on a free port; stop it after. ``sndbuf``: the kernel
-    send buffer of its connections (small: a client that does not read blocks it sooner)."""
+    send buffer of its connections (small: a client that does not read blocks it sooner).
+    ``sock``: a bound socket to serve on instead (e.g. ``commands.serve.bind``'s)."""
     import uvicorn
 
     from mini_paged_attn.server.app import build_app
@@ -74,10 +76,11 @@ def served(engine: Any, *, sndbuf: int | None = None, **app_kwargs: Any) -> Iter
     app = build_app(engine, **app_kwargs)
     # IPPROTO_TCP, not the default 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets
     # that say they are TCP, and with Nagle on every streamed chunk waits ~40 ms for an ACK.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    if sock is None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.bind(("127.0.0.1", 0))
     if sndbuf is not None:    # accepted connections inherit it
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-    sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 from ..outputs import EngineStats, RequestOutput
 from ..sampling_params import SamplingParams
 from .core import EngineCore
-from .messages import AbortRequest, AddRequest, Message, Shutdown
+from .messages import AbortRequest, AddRequest, Message, PauseRequest, Shutdown
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,11 @@ class EngineClient(Protocol):
     def abort_request(self, request_id: str) -> bool:
         """Abort a live request (its blocks are freed at the core's next step); returns whether
         it was live. Its outputs delivered after this call are stale: ignore them."""
+
+    def pause_request(self, request_id: str, paused: bool = True) -> bool:
+        """Pause a live request (it gets no compute and keeps its KV, see
+        ``LLMEngine.pause_request``) or resume it, at the core's next step; for a consumer that
+        has stopped taking its output. Returns whether it was live."""
 
     def stats(self) -> EngineStats:
         """The engine's latest stats, counting requests sent but not yet in the engine as
@@ -126,6 +131,14 @@ class ClientBookkeeping:
         """What the client keeps of a live request (the in-process client: its params)."""
         return params
 
+    def _is_live(self, request_id: str, paused: Any) -> bool:
+        """Whether ``request_id`` is live here (a pause or resume for it goes to the core);
+        raises on a ``paused`` that is not a bool, before anything is sent."""
+        if not isinstance(paused, bool):
+            raise ValueError(f"paused: expected a bool, got {paused!r}")
+        with self._lock:
+            return request_id in self._live
+
     def _forget(self, request_id: str) -> bool:
         """Whether it was live here (it is not any more)."""
         with self._lock:
@@ -169,9 +182,9 @@ class InprocEngineClient(ClientBookkeeping):
     Outputs reach the handler on that thread, as the engine made them (text included).
 
     Args:
-        engine: the ``LLMEngine`` (or an object with its add_request / abort_request / step /
-            has_unfinished_requests / stats / tokenizer / model_config / max_model_len /
-            admission). While this client runs, no one else may step it.
+        engine: the ``LLMEngine`` (or an object with its add_request / abort_request /
+            pause_request / step / has_unfinished_requests / only_paused_requests / stats /
+            tokenizer / model_config / max_model_len / admission). While this client runs, no one else may step it.
         max_consecutive_failures: failed steps in a row after which the engine is dead.
     """
 
@@ -196,6 +209,12 @@ class InprocEngineClient(ClientBookkeeping):
         if not self._forget(request_id):
             return False
         self._inbox.queue.put(AbortRequest(request_id))
+        return True
+
+    def pause_request(self, request_id: str, paused: bool = True) -> bool:
+        if not self._is_live(request_id, paused):
+            return False
+        self._inbox.queue.put(PauseRequest(request_id, paused))
         return True
 
     def stats(self) -> EngineStats:

@@ -1,8 +1,8 @@
 """The engine core: the busy loop that owns an ``LLMEngine`` and steps it whenever it has work.
 
-Between steps it applies what its client sent (:mod:`mini_paged_attn.engine.process.messages`: add, abort, shutdown); it
-waits for a message only when no request is unfinished, so requests from every client join the
-engine's one continuous batch. It runs on a thread of its own next to
+Between steps it applies what its client sent (:mod:`mini_paged_attn.engine.process.messages`:
+add, abort, pause, shutdown); it waits for a message only when no request is unfinished or every
+unfinished one is paused, so requests from every client join the engine's one continuous batch. It runs on a thread of its own next to
 :class:`~mini_paged_attn.engine.process.client.InprocEngineClient`, or in the child process of
 :class:`~mini_paged_attn.engine.process.mp_client.MPEngineClient`; the two differ only in their
 :class:`CoreInbox` and :class:`CoreOutbox`.
@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from ...errors import TensorParallelError
 from ..deltas import request_of
 from ..outputs import EngineStats, RequestOutput
-from .messages import AbortRequest, AddRequest, Message, Shutdown
+from .messages import AbortRequest, AddRequest, Message, PauseRequest, Shutdown
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ class EngineCore:
     """Steps ``engine`` while it has work, applying ``inbox`` messages between steps.
 
     Args:
-        engine: an ``LLMEngine`` (or an object with its add_request / abort_request / step /
-            has_unfinished_requests / stats).
+        engine: an ``LLMEngine`` (or an object with its add_request / abort_request /
+            pause_request / step / has_unfinished_requests / only_paused_requests / stats).
         inbox: where messages come from.
         outbox: where outputs, failures and the core's death go.
         max_consecutive_failures: failed steps in a row after which the core is dead.
@@ -133,7 +133,8 @@ class EngineCore:
         failures = 0
         while True:
             self._admit_compiled()
-            idle = not engine.has_unfinished_requests()
+            # Every live request paused: a step would compute nothing, so wait for a message.
+            idle = not engine.has_unfinished_requests() or engine.only_paused_requests()
             if idle:  # no step will carry the last outputs out: deliver them now
                 outbox.flush()
             try:
@@ -183,6 +184,9 @@ class EngineCore:
             # Its last output (finished, reason "abort") comes out of the next step.
             self.engine.abort_request(message.request_id)
             self._live.discard(message.request_id)
+        elif isinstance(message, PauseRequest):
+            # One still compiling has no output yet, so no consumer has fallen behind on it.
+            self.engine.pause_request(message.request_id, message.paused)
         else:
             raise TypeError(f"the engine core cannot take a {type(message).__name__} message")
 

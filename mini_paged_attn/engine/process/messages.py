@@ -1,6 +1,7 @@
 """The messages between an engine core and its client: one kind per payload.
 
-Client to core: :class:`AddRequest`, :class:`AbortRequest`, :class:`Shutdown`. Core to client:
+Client to core: :class:`AddRequest`, :class:`AbortRequest`, :class:`PauseRequest`,
+:class:`Shutdown`. Core to client:
 :class:`Loading` (while the engine loads: its progress), :class:`Ready` (once, when the engine is
 built), :class:`Outputs` (one per step),
 :class:`StepFailed` (a step raised; its requests were aborted), :class:`EngineDead` (the core
@@ -33,6 +34,7 @@ class MessageKind(enum.Enum):
 
     ADD = "add"
     ABORT = "abort"
+    PAUSE = "pause"
     SHUTDOWN = "shutdown"
     LOADING = "loading"
     READY = "ready"
@@ -62,6 +64,15 @@ class AddRequest:
 class AbortRequest:
     request_id: str
     kind: ClassVar[MessageKind] = MessageKind.ABORT
+
+
+@dataclass(frozen=True)
+class PauseRequest:
+    """Pause (``paused``) or resume a request: see ``LLMEngine.pause_request``."""
+
+    request_id: str
+    paused: bool
+    kind: ClassVar[MessageKind] = MessageKind.PAUSE
 
 
 @dataclass(frozen=True)
@@ -127,10 +138,11 @@ class EngineDead:
     kind: ClassVar[MessageKind] = MessageKind.ENGINE_DEAD
 
 
-Message = Union[AddRequest, AbortRequest, Shutdown, Loading, Ready, Outputs, StepFailed,
-                EngineDead]
+Message = Union[AddRequest, AbortRequest, PauseRequest, Shutdown, Loading, Ready, Outputs,
+                StepFailed, EngineDead]
 PAYLOADS: dict[MessageKind, type] = {cls.kind: cls for cls in (
-    AddRequest, AbortRequest, Shutdown, Loading, Ready, Outputs, StepFailed, EngineDead)}
+    AddRequest, AbortRequest, PauseRequest, Shutdown, Loading, Ready, Outputs, StepFailed,
+    EngineDead)}
 _FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in PAYLOADS.values()}
 
 
@@ -156,5 +168,5 @@ def decode(data: bytes) -> Message:
 
 
 __all__ = ["AbortRequest", "AddRequest", "CompletionDelta", "EngineDead", "Loading", "Message",
-           "MessageKind", "OutputDelta", "Outputs", "PAYLOADS", "Ready", "Shutdown",
-           "StepFailed", "decode", "encode"]
+           "MessageKind", "OutputDelta", "Outputs", "PAYLOADS", "PauseRequest", "Ready",
+           "Shutdown", "StepFailed", "decode", "encode"]

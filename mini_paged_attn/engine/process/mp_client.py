@@ -28,8 +28,8 @@ from ..outputs import (CompletionOutput, EngineStats, GrowingListView, RequestMe
 from ..sampling_params import SamplingParams
 from .child import CoreLaunch
 from .client import ClientBookkeeping
-from .messages import (AbortRequest, AddRequest, EngineDead, Loading, Message, Outputs, Ready,
-                       Shutdown, StepFailed, decode, encode)
+from .messages import (AbortRequest, AddRequest, EngineDead, Loading, Message, Outputs,
+                       PauseRequest, Ready, Shutdown, StepFailed, decode, encode)
 from .spawn import EngineProcess
 
 logger = logging.getLogger(__name__)
@@ -200,6 +200,12 @@ class MPEngineClient(ClientBookkeeping):
         if known:
             self._send(AbortRequest(request_id))
         return known
+
+    def pause_request(self, request_id: str, paused: bool = True) -> bool:
+        if not self._is_live(request_id, paused):
+            return False
+        self._send(PauseRequest(request_id, paused))
+        return True
 
     def _new_state(self, params: SamplingParams, text: str | None, ids: list[int]) -> _Rebuilt:
         return _Rebuilt(text, ids, None if _engine_text(params) else {})
