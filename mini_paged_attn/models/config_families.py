@@ -34,7 +34,9 @@ def config_fields(family: Family, raw: dict[str, Any], source: str) -> dict[str,
         ValueError: a size set to null, ``num_attention_heads`` not a positive int, or a config
             the transformers class refuses (names ``source`` and transformers' reason).
     """
-    from transformers import CONFIG_MAPPING
+    # The module itself, not transformers' lazy top level, which on some installs imports
+    # its auto-model factories (generation, accelerate, ...) for this one mapping.
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     for key in _SIZES:
         if key in raw and raw[key] is None:
