@@ -409,9 +409,11 @@ def plot_results(path: Path, results: dict) -> None:
     labels = {"a": "(a) 256 requests, Qwen3-0.6B shapes", "b": "(b) batch 1, Qwen2.5-0.5B shapes"}
     keys = [k for k in labels if k in results]
     env = results["env"]
-    plot_bars(path, [labels[k] for k in keys],
-              {"engine": [results[k]["tok_per_s"] for k in keys],
-               "transformers generate": [results[k].get("hf_tok_per_s") for k in keys]},
+    series = {"engine": [results[k]["tok_per_s"] for k in keys],
+              "transformers generate": [results[k].get("hf_tok_per_s") for k in keys]}
+    # A run without transformers (--no-hf) plots the engine alone, with no empty legend entry.
+    series = {name: values for name, values in series.items() if any(v for v in values)}
+    plot_bars(path, [labels[k] for k in keys], series,
               title=f"engine output tokens/s - {env['device']}, {env['date']}",
               ylabel="output tokens/s (log)", log=True, annotate=True)
 
