@@ -236,12 +236,13 @@ def start_loading(model: str | Path, *, dtype="auto", device=None,
     timer = timer_or_new(timer)
     from .tokenizer import check_tokenizer_dir, load_tokenizer
     other = None if tokenizer is None else check_tokenizer_dir(tokenizer)
-    if str(model) == TINY_MODEL or is_gguf_path(resolve_model(model)):
+    if str(model) != TINY_MODEL:
+        model = resolve_model(model)
+    if str(model) == TINY_MODEL or is_gguf_path(model):
         net, config, own = _load_with_tokenizer(model, dtype, device, timer)
         done: Future = Future()
         done.set_result(own if other is None else load_tokenizer(other))
         return net, config, done
-    model = resolve_model(model)
     source = other if other is not None else check_tokenizer_dir(model)
     config, files = read_checkpoint(model, timer)
 
@@ -258,7 +259,8 @@ def start_loading(model: str | Path, *, dtype="auto", device=None,
 
 
 def _load_with_tokenizer(model: str | Path, dtype, device: torch.device, timer: LoadTimer):
-    """The tiny model or a GGUF file: weights, config and tokenizer in one load."""
+    """The tiny model or a GGUF file (``model`` resolved): weights, config and tokenizer in
+    one load."""
     if str(model) == TINY_MODEL:
         from .config import parse_dtype
         from .tiny import tiny_llama
@@ -266,4 +268,4 @@ def _load_with_tokenizer(model: str | Path, dtype, device: torch.device, timer: 
             return tiny_llama(device, torch.float32 if dtype in (None, "auto")
                               else parse_dtype(dtype))
     from .gguf import load_gguf
-    return load_gguf(resolve_model(model), dtype=dtype, device=device, timer=timer)
+    return load_gguf(model, dtype=dtype, device=device, timer=timer)
