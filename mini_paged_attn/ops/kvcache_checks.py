@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..core.args import arg_error, check_bool, is_int
-from .checks import FLOAT_DTYPES, check_index_vector, check_scale, check_tensor
+from .checks import (FLOAT_DTYPES, check_index_vector, check_last_dim_contiguous,
+                     check_scale, check_tensor)
 from .variants import check_softcap, check_window
 
 
@@ -52,12 +53,6 @@ def _check_vector(name: str, t, batch: int, device: torch.device) -> None:
         raise arg_error(name, f"shape ({batch},) (q's batch)", tuple(t.shape))
 
 
-def _check_last_dim(name: str, t: torch.Tensor) -> None:
-    if t.stride(-1) != 1:
-        raise arg_error(name, "a contiguous last dimension (stride 1)",
-                        f"strides {tuple(t.stride())}")
-
-
 def check_kvcache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                        cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                        window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
@@ -71,7 +66,7 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
     batch, seqlen_q, num_heads, head_size = q.shape
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, t, ndim=4, dtypes=(q.dtype,), device=q.device)
-        _check_last_dim(name, t)
+        check_last_dim_contiguous(name, t)
     if v_cache.shape != k_cache.shape:
         raise arg_error("v_cache", f"the shape of k_cache {tuple(k_cache.shape)}",
                         tuple(v_cache.shape))
@@ -91,7 +86,7 @@ def check_kvcache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         if block_table.shape[0] != batch:
             raise arg_error("block_table", f"{batch} rows (q's batch)",
                             tuple(block_table.shape))
-        _check_last_dim("block_table", block_table)
+        check_last_dim_contiguous("block_table", block_table)
         capacity = block_table.shape[1] * page
         for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
             if t is not None:
