@@ -15,7 +15,8 @@ import ast
 import json
 import re
 
-from .parsers import MAX_JSON_DEPTH, ToolCall, _call_from, _held_prefix, _loads, json_depth
+from .parsers import (MAX_JSON_DEPTH, ToolCall, _held_prefix, _loads, json_depth,
+                      json_list_calls)
 
 _TOOL_CALLS = "[TOOL_CALLS]"
 _ARGS = "[ARGS]"
@@ -25,18 +26,6 @@ _PY_START, _PY_END = "<|python_start|>", "<|python_end|>"
 # than these is not read as calls, so ast never sees what could exhaust it.
 MAX_PYTHONIC_CHARS = 1 << 20
 _PAREN = re.compile(r"[()]")
-
-
-def _json_list_calls(body: str) -> list[ToolCall] | None:
-    """Calls from a JSON list of ``{"name", "arguments"}`` (None: it is not one)."""
-    try:
-        items = _loads(body)
-    except ValueError:
-        return None
-    if not isinstance(items, list) or not items:
-        return None
-    calls = [_call_from(item, "arguments") for item in items]
-    return None if None in calls else calls
 
 
 def _named_calls(parts: list[str]) -> list[ToolCall] | None:
@@ -65,11 +54,11 @@ class MistralParser:
         """``(content, calls)`` of a finished output; not calls: the text is all content."""
         at = text.find(_TOOL_CALLS)
         if at == -1:
-            calls = _json_list_calls(text.strip()) if text.lstrip().startswith("[") else None
+            calls = json_list_calls(text.strip()) if text.lstrip().startswith("[") else None
             return (None, calls) if calls else (text, [])
         rest = text[at + len(_TOOL_CALLS):].strip()
         if rest.startswith("["):
-            calls = _json_list_calls(rest)
+            calls = json_list_calls(rest)
         else:
             calls = _named_calls([p for p in rest.split(_TOOL_CALLS) if p.strip()])
         if not calls:

@@ -92,6 +92,19 @@ def _call_from(obj: Any, args_key: str) -> ToolCall | None:
         return None
 
 
+def json_list_calls(text: str) -> list[ToolCall] | None:
+    """Calls from a JSON list of ``{"name", "arguments"}`` objects (None: ``text`` is not a
+    non-empty such list)."""
+    try:
+        items = _loads(text)
+    except ValueError:
+        return None
+    if not isinstance(items, list) or not items:
+        return None
+    calls = [_call_from(item, "arguments") for item in items]
+    return None if None in calls else calls
+
+
 def _held_prefix(text: str, marker: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -212,17 +225,9 @@ class ToolCallMode:
             return text, []
         if self.kind == "named":
             return None, [ToolCall(self.function, text)]
-        try:
-            items = _loads(text)
-        except ValueError:
-            return text, []
-        if not isinstance(items, list):
-            return text, []
-        calls = [_call_from(item, "arguments") for item in items]
-        if not calls or None in calls:
-            return text, []
-        return None, calls
+        calls = json_list_calls(text)
+        return (None, calls) if calls else (text, [])
 
 
 __all__ = ["MAX_JSON_DEPTH", "HermesParser", "Llama3JsonParser", "PARSERS", "ToolCall",
-           "ToolCallMode", "json_depth", "parser_for_template"]
+           "ToolCallMode", "json_depth", "json_list_calls", "parser_for_template"]
