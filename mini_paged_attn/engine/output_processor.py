@@ -183,8 +183,7 @@ class OutputProcessor:
         num_generated = 0
         for seq in request.sequences:    # in index order: the scheduler appends them so
             tokens = seq.token_ids
-            # A token still in flight (asynchronous scheduling) is not reported yet.
-            end = len(tokens) - seq.awaits_token
+            end, reason = _reported(seq)
             num_generated += end - start
             logprobs = None
             if finished:
@@ -198,8 +197,6 @@ class OutputProcessor:
                 if wants_logprobs:
                     lps = seq.logprobs if seq.logprobs is not None else []
                     logprobs = GrowingListView(lps, 0, len(lps))
-            # A sample that ended on its length with its last token in flight is not done yet.
-            reason = seq.finish_reason if end == len(tokens) else None
             completions.append(CompletionOutput(
                 index=seq.index, text=self._text_of(state, seq), token_ids=token_ids,
                 finish_reason=reason.value if reason else None,
@@ -235,8 +232,7 @@ class OutputProcessor:
         num_generated = 0
         for seq in request.sequences:    # in index order: the scheduler appends them so
             tokens = seq.token_ids
-            # A token still in flight (asynchronous scheduling) is not reported yet.
-            end = len(tokens) - seq.awaits_token
+            end, reason = _reported(seq)
             num_generated += end - start
             mark = sent.get(seq.index)
             if mark is None:
@@ -254,8 +250,6 @@ class OutputProcessor:
                 if objects:
                     logprobs = self._logprob_objects(logprobs, params.logprobs)
                 cumulative = seq.cumulative_logprob
-            # A sample that ended on its length with its last token in flight is not done yet.
-            reason = seq.finish_reason if end == len(tokens) else None
             completions.append((
                 seq.index, keep, text[keep:], new_ids, reason.value if reason else None,
                 cumulative, logprobs,
@@ -291,6 +285,14 @@ class OutputProcessor:
             return text
 
         return [logprob_objects(e, top, decode) for e in entries]
+
+
+def _reported(seq: Sequence) -> tuple[int, FinishReason | None]:
+    """How far ``seq``'s tokens are reported now, and its finish reason if that is reported
+    too: a token still in flight (asynchronous scheduling) is not reported yet, so a sample
+    that ended on its length with its last token in flight is not done yet."""
+    end = len(seq.token_ids) - seq.awaits_token
+    return end, seq.finish_reason if end == len(seq.token_ids) else None
 
 
 def _metrics(request: Request, num_generated: int) -> RequestMetrics:
