@@ -13,6 +13,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def context_budget(text: str) -> int | str | None:
+    """``--max-num-batched-context-tokens``: a positive int, ``auto`` or ``none``."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    return positive_int(text)
+
+
 def port_number(text: str) -> int:
     """argparse type: a TCP port, 1..65535."""
     value = int(text)
@@ -112,10 +119,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool) -> N
                         help="most requests in one batch (default 256)")
     engine.add_argument("--max-num-batched-tokens", type=positive_int, default=8192,
                         help="token budget of one step (default 8192)")
-    engine.add_argument("--max-num-batched-context-tokens", type=positive_int, default=None,
+    engine.add_argument("--max-num-batched-context-tokens", type=context_budget,
+                        default="auto", metavar="N|auto|none",
                         help="KV tokens the running requests of one step may attend over, "
                              "summed; past it short contexts go first and long ones take "
-                             "turns (default: no bound)")
+                             "turns. auto (default): 2048 on the CPU, where long contexts "
+                             "slow every step; no bound on a GPU. none: no bound")
     engine.add_argument("--no-prefix-caching", action="store_true",
                         help="turn automatic prefix caching off")
     engine.add_argument("--seed", type=int, default=0,

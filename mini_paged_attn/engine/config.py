@@ -11,6 +11,13 @@ from ..ops.kv_quant import KV_CACHE_DTYPES
 # KV cache budget on CPU, where there is no free-memory query worth trusting.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
+CPU_CONTEXT_BUDGET = 2048
+"""The context budget ``max_num_batched_context_tokens="auto"`` sets on the CPU. There a
+step's attention (the torch reference's gather and einsums) costs in proportion to the KV
+tokens it reads, so a few long requests slow every step of the short ones; 2,048 kept the
+hostile mix's ordinary clients within 1.7x of their quiet latency on a 2-core machine, where
+no bound left them at 2.6x (docs/performance-notes.md, "Before and after, the whole mix")."""
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -29,6 +36,8 @@ class EngineConfig:
             over, summed; past it the step takes the shortest contexts first and the long ones
             in turn (``core/context_budget.py``), so a few long requests do not slow every
             step of the short ones. None: no bound (every running sequence, every step).
+            ``"auto"``: :data:`CPU_CONTEXT_BUDGET` on the CPU, no bound on CUDA (there a step's
+            time is mostly its weights); what ``mini-paged-attn serve`` uses.
         max_model_len: prompt + generated tokens of one sequence at most; None: the model's
             max_position_embeddings.
         enable_prefix_caching: reuse the KV blocks of earlier prompts with the same prefix.
@@ -66,7 +75,7 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    max_num_batched_context_tokens: int | None = None
+    max_num_batched_context_tokens: int | str | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -85,6 +94,9 @@ class EngineConfig:
                      "tensor_parallel_size"):
             object.__setattr__(self, name, positive_int(name, getattr(self, name)))
         for name in ("num_kv_blocks", "max_model_len", "max_num_batched_context_tokens"):
+            if name == "max_num_batched_context_tokens" and self.max_num_batched_context_tokens \
+                    == "auto":
+                continue
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, positive_int(name, getattr(self, name)))
         u = self.gpu_memory_utilization
@@ -112,6 +124,15 @@ class EngineConfig:
             check_bool("async_scheduling", self.async_scheduling)
 
 
+def resolve_context_budget(config: EngineConfig, device_type: str) -> int | None:
+    """The scheduler's ``max_num_batched_context_tokens`` for an engine on ``device_type``
+    ("cpu", "cuda", ...): the config's, with ``"auto"`` resolved (see :class:`EngineConfig`)."""
+    budget = config.max_num_batched_context_tokens
+    if budget == "auto":
+        return CPU_CONTEXT_BUDGET if device_type == "cpu" else None
+    return budget
+
+
 def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) -> int:
     """The engine's maximum sequence length: ``config.max_model_len`` or the model's.
 
@@ -125,4 +146,5 @@ def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int) ->
     return max_len
 
 
-__all__ = ["DEFAULT_CPU_KV_CACHE_BYTES", "EngineConfig", "resolve_max_model_len"]
+__all__ = ["CPU_CONTEXT_BUDGET", "DEFAULT_CPU_KV_CACHE_BYTES", "EngineConfig",
+           "resolve_context_budget", "resolve_max_model_len"]

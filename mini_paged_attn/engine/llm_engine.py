@@ -31,7 +31,7 @@ from ..models.load_progress import LoadTimer
 from ..models.loader import TINY_MODEL, load_model_and_tokenizer, start_loading
 from ..models.tokenizer import Tokenizer
 from .admission import Admission
-from .config import EngineConfig, resolve_max_model_len
+from .config import EngineConfig, resolve_context_budget, resolve_max_model_len
 from .engine_step import EngineStep
 from .in_flight import InFlightStep, StepMode
 from .output_processor import OutputProcessor, RequestState
@@ -81,7 +81,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
-                            config.max_num_batched_context_tokens),
+                            resolve_context_budget(config, self.runner.device.type)),
             self.kv_manager)
         self.output_processor = OutputProcessor(tokenizer)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)

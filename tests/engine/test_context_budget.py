@@ -49,3 +49,21 @@ def test_budgeted_steps_give_the_same_tokens(tiny_model_factory):
     assert left_out > 0                     # the budget did bind
     assert [done[f"r{i}"] for i in range(len(prompts))] == expected
     assert_pool_whole(engine)
+
+
+def test_serve_defaults_to_the_auto_budget(tiny_model_factory):
+    """``serve`` bounds a CPU engine's steps unless told otherwise; ``none`` lifts the bound."""
+    import argparse
+
+    from mini_paged_attn.commands.serve import add_arguments, engine_kwargs
+    from mini_paged_attn.engine.config import CPU_CONTEXT_BUDGET
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "tiny"])
+    assert engine_kwargs(args)["max_num_batched_context_tokens"] == "auto"
+    assert parser.parse_args(["--model", "tiny", "--max-num-batched-context-tokens", "none"]) \
+        .max_num_batched_context_tokens is None
+    model_dir = tiny_model_factory("llama")
+    engine = make_engine(model_dir, max_num_batched_context_tokens="auto", **OPTIONS)
+    assert engine.scheduler.config.max_num_batched_context_tokens == CPU_CONTEXT_BUDGET
