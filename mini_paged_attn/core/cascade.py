@@ -107,28 +107,31 @@ class SharedPrefixes:
 _EMPTY = SharedPrefixes(np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int64))
 
 
-def find_shared_prefixes(tables: np.ndarray, computed: np.ndarray,
-                         block_size: int) -> SharedPrefixes:
+def find_shared_prefixes(tables: np.ndarray, computed: np.ndarray, block_size: int,
+                         table_rows: np.ndarray | None = None) -> SharedPrefixes:
     """The groups (two rows or more) whose tables start with the same physical blocks.
 
     Args:
-        tables: int ``[num_rows, width]``: the step's block-table rows (entries past a row's
+        tables: int ``[num_table_rows, width]``: block-table rows (entries past a row's
             blocks are stale: never compared).
         computed: int ``[num_rows]``: tokens each row has in the cache before this step's new
             ones. A row shares at most ``computed // block_size`` blocks (whole blocks before
             its first new token; a row with none is in no group).
         block_size: tokens per block.
+        table_rows: int ``[num_rows]``: the row of ``tables`` of each of the step's rows;
+            None: row ``i`` is ``tables[i]``. Only the columns a group can share are read.
 
     Returns:
-        :class:`SharedPrefixes`; each group's prefix is the longest run of blocks all its
+        :class:`SharedPrefixes` (its rows index the step's rows); each group's prefix is the longest run of blocks all its
         members hold at the start of their tables, within every member's cap.
     """
-    num_rows, width = tables.shape
-    caps = np.minimum(np.asarray(computed, dtype=np.int64) // block_size, width)
+    caps = np.minimum(np.asarray(computed, dtype=np.int64) // block_size, tables.shape[1])
+    at = (np.arange(len(caps)) if table_rows is None
+          else np.asarray(table_rows, dtype=np.int64))
     eligible = np.flatnonzero(caps >= 1)
     if len(eligible) < 2:
         return _EMPTY
-    first = tables[eligible, 0]
+    first = tables[at[eligible], 0]
     order = np.argsort(first, kind="stable")
     rows, first = eligible[order], first[order]
     new = np.empty(len(rows), dtype=bool)
@@ -144,7 +147,7 @@ def find_shared_prefixes(tables: np.ndarray, computed: np.ndarray,
     leaders = rows[starts][np.cumsum(new) - 1]
     member_caps = caps[rows]
     span = int(member_caps.max())
-    same = tables[rows, :span] == tables[leaders, :span]
+    same = tables[at[rows], :span] == tables[at[leaders], :span]
     # The first column where a member leaves its leader; ``span`` where it never does.
     run = np.where(same.all(axis=1), span, same.argmin(axis=1))
     run = np.minimum(run, member_caps)
@@ -192,17 +195,18 @@ class CascadePlan:
 
 
 def plan_cascade(tables: np.ndarray, computed: np.ndarray, context_lens: np.ndarray,
-                 block_size: int, rule: CascadeRule) -> CascadePlan:
+                 block_size: int, rule: CascadeRule,
+                 table_rows: np.ndarray | None = None) -> CascadePlan:
     """Which groups of the step attend over their shared prefix once (see :class:`CascadeRule`).
 
-    ``tables``, ``computed``, ``block_size``: as :func:`find_shared_prefixes`;
+    ``tables``, ``computed``, ``block_size``, ``table_rows``: as :func:`find_shared_prefixes`;
     ``context_lens``: int ``[num_rows]``, each row's tokens after the step's writes.
     """
-    found = find_shared_prefixes(tables, computed, block_size)
+    found = find_shared_prefixes(tables, computed, block_size, table_rows)
     prefix_tokens = found.prefix_blocks * block_size
     chosen = found.select(rule.qualifies(found.sizes, prefix_tokens))
     saved = int(((chosen.sizes - 1) * chosen.prefix_blocks).sum()) * block_size
-    return CascadePlan(chosen, block_size, len(tables), found.num_groups,
+    return CascadePlan(chosen, block_size, len(computed), found.num_groups,
                        int(np.asarray(context_lens).sum()), saved)
 
 
