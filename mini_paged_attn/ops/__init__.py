@@ -12,6 +12,9 @@ checked entry point each.
 - Attention variants for every op and backend: sliding windows (``window_size``), logit
   soft-capping (``softcap``) and attention sinks (``sinks``).
 - :func:`merge_attention_states`: the online-softmax combine of two partial results.
+- :func:`cascade_attention`: attention over prefixes shared by groups of sequences (each
+  prefix attended once per group, merged with each sequence's own suffix), built of the
+  paged ops and the merge.
 - :func:`num_splits_heuristic`, :func:`explain_decode`: how decode splits the KV sequence.
 - :func:`fused_moe`: a mixture-of-experts layer's experts.
 - :func:`rms_norm`, :func:`apply_rotary` (optionally writing K/V into the cache,
@@ -27,6 +30,7 @@ from .fused import KVWrite, apply_rotary, rms_norm, silu_and_mul
 from .heuristics import num_splits_heuristic
 from .projection import SplitKWorkspace, linear
 from .merge import merge_attention_states
+from .cascade import cascade_attention
 from .moe import fused_moe
 from .sample import sample_tokens
 from .varlen import flash_attn_varlen_func
@@ -38,6 +42,7 @@ __all__ = ["paged_decode", "paged_prefill", "store_kv", "flash_attn_varlen_func"
            "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
            "flash_attn_with_kvcache",
-           "merge_attention_states", "num_splits_heuristic", "explain_decode",
+           "merge_attention_states", "cascade_attention", "num_splits_heuristic",
+           "explain_decode",
            "resolve_backend", "rms_norm", "apply_rotary", "KVWrite", "silu_and_mul",
            "fused_moe", "sample_tokens", "linear", "SplitKWorkspace"]

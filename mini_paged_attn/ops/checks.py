@@ -229,25 +229,32 @@ def check_cu_seqlens(name: str, cu_seqlens: torch.Tensor, total: int, total_name
 
 def check_paged_values(shapes: PagedShapes, block_tables: torch.Tensor,
                        context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None = None,
-                       total_q: int | None = None) -> None:
+                       total_q: int | None = None, *, causal: bool = True,
+                       names: tuple[str, str, str] = ("block_tables", "context_lens",
+                                                      "cu_seqlens_q")) -> None:
     """Check the *values* of lengths and tables (a host sync on CUDA).
 
     - ``0 <= context_lens[i] <= max_blocks_per_seq * block_size``;
     - every table entry a sequence uses (the first ``ceil(context_lens[i] / block_size)``) is a
       block id in ``[0, num_blocks)``; entries past a sequence's length are never read;
-    - with ``cu_seqlens_q``: it starts at 0, never decreases, ends at ``total_q``, and
-      ``q_len_i <= context_lens[i]``.
+    - with ``cu_seqlens_q``: it starts at 0, never decreases, ends at ``total_q``, and, when
+      ``causal``, ``q_len_i <= context_lens[i]`` (the queries are the last tokens; a
+      non-causal query sees all its keys wherever it sits, so any count of them is valid).
+
+    ``names``: what the errors call ``block_tables``, ``context_lens`` and ``cu_seqlens_q``
+    (an op whose arguments have other names passes its own).
     """
+    table_name, lens_name, cu_name = names
     lens = context_lens.detach().to("cpu", torch.int64)
     if (lens < 0).any():
         i = int(torch.nonzero(lens < 0)[0])
-        raise arg_error("context_lens", "non-negative lengths", f"context_lens[{i}]={int(lens[i])}")
+        raise arg_error(lens_name, "non-negative lengths", f"{lens_name}[{i}]={int(lens[i])}")
     capacity = shapes.max_blocks_per_seq * shapes.block_size
     if (lens > capacity).any():
         i = int(torch.nonzero(lens > capacity)[0])
-        raise arg_error("context_lens",
+        raise arg_error(lens_name,
                         f"lengths <= max_blocks_per_seq * block_size = {capacity}",
-                        f"context_lens[{i}]={int(lens[i])}")
+                        f"{lens_name}[{i}]={int(lens[i])}")
     if shapes.max_blocks_per_seq > 0 and lens.numel() > 0:
         table = block_tables.detach().to("cpu", torch.int64)
         used_blocks = cdiv(lens, shapes.block_size)
@@ -255,14 +262,14 @@ def check_paged_values(shapes: PagedShapes, block_tables: torch.Tensor,
         bad = used & ((table < 0) | (table >= shapes.num_blocks))
         if bad.any():
             i, j = (int(x) for x in torch.nonzero(bad)[0])
-            raise arg_error("block_tables",
+            raise arg_error(table_name,
                             f"block ids in [0, {shapes.num_blocks}) for used entries",
-                            f"block_tables[{i}, {j}]={int(table[i, j])}")
+                            f"{table_name}[{i}, {j}]={int(table[i, j])}")
     if cu_seqlens_q is not None:
-        q_lens = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q")
-        if (q_lens > lens).any():
+        q_lens = check_cu_seqlens(cu_name, cu_seqlens_q, total_q, "total_q")
+        if causal and (q_lens > lens).any():
             i = int(torch.nonzero(q_lens > lens)[0])
-            raise arg_error("cu_seqlens_q",
+            raise arg_error(cu_name,
                             "q_len <= context_lens for every sequence "
                             "(queries are the last tokens)",
-                            f"q_len={int(q_lens[i])} > context_lens[{i}]={int(lens[i])}")
+                            f"q_len={int(q_lens[i])} > {lens_name}[{i}]={int(lens[i])}")

@@ -74,7 +74,8 @@ class TorchBackend(AttentionBackend):
         """``paged_prefill`` after the dispatcher's checks. Returns ``(out, lse or None,
         None)``."""
         del max_seqlen_q
-        check_paged_values(shapes, block_tables, context_lens, cu_seqlens_q, query.shape[0])
+        check_paged_values(shapes, block_tables, context_lens, cu_seqlens_q, query.shape[0],
+                           causal=causal)
         out, lse = _into(query, out, return_lse, reference.paged_prefill_gather(
             query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens,
             causal=causal, scale=shapes.scale, k_scale=k_scale, v_scale=v_scale,
