@@ -108,8 +108,9 @@ _EMPTY = SharedPrefixes(np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0
 
 
 def find_shared_prefixes(tables: np.ndarray, computed: np.ndarray, block_size: int,
-                         table_rows: np.ndarray | None = None) -> SharedPrefixes:
-    """The groups (two rows or more) whose tables start with the same physical blocks.
+                         table_rows: np.ndarray | None = None, *,
+                         min_size: int = 2) -> SharedPrefixes:
+    """The groups (``min_size`` rows or more) whose tables start with the same physical blocks.
 
     Args:
         tables: int ``[num_table_rows, width]``: block-table rows (entries past a row's
@@ -120,6 +121,8 @@ def find_shared_prefixes(tables: np.ndarray, computed: np.ndarray, block_size: i
         block_size: tokens per block.
         table_rows: int ``[num_rows]``: the row of ``tables`` of each of the step's rows;
             None: row ``i`` is ``tables[i]``. Only the columns a group can share are read.
+        min_size: the smallest group to return (>= 2); smaller ones are not compared at all,
+            so a step that shares little costs a sort and a count.
 
     Returns:
         :class:`SharedPrefixes` (its rows index the step's rows); each group's prefix is the longest run of blocks all its
@@ -139,10 +142,10 @@ def find_shared_prefixes(tables: np.ndarray, computed: np.ndarray, block_size: i
     np.not_equal(first[1:], first[:-1], out=new[1:])
     group_of = np.cumsum(new) - 1
     sizes = np.bincount(group_of)
-    in_pair = sizes[group_of] >= 2          # groups of one share nothing
-    if not in_pair.any():
+    big = sizes[group_of] >= max(min_size, 2)          # groups of one share nothing
+    if not big.any():
         return _EMPTY
-    rows, new = rows[in_pair], new[in_pair]
+    rows, new = rows[big], new[big]
     starts = np.flatnonzero(new)
     leaders = rows[starts][np.cumsum(new) - 1]
     member_caps = caps[rows]
@@ -164,7 +167,8 @@ class CascadePlan:
         groups: the chosen groups (none: the step attends plainly).
         block_size: tokens per block.
         num_rows: sequences in the step.
-        candidates: groups that share a prefix, before the rule.
+        candidates: groups of ``min_group_size`` rows or more that share a prefix, before
+            the rest of the rule.
         kv_tokens: KV tokens the step reads plainly (its context lengths, summed).
         saved_tokens: KV tokens the chosen groups do not read again.
     """
@@ -202,12 +206,16 @@ def plan_cascade(tables: np.ndarray, computed: np.ndarray, context_lens: np.ndar
     ``tables``, ``computed``, ``block_size``, ``table_rows``: as :func:`find_shared_prefixes`;
     ``context_lens``: int ``[num_rows]``, each row's tokens after the step's writes.
     """
-    found = find_shared_prefixes(tables, computed, block_size, table_rows)
-    prefix_tokens = found.prefix_blocks * block_size
-    chosen = found.select(rule.qualifies(found.sizes, prefix_tokens))
-    saved = int(((chosen.sizes - 1) * chosen.prefix_blocks).sum()) * block_size
-    return CascadePlan(chosen, block_size, len(computed), found.num_groups,
-                       int(np.asarray(context_lens).sum()), saved)
+    found = find_shared_prefixes(tables, computed, block_size, table_rows,
+                                 min_size=rule.min_group_size)
+    kv_tokens = int(np.asarray(context_lens).sum())
+    if not found.num_groups:
+        return CascadePlan(found, block_size, len(computed), 0, kv_tokens, 0)
+    sizes = found.sizes
+    keep = rule.qualifies(sizes, found.prefix_blocks * block_size)
+    chosen = found if keep.all() else found.select(keep)
+    saved = int(((sizes[keep] - 1) * found.prefix_blocks[keep]).sum()) * block_size
+    return CascadePlan(chosen, block_size, len(computed), found.num_groups, kv_tokens, saved)
 
 
 __all__ = ["CascadePlan", "CascadeRule", "MIN_GROUP_SIZE", "MIN_PREFIX_TOKENS",

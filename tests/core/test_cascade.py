@@ -63,13 +63,14 @@ def _brute_force(tables: np.ndarray, computed: np.ndarray) -> dict[tuple[int, ..
 
 
 @settings(max_examples=200, deadline=None)
-@given(step_tables())
-def test_groups_are_the_maximal_shared_runs_within_the_caps(case):
+@given(step_tables(), st.integers(2, 4))
+def test_groups_are_the_maximal_shared_runs_within_the_caps(case, min_size):
     tables, computed = case
-    found = find_shared_prefixes(tables, computed, BLOCK_SIZE)
+    found = find_shared_prefixes(tables, computed, BLOCK_SIZE, min_size=min_size)
     got = {tuple(found.group(g).tolist()): int(found.prefix_blocks[g])
            for g in range(found.num_groups)}
-    assert got == _brute_force(tables, computed)
+    assert got == {members: run for members, run in _brute_force(tables, computed).items()
+                   if len(members) >= min_size}
     for g in range(found.num_groups):
         members, blocks = found.group(g), int(found.prefix_blocks[g])
         assert len(members) >= 2 and blocks >= 1
@@ -110,7 +111,7 @@ def test_the_plan_explains_itself():
     assert plan.uses_cascade and plan.groups.group(0).tolist() == [0, 1, 2]
     assert str(plan) == ("cascade attention: 1 group(s) (3 rows x 16 tokens), 1 row(s) plain; "
                          "saves 32 of 90 KV tokens read (36%)")
-    strict = CascadeRule(min_group_size=4, min_prefix_tokens=16, min_saved_tokens=32)
+    strict = CascadeRule(min_group_size=3, min_prefix_tokens=20, min_saved_tokens=32)
     plain = plan_cascade(tables, computed, computed + 1, BLOCK_SIZE, strict)
     assert not plain.uses_cascade
     assert str(plain).startswith("plain attention: 1 group(s) share a prefix")
@@ -122,3 +123,13 @@ def test_the_plan_explains_itself():
 def test_rule_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         CascadeRule(**{field: value})
+
+
+def test_the_step_rows_index_the_table():
+    """``table_rows``: the step's rows are rows of a larger table, in any order."""
+    rng = np.random.default_rng(3)
+    table = rng.permutation(64 * 8).astype(np.int32).reshape(64, 8)
+    step_rows = np.array([40, 3, 17, 9])
+    table[[3, 9], :3] = table[40, :3]
+    found = find_shared_prefixes(table, np.full(4, 30), BLOCK_SIZE, step_rows)
+    assert found.group(0).tolist() == [0, 1, 3] and found.prefix_blocks.tolist() == [3]

@@ -218,3 +218,59 @@ def test_config_rejects_a_bad_flag(value):
 def test_config_rejects_a_bad_rule():
     with pytest.raises(ValueError, match="cascade_rule"):
         EngineConfig(cascade_rule={"min_group_size": 2})
+
+
+def test_the_warm_up_runs_a_cascade_step(tiny_model_factory, monkeypatch):
+    """``run_dummy(cascade=True)`` (the CUDA warm-up's cascade steps) goes through the op."""
+    engine = make_engine(tiny_model_factory("llama"), cascade_rule=RULE, **BASE)
+    engine.cache.pool.zero_()
+    calls = []
+
+    def recording(*args, _real=attention.cascade_attention, **kwargs):
+        calls.append(kwargs["decode_only"])
+        return _real(*args, **kwargs)
+    monkeypatch.setattr(attention, "cascade_attention", recording)
+    runner = engine.runner
+    layers = runner.model_config.num_layers
+    hidden = runner.run_dummy([1, 1], runner.kv_caches, decode_only=True, cascade=True)
+    assert hidden.shape[0] == 2 and calls == [True] * layers
+    hidden = runner.run_dummy([2, 2], runner.kv_caches, decode_only=False, no_prefix=False,
+                              cascade=True)
+    assert hidden.shape[0] == 4 and calls[layers:] == [False] * layers
+
+
+@pytest.mark.gpu
+def test_cascade_steps_run_eagerly_beside_graph_replays(tiny_model_factory):
+    """On CUDA with decode graphs and asynchronous scheduling: a cascade step never replays a
+    graph, plain decode steps do, and the outputs equal a cascade-off engine's."""
+    model_dir = tiny_model_factory("llama")
+    requests = _system_requests(256, own_lens=(3, 9, 1, 6, 13, 5, 2, 7), strangers=2)
+    config = dict(BASE, backend="triton", enforce_eager=False)
+    prepared = []
+    results = {}
+    for cascade in (True, False):
+        engine = make_engine(model_dir, device="cuda", cascade_attention=cascade,
+                             cascade_rule=RULE, **config)
+        assert engine.runner.graphs is not None
+        prepare = engine.runner.prepare
+
+        def recording(*args, _prepare=prepare, **kwargs):
+            step = _prepare(*args, **kwargs)
+            prepared.append(step)
+            return step
+        engine.runner.prepare = recording
+        engine.add_request(*requests[0])
+        final = step_to_finish(engine)
+        ids = [engine.add_request(*r) for r in requests[1:]]
+        final.update(step_to_finish(engine))
+        results[cascade] = [(final[i].outputs[0].token_ids, final[i].outputs[0].logprobs)
+                            for i in ids]
+        if cascade:
+            assert engine.stats().cascade_steps > 0
+    assert any(p.cascade is not None for p in prepared)
+    assert all(p.bucket is None for p in prepared if p.cascade is not None)
+    assert any(p.bucket is not None for p in prepared)
+    for (tokens_on, lp_on), (tokens_off, lp_off) in zip(results[True], results[False]):
+        assert tokens_on == tokens_off
+        for a, b in zip(lp_on, lp_off):
+            np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], atol=1e-3)

@@ -11,6 +11,7 @@ attention".
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from ...core.args import cdiv
 from ...core.cascade import CascadePlan
@@ -92,6 +93,21 @@ def cascade_metadata(views: dict) -> CascadeMetadata:
     return CascadeMetadata(*(views[name] for name in CASCADE_ARRAYS))
 
 
+def dummy_cascade(block_tables: torch.Tensor, context_lens: torch.Tensor, num_tokens: int,
+                  block_size: int) -> CascadeMetadata:
+    """The cascade tensors of a made-up step (warm-up, see ``input_batch.dummy_inputs``):
+    every token in one group whose prefix is block 0 (``block_size`` tokens), each sequence's
+    suffix its own table and length. ``block_tables`` int32 ``[num_seqs, width]`` and
+    ``context_lens`` int32 ``[num_seqs]`` are the step's."""
+    device = block_tables.device
+    return CascadeMetadata(
+        prefix_block_tables=torch.zeros(1, 16, dtype=torch.int32, device=device),
+        prefix_lens=torch.full((1,), block_size, dtype=torch.int32, device=device),
+        cu_group_tokens=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        group_tokens=torch.arange(num_tokens, dtype=torch.int32, device=device),
+        suffix_block_tables=block_tables, suffix_lens=context_lens)
+
+
 def shapes_of(arrays: dict[str, np.ndarray], num_seqs: int) -> dict[str, tuple[int, ...]]:
     """The shapes of the cascade arrays among ``arrays`` (flat host copies, as another
     tensor-parallel rank receives them); empty when the step has none."""
@@ -107,5 +123,5 @@ def shapes_of(arrays: dict[str, np.ndarray], num_seqs: int) -> dict[str, tuple[i
             "cascade_suffix_lens": (num_seqs,)}
 
 
-__all__ = ["CASCADE_ARRAYS", "cascade_metadata", "cascade_region_sizes", "fill_cascade",
-           "shapes_of"]
+__all__ = ["CASCADE_ARRAYS", "cascade_metadata", "cascade_region_sizes", "dummy_cascade",
+           "fill_cascade", "shapes_of"]

@@ -50,6 +50,7 @@ from ..sample.prompt_logprobs import (PendingPromptLogprobs, PromptLogprobs, Pro
 from ..sample.sampler import PendingSample, SampleRow, Sampler
 from ..sampling_params import SamplingParams
 from ..structured.bitmask import TokenMasks
+from .cascade_inputs import dummy_cascade
 from .cuda_graphs import DecodeGraphs
 from .input_batch import (InputBuilder, StepInputs, batch_buckets, dummy_inputs,
                           table_width)
@@ -253,6 +254,12 @@ class ModelRunner:
         for batch in self.attention.warmup_shapes(self.attention_limits):
             self.run_dummy([batch.q_len] * batch.num_seqs, self.kv_caches,
                            decode_only=batch.q_len == 1, no_prefix=batch.no_prefix)
+        if self.inputs.cascade_rule is not None:
+            # The cascade op's kernels (a non-causal prefill with lse, the suffix, the merge)
+            # compile here rather than at the first step over a shared prefix.
+            self.run_dummy([1, 1], self.kv_caches, decode_only=True, cascade=True)
+            self.run_dummy([2, 2], self.kv_caches, decode_only=False, no_prefix=False,
+                           cascade=True)
         q_len = 16
         while q_len <= min(cfg.max_num_batched_tokens, max_model_len):
             self.run_dummy([q_len], self.kv_caches, decode_only=False)
@@ -270,13 +277,17 @@ class ModelRunner:
         logger.info("warmed up the kernels in %.1f s", time.perf_counter() - start)
 
     def run_dummy(self, q_lens: list[int], kv_caches, *, decode_only: bool,
-                   no_prefix: bool = True) -> torch.Tensor:
+                   no_prefix: bool = True, cascade: bool = False) -> torch.Tensor:
         """Forward a made-up batch (see ``input_batch.dummy_inputs``: sequence ``i`` computes
         ``q_lens[i]`` tokens, writes nothing, reads block 0 of ``kv_caches``) through the
-        decode path (every ``q_lens[i]`` 1) or the prefill path. Returns the hidden states
-        ``[sum(q_lens), hidden_size]``."""
+        decode path (every ``q_lens[i]`` 1) or the prefill path; ``cascade``: as one group
+        over a prefix of block 0 (``cascade_inputs.dummy_cascade``). Returns the hidden
+        states ``[sum(q_lens), hidden_size]``."""
         step = dummy_inputs(q_lens, self.table_width, self.device, no_prefix=no_prefix,
                             ordered=decode_only and self.backend == "triton")
+        if cascade:
+            step.cascade = dummy_cascade(step.block_tables, step.context_lens,
+                                         sum(q_lens), self.block_size)
         meta = AttentionMetadata.for_step(step, decode_only=decode_only, backend=self.backend,
                                           decode_workspace=self.workspace,
                                           linear_workspace=self.linear_workspace)
