@@ -80,6 +80,12 @@ def test_requests_sharing_a_cached_system_prompt(tiny_model_factory):
     assert engine.kv_manager.hit_rate > 0          # the later prompts hit the cached prefix
 
 
+def test_an_fp8_cache(tiny_model_factory):
+    """The op reads an fp8 (e4m3) pool as the plain ops do (scale 1.0)."""
+    _compare(tiny_model_factory("llama"), _system_requests(256, own_lens=(3, 9, 5)),
+             kv_cache_dtype="fp8")
+
+
 def test_cascade_on_the_triton_backend(tiny_model_factory):
     """The Triton ops (interpreter on CPU): decode steps with a seq_order by suffix length."""
     model_dir = tiny_model_factory("qwen3")
@@ -274,3 +280,26 @@ def test_cascade_steps_run_eagerly_beside_graph_replays(tiny_model_factory):
         assert tokens_on == tokens_off
         for a, b in zip(lp_on, lp_off):
             np.testing.assert_allclose([a[k] for k in a], [b[k] for k in a], atol=1e-3)
+
+
+def test_tensor_parallel_engine_matches_one_rank(tiny_model_factory):
+    """Two ranks (gloo on CPU): rank 1 rebuilds every step, the cascade ones included, from
+    rank 0's message (``host_arrays`` / ``load``, checked above), and the outputs equal one
+    rank's with cascade off."""
+    from mini_paged_attn.engine.llm import LLM
+    model_dir = tiny_model_factory("llama")
+    requests = _system_requests(256, own_lens=(3, 9, 5))
+    off, _ = _run(model_dir, requests, cascade=False)
+    llm = LLM(model_dir, dtype="float32", device="cpu", tensor_parallel_size=2,
+              cascade_rule=RULE, **BASE)
+    try:
+        engine = llm.engine
+        ids = [engine.add_request(*requests[0])]
+        final = step_to_finish(engine)
+        ids += [engine.add_request(*r) for r in requests[1:]]
+        final.update(step_to_finish(engine))
+        on = [[(c.token_ids, c.logprobs) for c in final[i].outputs] for i in ids]
+        assert engine.stats().cascade_steps > 0
+    finally:
+        llm.shutdown()
+    _assert_same(on, off)
