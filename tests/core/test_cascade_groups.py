@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mini_paged_attn.core.cascade import (CascadeRule, find_shared_prefixes, plan_cascade)
+from mini_paged_attn.core.cascade import CascadeRule, find_shared_prefixes, plan_cascade
 
 BLOCK_SIZE = 4
 WIDTH = 12
