@@ -79,6 +79,10 @@ def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
 
     No sliding windows: a windowed layer attends the plain way.
 
+    Each part's output is rounded to the query's dtype before the merge (which weighs them in
+    float32), so a grouped row may differ from the plain op's by a unit or two in the last
+    place of that dtype.
+
     Returns:
         ``[total_q, num_q_heads, head_size]`` in the query's dtype (``out`` when given).
 

@@ -204,6 +204,32 @@ def test_decode_options_reach_the_suffix_decode():
     torch.testing.assert_close(got, case.want(backend="triton"), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_causal_prefill_takes_more_query_rows_than_keys(backend):
+    # The packed prefix call has T * gs rows over a prefix that may be shorter (or empty):
+    # a non-causal row sees every key wherever it sits.
+    gen = torch.Generator().manual_seed(17)
+    keys = [torch.randn(n, 2, 16, generator=gen) for n in (3, 0, 9)]
+    values = [torch.randn(n, 2, 16, generator=gen) for n in (3, 0, 9)]
+    kc, vc, table = paginate(keys, values, 4, head_shape=(2, 16), dtype=torch.float32, gen=gen)
+    q_lens = (7, 2, 12)
+    query = torch.randn(sum(q_lens), 2, 16, generator=gen)
+    cu = torch.tensor([0, 7, 9, 21], dtype=torch.int32)
+    out, lse = paged_prefill(query, kc, vc, table, cu, _int32(3, 0, 9), causal=False,
+                             return_lse=True, backend=backend)
+    for i, (k, v) in enumerate(zip(keys, values)):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        if k.shape[0] == 0:
+            assert (out[rows] == 0).all() and (lse[rows] == float("-inf")).all()
+            continue
+        scores = torch.einsum("thd,khd->thk", query[rows], k) * 16 ** -0.5
+        want = torch.einsum("thk,khd->thd", scores.softmax(-1), v)
+        torch.testing.assert_close(out[rows], want, **TOL[torch.float32])
+        torch.testing.assert_close(lse[rows], scores.logsumexp(-1), **TOL[torch.float32])
+    with pytest.raises(ValueError, match="cu_seqlens_q: expected q_len <= context_lens"):
+        paged_prefill(query, kc, vc, table, cu, _int32(3, 0, 9), causal=True, backend="torch")
+
+
 def _bad(name: str, value):
     return pytest.param(name, value, id=name)
 
@@ -310,6 +336,38 @@ def test_gpu_bf16_decode_two_groups_of_32_with_a_1k_prefix():
     got = case.run(backend="triton")
     want = case.want(backend="triton")
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode_only", [True, False], ids=["decode", "prefill"])
+def test_gpu_bf16_head_128_one_big_group_and_prefill_rows(decode_only):
+    # 256 decode rows of one group pack into 1024 prefix rows (the paths a long prefill
+    # takes on the device: page copy, Hopper); prefill rows of up to 40 tokens beside it.
+    if decode_only:
+        case = make_case(seed=18, prefix_lens=[2048], group_sizes=[256], suffix_lens=[33] * 256,
+                         decode_only=True, heads=(32, 8), block_size=16, head_size=128)
+    else:
+        case = make_case(seed=19, prefix_lens=[512, 96], group_sizes=[6, 3],
+                         suffix_lens=[40, 17, 1, 16, 33, 2, 5, 24, 9, 31], decode_only=False,
+                         heads=(32, 8), block_size=16, head_size=128)
+    case = _to(case, torch.device("cuda"), torch.bfloat16)
+    torch.testing.assert_close(case.run(backend="triton").float(),
+                               case.want(backend="triton").float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_is_captured_in_a_cuda_graph():
+    from helpers.cuda_graphs import capture
+    case = make_case(seed=20, prefix_lens=[256, 64], group_sizes=[8, 4],
+                     suffix_lens=[int(n) for n in torch.arange(14) * 7 + 1], decode_only=True,
+                     heads=(32, 8), block_size=16, head_size=128)
+    case = _to(case, torch.device("cuda"), torch.bfloat16)
+    out = torch.empty_like(case.query)
+    graph, _ = capture(lambda: case.run(backend="triton", out=out))
+    case.query.copy_(torch.randn_like(case.query))
+    graph.replay()
+    torch.testing.assert_close(out.float(), case.want(backend="triton").float(), atol=2e-2,
+                               rtol=2e-2)
 
 
 def _to(case: Case, device, dtype) -> Case:
