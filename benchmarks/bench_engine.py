@@ -8,6 +8,8 @@
 (c) the same workloads through transformers ``generate`` (sdpa attention, left padding,
     batches of ``--hf-batch``), counting only the tokens each request asked for. For (a) it runs
     the first ``--hf-requests`` requests (batches are independent, so its tokens/s carries over).
+(cascade, noshare) cascade attention on and off on requests sharing a 2048-token system
+    prompt, and on requests sharing nothing (see ``benchmarks/engine_cascade.py``).
 (parity) greedy outputs of the engine vs transformers on Qwen3-0.6B shapes in bf16: the share
     of identical requests, and for the others the top-2 logit gap (transformers' logits) at the
     first differing step, against the spacing of bf16 numbers at that magnitude.
@@ -17,6 +19,7 @@ to a temporary directory that the engine then loads like any checkpoint.
 
     python -m benchmarks.bench_engine --out /tmp/bench_engine
     python -m benchmarks.bench_engine --workloads a,b --hf-requests 64
+    python -m benchmarks.bench_engine --workloads cascade,noshare --no-hf
 """
 
 from __future__ import annotations
@@ -51,10 +54,12 @@ SHAPES = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default="parity,a,b",
-                        help="comma-separated subset of parity,a,b (default: all)")
+                        help="comma-separated subset of parity,a,b,cascade,noshare (default: "
+                             "parity,a,b)")
     parser.add_argument("--model", default=None,
                         help="a model directory to use for (a) instead of random Qwen3-0.6B shapes")
-    parser.add_argument("--num-requests", type=int, default=256, help="(a) requests (default 256)")
+    parser.add_argument("--num-requests", type=int, default=256,
+                        help="(a), (cascade), (noshare) requests (default 256)")
     parser.add_argument("--hf-requests", type=int, default=64,
                         help="(a) requests run through transformers (default 64; 0 skips it)")
     parser.add_argument("--hf-batch", type=int, default=64, help="transformers batch size")
@@ -400,6 +405,8 @@ def report(results: dict, env: dict) -> str:
         lines.append(f"(parity) bf16 greedy identical: {p['identical']}/{p['requests']} "
                      f"({100 * p['identical_share']:.0f}%); differing: first-diff logit gap "
                      f"<= {worst:.1f} bf16 steps")
+    from benchmarks.engine_cascade import report_lines
+    lines += report_lines(results)
     return "\n".join(lines)
 
 
@@ -433,7 +440,9 @@ def run(args: argparse.Namespace) -> int:
            "async_scheduling": args.async_scheduling, "kv_cache_dtype": args.kv_cache_dtype,
            "prefix_caching": not args.no_prefix_caching}
     results: dict = {"env": env}
-    workloads = {"parity": workload_parity, "a": workload_a, "b": workload_b}
+    from benchmarks.engine_cascade import workload_cascade, workload_noshare
+    workloads = {"parity": workload_parity, "a": workload_a, "b": workload_b,
+                 "cascade": workload_cascade, "noshare": workload_noshare}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.workloads.split(","):
             start = time.perf_counter()

@@ -169,3 +169,19 @@ def test_import_tree_refuses_a_directory_without_the_package_or_a_taken_name(tmp
         import_tree(tmp_path, "pathlib")
     with pytest.raises(ValueError, match="name: expected a Python identifier"):
         import_tree(tmp_path, "not a name")
+
+
+def test_the_cascade_workloads_share_exactly_their_system_prompt():
+    from benchmarks.engine_cascade import (OWN_TOKENS, SYSTEM_TOKENS, cascade_requests,
+                                           report_lines)
+    system, shared, _ = cascade_requests(6, shared=True)
+    _, alone, params = cascade_requests(6, shared=False)
+    assert all(p[:SYSTEM_TOKENS] == system for p in shared)
+    assert len({tuple(p[:16]) for p in alone}) == 6           # no two share a first block
+    for prompts in (shared, alone):
+        assert all(OWN_TOKENS[0] <= len(p) - SYSTEM_TOKENS <= OWN_TOKENS[1] for p in prompts)
+    assert params.ignore_eos
+    run = {"seconds": 1.0, "tok_per_s": 130.0, "steps": 300, "cascade_steps": 250}
+    line, = report_lines({"cascade": {"requests": 6, "on": run, "ratio": 1.3,
+                                      "off": {**run, "tok_per_s": 100.0, "cascade_steps": 0}}})
+    assert "250/300 cascade steps" in line and "1.30x" in line

@@ -227,3 +227,15 @@ def test_demo_runs_where_triton_is_not_installed():
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "blocks free" in done.stdout
+
+
+@pytest.mark.parametrize("flags, expected", [([], True), (["--no-cascade-attention"], False)])
+def test_serve_maps_the_cascade_flag_to_the_engine_config(flags, expected):
+    from mini_paged_attn.cli import build_parser
+    from mini_paged_attn.commands.serve import engine_kwargs
+    from mini_paged_attn.engine.config import EngineConfig
+
+    args = build_parser().parse_args(["serve", "--model", "tiny", *flags])
+    kwargs = engine_kwargs(args)
+    assert kwargs["cascade_attention"] is expected
+    assert EngineConfig(cascade_attention=kwargs["cascade_attention"]).cascade_attention is expected

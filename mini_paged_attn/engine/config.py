@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..core.args import check_bool, is_int, is_number, positive_int
+from ..core.cascade import CascadeRule
 from ..ops.dispatch import BACKENDS
 from ..ops.kv_quant import KV_CACHE_DTYPES
 
@@ -67,6 +68,13 @@ class EngineConfig:
             parallelism run synchronously; while a request with structured outputs is live,
             a step's sampling also waits for the next call (its grammar masks need the
             previous step's tokens, see ``engine/in_flight.py``).
+        cascade_attention: let a step whose sequences share prefix blocks (a cached system
+            prompt, ``n > 1`` samples) attend over each shared prefix once per group
+            (``ops.cascade_attention``) where ``cascade_rule`` says it pays; such a step runs
+            eagerly, without a CUDA graph. False: every step attends plainly.
+        cascade_rule: when a group of sequences uses cascade attention
+            (:class:`~mini_paged_attn.core.cascade.CascadeRule`: group size, prefix tokens,
+            KV tokens saved).
     """
 
     block_size: int = 16
@@ -87,6 +95,8 @@ class EngineConfig:
     distributed_timeout_s: float = 120.0
     step_timeout_s: float | None = 60.0
     async_scheduling: bool | None = None
+    cascade_attention: bool = True
+    cascade_rule: CascadeRule = field(default_factory=CascadeRule)
 
     def __post_init__(self) -> None:
         # positive_int returns a Python int (numpy / torch integers come in as well).
@@ -118,10 +128,13 @@ class EngineConfig:
         t = self.step_timeout_s
         if t is not None and (not is_number(t) or not 0 < t < float("inf")):
             raise ValueError(f"step_timeout_s: expected None or a number > 0, got {t!r}")
-        for name in ("enable_prefix_caching", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enforce_eager", "cascade_attention"):
             check_bool(name, getattr(self, name))
         if self.async_scheduling is not None:
             check_bool("async_scheduling", self.async_scheduling)
+        if not isinstance(self.cascade_rule, CascadeRule):
+            raise ValueError("cascade_rule: expected a CascadeRule, got "
+                             f"{type(self.cascade_rule).__name__}")
 
 
 def resolve_context_budget(config: EngineConfig, device_type: str) -> int | None:

@@ -132,6 +132,7 @@ class EngineStep:
         if prev is not None and prev.sample is None:
             _sample_held(runner, prev)      # its masks filled while out was scheduled and built
         logits = runner.forward(out, prepared, prev.sample if prev is not None else None)
+        engine.counters.cascade_steps += prepared.cascade is not None
         mode = engine._mode(out) if logits is not None else StepMode.SYNC
         if mode is StepMode.HOLD:
             # prev's tokens are read at the next call's start, before out's masks are filled.

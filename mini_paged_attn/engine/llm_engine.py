@@ -387,7 +387,8 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting + pending, num_steps=c.num_steps,
             prompt_tokens_total=c.prompt_tokens, generation_tokens_total=c.generation_tokens,
             generation_tokens_per_s=c.generation_rate(),
-            requests_finished=c.requests_finished, window_s=RATE_WINDOW_S)
+            requests_finished=c.requests_finished, window_s=RATE_WINDOW_S,
+            cascade_steps=c.cascade_steps)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()

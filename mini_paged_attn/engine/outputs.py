@@ -227,6 +227,7 @@ class EngineStats:
     generation_tokens_per_s: float = 0.0
     requests_finished: int = 0
     window_s: float = 0.0
+    cascade_steps: int = 0              # steps that attended over shared prefixes once
 
     @property
     def kv_blocks_used(self) -> int:

@@ -24,6 +24,8 @@ class StepCounters:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.requests_finished = 0
+        # Steps launched with cascade (shared-prefix) attention (``core.cascade``).
+        self.cascade_steps = 0
         self._lock = threading.Lock()
         self._recent: deque[tuple[float, float, int]] = deque()   # (start, end, tokens)
         self._recent_tokens = 0                                    # sum of their tokens

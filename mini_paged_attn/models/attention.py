@@ -8,6 +8,9 @@ rotary kernel, ``ops.apply_rotary(..., store=KVWrite(...))``; :func:`paged_atten
 ``ops.paged_prefill`` (any mix of prompts, prompt chunks, prefix-cache hits and decodes), or, when
 no sequence has cached tokens before the step's (whole prompts), ``ops.flash_attn_varlen_func``
 over the new K/V themselves (FlashInfer's ragged prefill: contiguous tiles, no block table).
+A step whose metadata carries ``cascade`` (sequences sharing prefix blocks, see ``core.cascade``)
+attends with ``ops.cascade_attention`` in its layers without a sliding window (the op has none);
+windowed layers of the same step take the plain path over the full block tables.
 Nothing here reads a device tensor on the host, so a decode step can be captured in a CUDA graph.
 """
 
@@ -19,6 +22,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from ..ops.cascade import cascade_attention
 from ..ops.dispatch import BACKENDS, paged_decode, paged_prefill, store_kv
 from ..ops.varlen import flash_attn_varlen_func
 from ..distributed.group import TPGroup
@@ -28,6 +32,7 @@ from ..ops.fused import KVWrite, apply_rotary
 from ..ops.projection import SplitKWorkspace, linear
 from ..ops.checks import check_seq_order
 from ..ops.variants import check_softcap, check_window
+from .cascade_metadata import CascadeMetadata
 from .config import ModelConfig
 from .layers import RMSNorm
 from .parallel_layers import RowParallelLinear, projection_backend
@@ -46,6 +51,7 @@ class StepArrays(Protocol):
     max_seqlen_q: int
     no_prefix: bool
     seq_order: torch.Tensor | None
+    cascade: CascadeMetadata | None
 
 
 @dataclass
@@ -77,6 +83,10 @@ class AttentionMetadata:
             (``ops.paged_decode``'s ``seq_order``); results do not depend on it.
         linear_workspace: None or the split-K scratch of the layers' projections
             (``ops.linear``), shared by every step on the engine's stream.
+        cascade: None or the step's shared-prefix groups (:class:`CascadeMetadata`, its
+            ``suffix_*`` rows are this step's sequences): the layers without a sliding
+            window attend with ``ops.cascade_attention``. Its ``suffix_lens`` order the
+            decode grid then, so ``seq_order`` (if any) sorts those.
     """
     slot_mapping: torch.Tensor
     cu_seqlens_q: torch.Tensor
@@ -90,6 +100,7 @@ class AttentionMetadata:
     decode_workspace: torch.Tensor | None = None
     seq_order: torch.Tensor | None = None
     linear_workspace: SplitKWorkspace | None = None
+    cascade: CascadeMetadata | None = None
 
     def __post_init__(self):
         # Shapes and dtypes only: reading values would sync the host with the device.
@@ -126,6 +137,13 @@ class AttentionMetadata:
                                                                 SplitKWorkspace):
             raise ValueError("linear_workspace: expected None or an ops.SplitKWorkspace, "
                              f"got {type(self.linear_workspace).__name__}")
+        if self.cascade is not None:
+            if not isinstance(self.cascade, CascadeMetadata):
+                raise ValueError("cascade: expected None or a CascadeMetadata, got "
+                                 f"{type(self.cascade).__name__}")
+            if self.cascade.suffix_lens.shape[0] != num_seqs:
+                raise ValueError(f"cascade.suffix_lens: expected {num_seqs} entries "
+                                 f"(num_seqs), got {self.cascade.suffix_lens.shape[0]}")
 
     @classmethod
     def for_step(cls, step: StepArrays, *, decode_only: bool, backend: str,
@@ -139,7 +157,7 @@ class AttentionMetadata:
                    no_prefix=step.no_prefix, backend=backend,
                    decode_workspace=decode_workspace if decode_only else None,
                    seq_order=step.seq_order if decode_only else None,
-                   linear_workspace=linear_workspace)
+                   linear_workspace=linear_workspace, cascade=step.cascade)
 
     @property
     def projection_args(self) -> dict:
@@ -188,6 +206,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
     ``ops.apply_rotary(..., store=...)``); same arguments and result. ``k`` and ``v`` are read
     only by whole prompts that attend over their new K/V directly (``meta.no_prefix``)."""
     key_cache, value_cache = kv_cache
+    if meta.cascade is not None and window_size == (-1, -1):
+        return _cascade(q, kv_cache, meta, scale, softcap, sinks)
     if meta.decode_only:
         triton_args = {}
         if meta.num_splits is not None:
@@ -208,6 +228,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                          meta.context_lens, scale=scale, backend=meta.backend,
                          max_seqlen_q=meta.max_seqlen_q, window_size=window_size,
                          softcap=softcap, sinks=sinks)
+
+
+def _cascade(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float,
+             softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """:func:`attend` over ``meta.cascade``'s shared prefixes and suffixes (same result)."""
+    triton_args = {}
+    if meta.decode_only:
+        if meta.num_splits is not None:
+            triton_args["num_splits"] = meta.num_splits
+        if meta.decode_workspace is not None:
+            triton_args["workspace"] = meta.decode_workspace
+        if meta.seq_order is not None:
+            triton_args["seq_order"] = meta.seq_order
+    return cascade_attention(q, *kv_cache, meta.cu_seqlens_q, decode_only=meta.decode_only,
+                             scale=scale, backend=meta.backend, softcap=softcap, sinks=sinks,
+                             **meta.cascade.op_args(), **triton_args)
 
 
 class Attention(nn.Module):

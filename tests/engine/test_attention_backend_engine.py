@@ -60,14 +60,17 @@ def test_warm_up_runs_the_backend_batches(tiny_model_factory, monkeypatch):
     backend = runner.attention = _Recording()
     calls = []
     monkeypatch.setattr(runner, "run_dummy", lambda q_lens, caches, *, decode_only,
-                        no_prefix=True: calls.append((q_lens, decode_only, no_prefix)))
+                        no_prefix=True, cascade=False: calls.append(
+                            (q_lens, decode_only, no_prefix, cascade)))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     runner.inputs.logit_buckets = None
     runner._warm_up(LIMITS["max_model_len"])
     assert backend.limits == [runner.attention_limits]
-    # The backend's batches first, then the engine's own power-of-two prompts (cuBLAS).
-    assert calls[:2] == [([3, 3], False, False), ([1], True, True)]
-    assert all(len(q) == 1 and not d for q, d, _ in calls[2:])
+    # The backend's batches first, then a cascade decode and prefill (the engine's rule is
+    # on by default), then the engine's own power-of-two prompts (cuBLAS).
+    assert calls[:4] == [([3, 3], False, False, False), ([1], True, True, False),
+                         ([1, 1], True, True, True), ([2, 2], False, False, True)]
+    assert all(len(q) == 1 and not d and not c for q, d, _, c in calls[4:])
 
 
 def test_pool_sizing_leaves_the_backend_reserve_free(tiny_model_factory, monkeypatch):

@@ -111,7 +111,7 @@ def test_attention_metadata_for_step_keeps_the_workspace_and_order_for_decode_on
                                context_lens=torch.tensor(q_lens, dtype=torch.int32),
                                block_tables=torch.zeros(len(q_lens), 4, dtype=torch.int32),
                                max_seqlen_q=max(q_lens), no_prefix=True,
-                               seq_order=torch.tensor([1, 0], dtype=torch.int32))
+                               seq_order=torch.tensor([1, 0], dtype=torch.int32), cascade=None)
 
     workspace = torch.zeros(8)
     decode_step = step([1, 1])

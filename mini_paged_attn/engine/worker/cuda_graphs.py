@@ -4,7 +4,9 @@ A decode step of a small model is dominated by kernel launch overhead (hundreds 
 microsecond kernels); replaying a captured graph issues them all at once. The graphs read their
 inputs in place from the fixed device regions :class:`~mini_paged_attn.engine.worker.input_batch.InputBuilder` uploads into,
 and a static block table; a batch of ``n`` sequences replays the smallest bucket ``>= n`` with
-the extra rows padded (slot -1: nothing written; context length 0: nothing read).
+the extra rows padded (slot -1: nothing written; context length 0: nothing read). The graphs
+hold the plain attention path: a decode step that uses cascade attention (sequences sharing
+prefix blocks, ``core.cascade``) runs eagerly instead.
 
 The decode op plans its launch from the block table's width, the bound on the context lengths
 it can see. A bucket is captured over the full table and, where the op would plan differently

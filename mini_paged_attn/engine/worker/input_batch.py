@@ -15,7 +15,11 @@ import torch
 
 from ...cache.block_table import BlockTable
 from ...core.args import cdiv
+from ...core.cascade import CascadePlan, CascadeRule, plan_cascade
 from ...core.scheduler import SchedulerOutput
+from ...models.cascade_metadata import CascadeMetadata
+from .cascade_inputs import (CASCADE_ARRAYS, cascade_metadata, cascade_region_sizes,
+                             fill_cascade, shapes_of)
 from .tp_messages import STEP_ARRAYS
 
 
@@ -83,8 +87,10 @@ class StepInputs:
     simply ``0 .. logit_rows - 1``;
     ``no_prefix``: every sequence's new tokens are all its tokens (nothing cached before them);
     ``seq_order``: int32 ``[num_seqs]`` (padding included), the rows by context length, longest
-    first, for the decode kernel's grid (``ops.paged_decode``'s ``seq_order``); None unless the
-    builder orders decode steps and this is one.
+    first, for the decode kernel's grid (``ops.paged_decode``'s ``seq_order``; on a cascade
+    step, by suffix length); None unless the builder orders decode steps and this is one;
+    ``cascade``: the step's shared-prefix groups (``ops.cascade_attention``'s tensors), or None
+    when it attends plainly.
     """
 
     input_ids: torch.Tensor
@@ -101,6 +107,7 @@ class StepInputs:
     fill: TokenFill | None = None
     no_prefix: bool = False
     seq_order: torch.Tensor | None = None
+    cascade: CascadeMetadata | None = None
 
 
 @dataclass(frozen=True)
@@ -171,17 +178,21 @@ class InputBuilder:
             not loaded yet waits for the device to drain: an engine that steps ahead of the
             device loses the overlap at every new count (the first rounds of a new batch
             size). A fixed set of counts is loaded once, at warm-up.
+        cascade_rule: when a step's sequences sharing prefix blocks attend over them once
+            (:meth:`plan_cascade`); None: never (no staging regions for it either).
     """
 
     def __init__(self, tables: BlockTable, *, max_num_seqs: int, max_num_tokens: int,
                  block_size: int, device: torch.device, order_decode: bool = False,
-                 logit_buckets: list[int] | None = None) -> None:
+                 logit_buckets: list[int] | None = None,
+                 cascade_rule: CascadeRule | None = None) -> None:
         assert logit_buckets is None or logit_buckets[-1] >= max_num_seqs, logit_buckets
         self.max_num_seqs = max_num_seqs
         self.order_decode = order_decode
         self.logit_buckets = logit_buckets
         self.max_num_tokens = max_num_tokens
         self.block_size = block_size
+        self.cascade_rule = cascade_rule
         # Block-table widths are multiples of 16 and every region starts 256-byte aligned:
         # Triton specialises kernels on integer arguments divisible by 16 and on pointer
         # alignment, so steps of any shape reuse the kernels compiled at warm-up.
@@ -195,7 +206,8 @@ class InputBuilder:
         self._i64_regions = _layout({"input_ids": t, "positions": t, "slot_mapping": t,
                                      "sample_rows": s, "fill": 2 * s})
         self._i32_regions = _layout({"cu_seqlens_q": s2 + 1, "context_lens": s2,
-                                     "seq_order": s, "block_tables": s2 * w})
+                                     "seq_order": s, "block_tables": s2 * w,
+                                     **cascade_region_sizes(s, t, w, cascade_rule is not None)})
         self.i64 = StagingBuffer(self._i64_regions["end"], torch.int64, device)
         self.i32 = StagingBuffer(self._i32_regions["end"], torch.int32, device)
         # Recorded after each step's uploads. The copies read the pinned host buffers when the
@@ -228,6 +240,9 @@ class InputBuilder:
             sizes["sample_rows"] = step.logit_rows
         if step.seq_order is not None:
             sizes["seq_order"] = step.seq_order.numel()
+        if step.cascade is not None:
+            sizes.update((name, t.numel()) for name, t in
+                         zip(CASCADE_ARRAYS, vars(step.cascade).values()))
         return {name: self._host(name, n).copy() for name, n in sizes.items()}
 
     def load(self, arrays: dict[str, np.ndarray], *, table_width: int, max_seqlen_q: int,
@@ -244,6 +259,7 @@ class InputBuilder:
                                else (self.i32, self._i32_regions))
             views[name] = buffer.upload(regions[name], regions[name] + len(values))
         num_seqs = len(arrays["block_tables"]) // table_width if table_width else 0
+        shapes = shapes_of(arrays, num_seqs)
         inputs = StepInputs(
             input_ids=views["input_ids"], positions=views["positions"],
             slot_mapping=views["slot_mapping"], cu_seqlens_q=views["cu_seqlens_q"],
@@ -252,7 +268,10 @@ class InputBuilder:
             max_seqlen_q=max_seqlen_q, num_sample_rows=num_sample_rows,
             logit_rows=self.logit_rows(num_sample_rows), sample_rows=views.get("sample_rows"),
             no_prefix=no_prefix,
-            seq_order=views.get("seq_order"))
+            seq_order=views.get("seq_order"),
+            cascade=(cascade_metadata({name: views[name].view(shape)
+                                       for name, shape in shapes.items()})
+                     if shapes else None))
         if self._uploaded is not None:
             self._uploaded.record()
         return inputs
@@ -265,9 +284,23 @@ class InputBuilder:
         start = self._i32_regions[name]
         return self.i32.np[start:start + n]
 
+    def plan_cascade(self, out: SchedulerOutput) -> CascadePlan | None:
+        """The step's shared-prefix groups that pass the builder's rule (see
+        ``core.cascade``), or None: no rule, nothing cached before the step, or no group
+        passes. Host work only (tens of microseconds for a full batch)."""
+        if self.cascade_rule is None or out.num_seqs < self.cascade_rule.min_group_size:
+            return None
+        seqs = out.seqs
+        computed = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int64, len(seqs))
+        plan = plan_cascade(self.tables.host, computed,
+                            computed + np.asarray(out.num_new_tokens, dtype=np.int64),
+                            self.block_size, self.cascade_rule, self.tables.rows_for(seqs))
+        return plan if plan.uses_cascade else None
+
     def build(self, out: SchedulerOutput, pad_to: int | None = None,
               pending: dict[int, int] | None = None,
-              pad_prompt_to: int | None = None, paged_prompt: bool = False) -> StepInputs:
+              pad_prompt_to: int | None = None, paged_prompt: bool = False,
+              cascade: CascadePlan | None = None) -> StepInputs:
         """Fill and upload the inputs of ``out``. ``pad_to`` (decode-only steps): pad the batch
         to this many sequences (slot -1, context length 0) for a captured CUDA graph.
         ``pending``: ``seq_id -> row`` of the previous step's sampled ids, for sequences whose
@@ -280,7 +313,9 @@ class InputBuilder:
         block tables): both block-table rows are ``max_blocks_per_seq`` wide and the
         padding's row is the prompt's, so the padding attends over the prompt's first
         ``pad_prompt_to - num_tokens`` positions (see :mod:`mini_paged_attn.engine.worker.prefill_graphs` for what they
-        hold)."""
+        hold). ``cascade``: :meth:`plan_cascade`'s plan for ``out`` (no padding then): the
+        inputs' :class:`CascadeMetadata`."""
+        assert cascade is None or (pad_to is None and pad_prompt_to is None), "cascade is eager"
         seqs = out.seqs
         n = len(seqs)
         num_tokens = out.num_batched_tokens
@@ -341,11 +376,18 @@ class InputBuilder:
         table_rows = n + int(paged_prompt)
         if paged_prompt:
             i32[bt_at + width:bt_at + 2 * width] = i32[bt_at:bt_at + width]
+        staged = None
+        if cascade is not None:
+            staged = fill_cascade(self._host, cascade, table, rows, context_lens, q_lens, cu,
+                                  lambda blocks: min(table_width(blocks), self.max_blocks_per_seq))
         seq_order = None
         if self.order_decode and out.decode_only:
             order_at = r32["seq_order"]
-            # Longest first; the padding rows (nothing to read) last.
-            i32[order_at:order_at + n] = np.argsort(-context_lens, kind="stable")
+            # Longest first (of what each row reads alone); the padding rows (nothing to
+            # read) last.
+            own = (context_lens if staged is None
+                   else self._host("cascade_suffix_lens", n))
+            i32[order_at:order_at + n] = np.argsort(-own, kind="stable")
             i32[order_at + n:order_at + padded] = np.arange(n, padded)
             seq_order = self.i32.upload(order_at, order_at + padded)
 
@@ -374,7 +416,8 @@ class InputBuilder:
                 table_rows, width)[:n],
             max_seqlen_q=int(q_lens.max()) if n else 0,
             num_sample_rows=num_sample_rows, logit_rows=logit_rows, sample_rows=sample_rows,
-            no_prefix=n > 0 and not computed.any(), seq_order=seq_order)
+            no_prefix=n > 0 and not computed.any(), seq_order=seq_order,
+            cascade=None if staged is None else self._upload_cascade(staged))
         if pad_prompt_to is not None:       # the graph reads the padding; the step is its own
             inputs.input_ids, inputs.positions, inputs.slot_mapping = (
                 t[:num_tokens] for t in (inputs.input_ids, inputs.positions,
@@ -384,6 +427,14 @@ class InputBuilder:
         if self._uploaded is not None:
             self._uploaded.record()
         return inputs
+
+    def _upload_cascade(self, shapes: dict[str, tuple[int, ...]]) -> CascadeMetadata:
+        """Upload the cascade regions :func:`fill_cascade` wrote (``name -> shape``)."""
+        views = {}
+        for name, shape in shapes.items():
+            at = self._i32_regions[name]
+            views[name] = self.i32.upload(at, at + int(np.prod(shape))).view(shape)
+        return cascade_metadata(views)
 
     def _fill(self, seqs, cu: np.ndarray, pending: dict[int, int]) -> TokenFill | None:
         dst, src = [], []

@@ -7,7 +7,9 @@ builds the inputs on the host (once, vectorised, see ``input_batch``) and enqueu
 :meth:`ModelRunner.forward` fills in the previous step's sampled ids on the device (asynchronous
 scheduling: the engine passes that step's ``PendingSample``), makes the copy-on-write block
 copies (all layers at once), runs the forward (on CUDA a captured graph for decode-only batches
-and for a step of one prompt, see ``cuda_graphs`` and ``prefill_graphs``; else eager) and the
+and for a step of one prompt, see ``cuda_graphs`` and ``prefill_graphs``; else eager: always
+for a step whose sequences share prefix blocks worth attending over once, ``cascade_inputs``)
+and the
 logits for the rows that sample; :meth:`ModelRunner.sample` enqueues the sampler. Between
 ``prepare`` and ``forward`` the engine may enqueue a held step's sampling, so the host builds
 the inputs while that step's grammar masks fill. The only host sync is reading the sampled token
@@ -33,9 +35,10 @@ import torch
 
 from ...cache.manager import PagedAttentionManager
 from ...core.args import cdiv
+from ...core.cascade import CascadePlan, CascadeRule
 from ...core.kv_cache_manager import KVCacheManager
 from ...core.scheduler import SchedulerOutput
-from ...models.attention import AttentionMetadata
+from ...models.attention import Attention, AttentionMetadata
 from ...models.config import ModelConfig
 from ...models.load_progress import LoadTimer, timer_or_new
 from ...ops.attention import AttentionLimits, AttentionSpec, choose_backend
@@ -47,6 +50,7 @@ from ..sample.prompt_logprobs import (PendingPromptLogprobs, PromptLogprobs, Pro
 from ..sample.sampler import PendingSample, SampleRow, Sampler
 from ..sampling_params import SamplingParams
 from ..structured.bitmask import TokenMasks
+from .cascade_inputs import dummy_cascade
 from .cuda_graphs import DecodeGraphs
 from .input_batch import (InputBuilder, StepInputs, batch_buckets, dummy_inputs,
                           table_width)
@@ -85,7 +89,9 @@ class PreparedStep:
     ``inputs``: the builder's step inputs (device views of the staging buffers);
     ``bucket`` / ``prompt_bucket``: the decode / prompt graph it replays, if any;
     ``logits_dtype``: the dtype its logits are computed in; ``params`` / ``seeds``: per
-    sample row, its request's params and seed key (None: unseeded), as the sampler takes them.
+    sample row, its request's params and seed key (None: unseeded), as the sampler takes them;
+    ``cascade``: the shared-prefix groups it attends over once (``core.cascade``; a cascade
+    step runs eagerly), or None.
     """
 
     out: SchedulerOutput
@@ -95,6 +101,7 @@ class PreparedStep:
     logits_dtype: torch.dtype
     params: list[SamplingParams]
     seeds: list[tuple[str, int] | None]
+    cascade: CascadePlan | None = None
 
 
 class ModelRunner:
@@ -181,7 +188,8 @@ class ModelRunner:
         self.inputs = InputBuilder(
             self.cache.tables, max_num_seqs=config.max_num_seqs, max_num_tokens=max_num_tokens,
             block_size=bs, device=device, order_decode=self.backend == "triton",
-            logit_buckets=batch_buckets(config.max_num_seqs) if device.type == "cuda" else None)
+            logit_buckets=batch_buckets(config.max_num_seqs) if device.type == "cuda" else None,
+            cascade_rule=self.cascade_rule())
 
         self.graphs = self.prefill_graphs = None
         if device.type == "cuda" and not config.enforce_eager:
@@ -214,6 +222,17 @@ class ModelRunner:
             # requests start from the seed, whatever the limits those steps were sized by.
             self.sampler.generator.manual_seed(config.seed)
 
+    def cascade_rule(self) -> CascadeRule | None:
+        """The rule of the engine's cascade steps, or None when it has none: cascade attention
+        off, or every layer windowed (the op has no window; such a model's tables also begin
+        with the pad entries of released blocks, which are not shared blocks)."""
+        if not self.config.cascade_attention:
+            return None
+        if all(m.window_size != (-1, -1) for m in self.model.modules()
+               if isinstance(m, Attention)):
+            return None
+        return self.config.cascade_rule
+
     @torch.inference_mode()
     def _warm_up(self, max_model_len: int) -> None:
         """Compile and load the kernels before the first request, so no request waits for it.
@@ -235,6 +254,12 @@ class ModelRunner:
         for batch in self.attention.warmup_shapes(self.attention_limits):
             self.run_dummy([batch.q_len] * batch.num_seqs, self.kv_caches,
                            decode_only=batch.q_len == 1, no_prefix=batch.no_prefix)
+        if self.inputs.cascade_rule is not None:
+            # The cascade op's kernels (a non-causal prefill with lse, the suffix, the merge)
+            # compile here rather than at the first step over a shared prefix.
+            self.run_dummy([1, 1], self.kv_caches, decode_only=True, cascade=True)
+            self.run_dummy([2, 2], self.kv_caches, decode_only=False, no_prefix=False,
+                           cascade=True)
         q_len = 16
         while q_len <= min(cfg.max_num_batched_tokens, max_model_len):
             self.run_dummy([q_len], self.kv_caches, decode_only=False)
@@ -252,13 +277,17 @@ class ModelRunner:
         logger.info("warmed up the kernels in %.1f s", time.perf_counter() - start)
 
     def run_dummy(self, q_lens: list[int], kv_caches, *, decode_only: bool,
-                   no_prefix: bool = True) -> torch.Tensor:
+                   no_prefix: bool = True, cascade: bool = False) -> torch.Tensor:
         """Forward a made-up batch (see ``input_batch.dummy_inputs``: sequence ``i`` computes
         ``q_lens[i]`` tokens, writes nothing, reads block 0 of ``kv_caches``) through the
-        decode path (every ``q_lens[i]`` 1) or the prefill path. Returns the hidden states
-        ``[sum(q_lens), hidden_size]``."""
+        decode path (every ``q_lens[i]`` 1) or the prefill path; ``cascade``: as one group
+        over a prefix of block 0 (``cascade_inputs.dummy_cascade``). Returns the hidden
+        states ``[sum(q_lens), hidden_size]``."""
         step = dummy_inputs(q_lens, self.table_width, self.device, no_prefix=no_prefix,
                             ordered=decode_only and self.backend == "triton")
+        if cascade:
+            step.cascade = dummy_cascade(step.block_tables, step.context_lens,
+                                         sum(q_lens), self.block_size)
         meta = AttentionMetadata.for_step(step, decode_only=decode_only, backend=self.backend,
                                           decode_workspace=self.workspace,
                                           linear_workspace=self.linear_workspace)
@@ -284,20 +313,25 @@ class ModelRunner:
         for seq_id in out.released_seq_ids:
             self.release(seq_id)
         bucket = prompt_bucket = None
-        if self.graphs is not None and out.decode_only:
+        # The graphs hold the plain path: a cascade step runs eagerly.
+        cascade = self.inputs.plan_cascade(out)
+        if cascade is not None:
+            logger.debug("step of %d sequences: %s", out.num_seqs, cascade)
+        elif self.graphs is not None and out.decode_only:
             bucket = self.graphs.bucket_for(out.num_seqs)
         elif self.prefill_graphs is not None:
             prompt_bucket = self.prefill_graphs.bucket_for(out)
         step = self.inputs.build(
             out, pad_to=bucket, pending=pending,
             pad_prompt_to=prompt_bucket.tokens if prompt_bucket is not None else None,
-            paged_prompt=prompt_bucket is not None and prompt_bucket.paged)
+            paged_prompt=prompt_bucket is not None and prompt_bucket.paged, cascade=cascade)
         params, seeds = _sample_params(out)
         # The LM head's own output where the sampler reads it as is (the ranks gather the
         # model-dtype columns either way; the other ranks drop their copy).
         logits_dtype = (self.model.dtype if self.sampler.reads_model_dtype(params, seeds)
                         else torch.float32)
-        return PreparedStep(out, step, bucket, prompt_bucket, logits_dtype, params, seeds)
+        return PreparedStep(out, step, bucket, prompt_bucket, logits_dtype, params, seeds,
+                            cascade)
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput, prepared: PreparedStep | None = None,
