@@ -56,6 +56,21 @@ FlashAttention counts (two thread blocks per SM). Our unsplit programs at head_s
 ~190 registers a thread, so 2 fit on an SM; the split launches' smaller tiles would fit 5, but
 the heuristic's choices were tuned (measured) with this count."""
 
+SPLIT_PROGRAMS_PER_SM = 4
+"""Programs per SM in the wave the split count is chosen for, once a launch over a 16-bit cache
+splits (its programs are too few for :data:`PROGRAMS_PER_SM` a SM): split programs use the
+small split tiles, of which 4 fit on an SM. Counted with 2, the heuristic left mid batches at
+long contexts a wave short of the bandwidth: on an H200, 8 x 16k took 150 us in 4 splits and
+134 us in 8, where cuDNN SDPA took 130 us; 1 x 64k 81 us in 32 and 75 us in 64
+(docs/performance-notes.md, "Split counts of mid batches"). Only for splits that would run more
+than :data:`SHORT_SPLIT_TILES` tiles each on 2 a SM."""
+
+SHORT_SPLIT_TILES = 4
+"""KV tiles (of the split tiles: 128 tokens at head_size 128 in 16-bit) a split of the
+2-a-SM plan runs at most for that plan to stay: such short splits wait on their block-table
+loads and merge, and doubling them bought nothing (H200: 1 x 4k, 16.0 us in 32 splits, 16.4 in
+64; 1 x 2k, 13.7 and 13.9)."""
+
 FP8_PROGRAMS_PER_SM = 8
 """Programs per SM that a launch of short sequences over an fp8 cache, taken longest first,
 splits toward when it has enough programs for the 16-bit rule but fewer than
@@ -149,6 +164,7 @@ class DecodePlan:
     window_left: int = -1     # the sliding window's left side (-1: none)
     fused_merge: bool = False  # split launches: the decode kernel merges (no merge launch)
     ordered: bool = False     # the launch takes its sequences longest first (seq_order)
+    programs_per_sm: int = PROGRAMS_PER_SM   # the wave the split count was chosen for
 
     @property
     def fp16_dots(self) -> bool:
@@ -176,7 +192,7 @@ class DecodePlan:
 
     @property
     def wave_slots(self) -> int:
-        return self.num_sms * PROGRAMS_PER_SM
+        return self.num_sms * self.programs_per_sm
 
     @property
     def programs(self) -> int:
@@ -200,7 +216,7 @@ class DecodePlan:
 
     @property
     def efficiency_unsplit(self) -> float:
-        return wave_efficiency(self.units, self.wave_slots)
+        return wave_efficiency(self.units, self.num_sms * PROGRAMS_PER_SM)
 
     @property
     def efficiency(self) -> float:
@@ -225,7 +241,7 @@ class DecodePlan:
             + (f", at most {t.maxnreg} registers a thread" if t.maxnreg is not None else ""),
             f"  programs: {self.programs} = {seqs} x {self.num_kv_heads} kv heads"
             f" x {self.num_splits} split{'s' if self.num_splits != 1 else ''}, on "
-            f"{self.wave_slots} slots ({self.num_sms} SMs x {PROGRAMS_PER_SM})"
+            f"{self.wave_slots} slots ({self.num_sms} SMs x {self.programs_per_sm})"
             + (f"; merge: {self.merge_programs}" if self.merge_programs else ""),
         ]
         unsplit = (f"{self.units} programs unsplit fill {self.efficiency_unsplit:.0%} "
@@ -289,7 +305,8 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
         raise ValueError(f"num_splits: expected an int in 1..{MAX_SPLITS} or None, "
                          f"got {num_splits!r}")
     units = num_seqs * num_kv_heads
-    slots = num_sms * PROGRAMS_PER_SM
+    per_sm = PROGRAMS_PER_SM
+    slots = num_sms * per_sm
     chosen = n_tiles = None
     tiles_given = tiles is not None
     if num_splits is not None:
@@ -305,6 +322,12 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
         reason = "enough programs" if units >= 0.8 * slots else "heuristic"
         if splits > 1:
             splits = balance_splits(splits, max(units, 1), slots, n_tiles, cap)
+        if splits > 1 and kv_dtype is None and cdiv(n_tiles, splits) > SHORT_SPLIT_TILES:
+            # Split programs that still run long: choose for the split tiles' wave.
+            per_sm = SPLIT_PROGRAMS_PER_SM
+            slots = num_sms * per_sm
+            chosen = num_splits_heuristic(max(units, 1), slots, n_tiles, cap)
+            splits = balance_splits(chosen, max(units, 1), slots, n_tiles, cap)
         elif (reason == "enough programs" and kv_dtype is not None and kv_dtype.itemsize == 1
               and on_gpu and tiles is None):
             # Short fp8 programs start and end unevenly: split them in two, or (taken
@@ -336,7 +359,7 @@ def plan_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: i
                                    kv_dtype=kv_dtype)
     return DecodePlan(num_seqs, num_q_heads, num_kv_heads, head_size, block_size, dtype,
                       max_context_len, tiles, num_sms, splits, reason, chosen, n_tiles,
-                      kv_dtype, window_left, fused_merge and splits > 1, ordered)
+                      kv_dtype, window_left, fused_merge and splits > 1, ordered, per_sm)
 
 
 def window_kv_tiles(max_context_len: int, block_n: int, window_left: int = -1) -> int:
@@ -400,4 +423,5 @@ def explain_decode(num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size
 # here, where the plan that uses them is.
 __all__ = ["DecodePlan", "DecodeTiles", "plan_decode", "explain_decode", "default_tiles",
            "balance_splits", "window_kv_tiles", "FP8_TILES", "MAX_BLOCK_N",
-           "num_sms_of", "FUSED_MERGE", "MAX_SPLITS", "PROGRAMS_PER_SM"]
+           "num_sms_of", "FUSED_MERGE", "MAX_SPLITS", "PROGRAMS_PER_SM",
+           "SPLIT_PROGRAMS_PER_SM", "SHORT_SPLIT_TILES"]
