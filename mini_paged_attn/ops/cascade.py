@@ -14,7 +14,8 @@ query's keys into two disjoint sets and attends over each apart:
 
 and combines the two with their log-sum-exps (:func:`~.merge.merge_attention_states`). The
 prefix precedes every suffix, so every query of a group sees all of its prefix: no mask.
-Attention sinks enter the suffix call only, so the merged denominator counts them once.
+Attention sinks enter the suffix call only, so the merged denominator counts them once. On
+the Triton backend the merge is one launch (:mod:`.cascade_merge`), in place over the suffix part.
 
 The result equals plain attention over the prefix followed by the suffix; the saving is the
 prefix's K/V traffic (docs/performance-notes.md, "Cascade").
@@ -98,7 +99,8 @@ def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         decode_only=decode_only, scale=scale, out=out, k_scale=k_scale, v_scale=v_scale,
         softcap=softcap, sinks=sinks, seq_order=seq_order, workspace=workspace,
         num_splits=num_splits)
-    if resolve_backend(backend, query.device) == "torch":
+    resolved = resolve_backend(backend, query.device)
+    if resolved == "torch":
         check_cascade_values(shapes, cu_seqlens_q, prefix_block_tables=prefix_block_tables,
                              prefix_lens=prefix_lens, cu_group_tokens=cu_group_tokens,
                              group_tokens=group_tokens, suffix_block_tables=suffix_block_tables,
@@ -122,11 +124,19 @@ def cascade_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
             causal=True, out=out, sinks=sinks, **common)
     if prefix is None:
         return suffix_out
-    gs, hkv = shapes.group_size, shapes.num_kv_heads
-    # [N, Hq, D] -> [N, Hkv, gs, D]: the prefix part's head layout, no copy.
+    if resolved != "torch":
+        from .cascade_merge import merge_prefix_into
+        merge_prefix_into(prefix[0], prefix[1], suffix_out, suffix_lse, group_tokens)
+        return suffix_out
+    n, gs, hkv, d = shapes.num_grouped_tokens, shapes.group_size, shapes.num_kv_heads, \
+        shapes.head_size
+    # The prefix part's packed rows [n * gs, Hkv, ...] as [n, Hkv, gs, ...] (views), and the
+    # suffix part's [N, Hq, ...] as [N, Hkv, gs, ...] (no copy).
+    prefix_out = prefix[0].view(n, gs, hkv, d).transpose(1, 2)
+    prefix_lse = prefix[1].view(n, gs, hkv).transpose(1, 2)
     own_out = suffix_out.index_select(0, group_tokens).unflatten(1, (hkv, gs))
     own_lse = suffix_lse.index_select(0, group_tokens).unflatten(1, (hkv, gs))
-    merged, _ = merge_attention_states(prefix[0], prefix[1], own_out, own_lse)
+    merged, _ = merge_attention_states(prefix_out, prefix_lse, own_out, own_lse)
     suffix_out.index_copy_(0, group_tokens.long(), merged.reshape(-1, *query.shape[1:]))
     return suffix_out
 
@@ -141,9 +151,9 @@ def _prefix_attention(query, key_cache, value_cache, prefix_block_tables, prefix
     KV head, each tile reading the prefix once.
 
     Returns:
-        ``(out, lse)``: out ``[num_grouped_tokens, num_kv_heads, gs, head_size]`` in the
-        query's dtype and lse float32 ``[num_grouped_tokens, num_kv_heads, gs]`` (strided
-        views), row ``n`` for query row ``group_tokens[n]``.
+        ``(out, lse)`` packed: out ``[num_grouped_tokens * gs, num_kv_heads, head_size]`` in
+        the query's dtype and lse float32 ``[num_grouped_tokens * gs, num_kv_heads]``; row
+        ``n * gs + j``, KV head ``k`` is query head ``k * gs + j`` of row ``group_tokens[n]``.
     """
     n, gs = shapes.num_grouped_tokens, shapes.group_size
     hkv, d = shapes.num_kv_heads, shapes.head_size
@@ -153,4 +163,4 @@ def _prefix_attention(query, key_cache, value_cache, prefix_block_tables, prefix
     cu_rows = cu_group_tokens * gs if gs > 1 else cu_group_tokens
     out, lse = paged_prefill(rows, key_cache, value_cache, prefix_block_tables, cu_rows,
                              prefix_lens, causal=False, **common)
-    return (out.view(n, gs, hkv, d).transpose(1, 2), lse.view(n, gs, hkv).transpose(1, 2))
+    return out, lse
