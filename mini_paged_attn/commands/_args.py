@@ -127,9 +127,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool) -> N
                              "slow every step; no bound on a GPU. none: no bound")
     engine.add_argument("--no-prefix-caching", action="store_true",
                         help="turn automatic prefix caching off")
-    engine.add_argument("--no-cascade-attention", action="store_true",
-                        help="never attend over a prefix that requests share once per group "
-                             "(cascade attention: on by default, where its rule says it pays)")
+    engine.add_argument("--cascade-attention", choices=("auto", "on", "off"), default="auto",
+                        help="attend over a prefix that requests share once per group, where "
+                             "its rule says it pays. auto (default): where decode steps run "
+                             "eagerly anyway (CPU, --enforce-eager), not where they replay "
+                             "CUDA graphs")
+    engine.add_argument("--no-cascade-attention", dest="cascade_attention",
+                        action="store_const", const="off", help="--cascade-attention off")
     engine.add_argument("--seed", type=int, default=0,
                         help="seed of the engine's sampling, for requests without a seed of "
                              "their own (default 0)")

@@ -215,7 +215,7 @@ def test_tensor_parallel_ranks_rebuild_the_cascade_arrays(tiny_model_factory):
         torch.testing.assert_close(getattr(loaded.cascade, name), tensor, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("value", [1, "yes", None])
+@pytest.mark.parametrize("value", [1, "yes", "auto"])
 def test_config_rejects_a_bad_flag(value):
     with pytest.raises(ValueError, match="cascade_attention"):
         EngineConfig(cascade_attention=value)
@@ -303,3 +303,23 @@ def test_tensor_parallel_engine_matches_one_rank(tiny_model_factory):
     finally:
         llm.shutdown()
     _assert_same(on, off)
+
+
+@pytest.mark.parametrize("device_type, enforce_eager, expected", [
+    ("cpu", False, True), ("cuda", False, False), ("cuda", True, True)])
+def test_default_cascade_runs_where_decode_steps_are_eager(device_type, enforce_eager, expected):
+    """``cascade_attention=None`` turns cascade on where no decode graph would be replayed."""
+    from types import SimpleNamespace
+
+    from mini_paged_attn.engine.worker.model_runner import ModelRunner
+    from mini_paged_attn.models.attention import Attention
+
+    layer = Attention.__new__(Attention)       # a full-attention layer, nothing else needed
+    layer.__dict__["window_size"] = (-1, -1)
+    runner = SimpleNamespace(config=EngineConfig(enforce_eager=enforce_eager),
+                             device=torch.device(device_type),
+                             model=SimpleNamespace(modules=lambda: [layer]))
+    rule = ModelRunner.cascade_rule(runner)
+    assert (rule is not None) is expected
+    runner.config = EngineConfig(cascade_attention=False)
+    assert ModelRunner.cascade_rule(runner) is None

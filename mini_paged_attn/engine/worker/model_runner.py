@@ -224,9 +224,13 @@ class ModelRunner:
 
     def cascade_rule(self) -> CascadeRule | None:
         """The rule of the engine's cascade steps, or None when it has none: cascade attention
-        off, or every layer windowed (the op has no window; such a model's tables also begin
-        with the pad entries of released blocks, which are not shared blocks)."""
-        if not self.config.cascade_attention:
+        off (``None``: off where decode steps replay CUDA graphs, see ``EngineConfig``), or
+        every layer windowed (the op has no window; such a model's tables also begin with the
+        pad entries of released blocks, which are not shared blocks)."""
+        enabled = self.config.cascade_attention
+        if enabled is None:
+            enabled = self.device.type != "cuda" or self.config.enforce_eager
+        if not enabled:
             return None
         if all(m.window_size != (-1, -1) for m in self.model.modules()
                if isinstance(m, Attention)):
