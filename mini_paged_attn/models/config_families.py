@@ -1,7 +1,7 @@
 """How a family's config.json becomes ModelConfig's fields.
 
-The file is read through transformers' config class of the family's model type (the class
-``CONFIG_MAPPING`` maps it to, found as :func:`config_class_of` says), so a field the file leaves out takes the class's default and
+The file is read through transformers' config class of the family's model type
+(``transformers.CONFIG_MAPPING``), so a field the file leaves out takes the class's default and
 fields are spelt as the installed transformers spells them (4.x ``rope_theta`` +
 ``rope_scaling``, or 5.x ``rope_parameters``; ``torch_dtype`` or ``dtype``). Then the rules each
 :class:`~.family.Family` declares: the attention pattern (which layers slide, over how many
@@ -11,7 +11,6 @@ follows the family's own transformers modeling code.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from ..core.args import positive_int
@@ -35,16 +34,20 @@ def config_fields(family: Family, raw: dict[str, Any], source: str) -> dict[str,
         ValueError: a size set to null, ``num_attention_heads`` not a positive int, or a config
             the transformers class refuses (names ``source`` and transformers' reason).
     """
+    # The module itself, not transformers' lazy top level, which on some installs imports
+    # its auto-model factories (generation, accelerate, ...) for this one mapping.
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     for key in _SIZES:
         if key in raw and raw[key] is None:
             raise ValueError(f"{source}: missing field {key!r} (needed for {family.architecture})")
     if "num_attention_heads" in raw:     # transformers divides by it before any check of ours
         positive_int(f"{source}: num_attention_heads (num_q_heads)", raw["num_attention_heads"])
     model_type = family.config_model_type
-    config_class = config_class_of(model_type)
-    if config_class is None:
+    if model_type not in CONFIG_MAPPING:
         raise ValueError(f"{family.name}: model_type: expected one transformers knows, got "
                          f"{model_type!r} (set hf_model_type to the config class's type)")
+    config_class = CONFIG_MAPPING[model_type]
     # Token ids the file does not give stay unset: a class's defaults are some other
     # checkpoint's ids (and draw warnings against a small vocabulary).
     kwargs = {**dict.fromkeys(_TOKEN_IDS),
@@ -58,25 +61,6 @@ def config_fields(family: Family, raw: dict[str, Any], source: str) -> dict[str,
         raise ValueError(f"{source}: transformers' {config_class.__name__} refuses this config "
                          f"({type(exc).__name__}: {exc})") from exc
     return hf_config.to_dict()
-
-
-def config_class_of(model_type: str) -> type | None:
-    """transformers' config class of ``model_type`` (None if it has none): from the module
-    transformers keeps it in (``transformers.models.<type>.configuration_<type>``) when that
-    module defines it, else through ``CONFIG_MAPPING``. The module alone leaves transformers'
-    auto package unimported, which on some installs imports its model factories (generation,
-    torch.distributed, scikit-learn ...): 6 s of an H200 host's 12 s config read."""
-    name = model_type.replace("-", "_")
-    try:
-        module = importlib.import_module(f"transformers.models.{name}.configuration_{name}")
-    except ImportError:
-        module = None
-    for value in vars(module).values() if module is not None else ():
-        if (isinstance(value, type) and value.__dict__.get("model_type") == model_type
-                and hasattr(value, "to_dict")):
-            return value
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    return CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None
 
 
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
