@@ -49,7 +49,9 @@ def parse(spec: str) -> DecodeCase:
     return DecodeCase(batch=b, context=c, head_size=int(variant) if variant else 128)
 
 
-def run_case(case: DecodeCase, num_sms: int) -> dict:
+def case_inputs(case: DecodeCase):
+    """``(x, k, v, expected, plan)``: the case's paged inputs, contiguous K/V copies, flash
+    SDPA's output (float32) and the planned launch."""
     x = make_inputs(case, seed=0)
     k = gather_contiguous(x, x.key_cache, case).contiguous()
     v = gather_contiguous(x, x.value_cache, case).contiguous()
@@ -57,6 +59,11 @@ def run_case(case: DecodeCase, num_sms: int) -> dict:
         expected = sdpa_decode(x.query, k, v).float()
     plan = explain_decode(case.batch, case.num_q_heads, case.num_kv_heads, case.head_size,
                           case.context, case.block_size, case.dtype)
+    return x, k, v, expected, plan
+
+
+def run_case(case: DecodeCase, num_sms: int) -> dict:
+    x, k, v, expected, plan = case_inputs(case)
     old = old_splits(case, plan.tiles.block_n, num_sms) if plan.num_splits > 1 else 1
     row = dict(case=case.label, old_splits=old, new_splits=plan.num_splits)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

@@ -14,14 +14,11 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.bench_attention import (DecodeCase, gather_contiguous, make_inputs, ours_launch,
-                                        sdpa_decode)
+from benchmarks.bench_attention import DecodeCase, ours_launch, sdpa_decode
 from benchmarks.common import print_table, start_gpu_run, time_us
-from benchmarks.experiments.decode_split_rule import parse
-from mini_paged_attn.ops import explain_decode
+from benchmarks.experiments.decode_split_rule import case_inputs, parse
 from mini_paged_attn.ops.decode_tiles import DecodeTiles
 
 DEFAULT_CASES = "1x65536,2x65536,4x16384,8x16384,8x65536,16x16384,4x65536,16x8192"
@@ -35,13 +32,7 @@ TILES = {"planned": None,
 
 
 def sweep(case: DecodeCase, ceil_gbps: float) -> list[dict]:
-    x = make_inputs(case, seed=0)
-    k = gather_contiguous(x, x.key_cache, case).contiguous()
-    v = gather_contiguous(x, x.value_cache, case).contiguous()
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        expected = sdpa_decode(x.query, k, v).float()
-    plan = explain_decode(case.batch, case.num_q_heads, case.num_kv_heads, case.head_size,
-                          case.context, case.block_size, case.dtype)
+    x, k, v, expected, plan = case_inputs(case)
     rows = []
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         cudnn = time_us(lambda: sdpa_decode(x.query, k, v, "gqa"))

@@ -165,6 +165,14 @@ class AttentionMetadata:
         return dict(backend=projection_backend(self.backend), workspace=self.linear_workspace)
 
     @property
+    def decode_launch_args(self) -> dict:
+        """``ops.paged_decode``'s ``num_splits``, ``workspace`` and ``seq_order`` for a decode
+        step, those that are set."""
+        args = dict(num_splits=self.num_splits, workspace=self.decode_workspace,
+                    seq_order=self.seq_order)
+        return {name: value for name, value in args.items() if value is not None}
+
+    @property
     def num_seqs(self) -> int:
         return self.context_lens.shape[0]
 
@@ -209,16 +217,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
     if meta.cascade is not None and window_size == (-1, -1):
         return _cascade(q, kv_cache, meta, scale, softcap, sinks)
     if meta.decode_only:
-        triton_args = {}
-        if meta.num_splits is not None:
-            triton_args["num_splits"] = meta.num_splits
-        if meta.decode_workspace is not None:
-            triton_args["workspace"] = meta.decode_workspace
-        if meta.seq_order is not None:
-            triton_args["seq_order"] = meta.seq_order
         return paged_decode(q, key_cache, value_cache, meta.block_tables, meta.context_lens,
                             scale=scale, backend=meta.backend, window_size=window_size,
-                            softcap=softcap, sinks=sinks, **triton_args)
+                            softcap=softcap, sinks=sinks, **meta.decode_launch_args)
     if meta.no_prefix and key_cache.dtype == q.dtype:
         cu = meta.cu_seqlens_q
         return flash_attn_varlen_func(q, k, v, cu, cu, meta.max_seqlen_q, meta.max_seqlen_q,
@@ -233,14 +234,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
 def _cascade(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float,
              softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
     """:func:`attend` over ``meta.cascade``'s shared prefixes and suffixes (same result)."""
-    triton_args = {}
-    if meta.decode_only:
-        if meta.num_splits is not None:
-            triton_args["num_splits"] = meta.num_splits
-        if meta.decode_workspace is not None:
-            triton_args["workspace"] = meta.decode_workspace
-        if meta.seq_order is not None:
-            triton_args["seq_order"] = meta.seq_order
+    triton_args = meta.decode_launch_args if meta.decode_only else {}
     return cascade_attention(q, *kv_cache, meta.cu_seqlens_q, decode_only=meta.decode_only,
                              scale=scale, backend=meta.backend, softcap=softcap, sinks=sinks,
                              **meta.cascade.op_args(), **triton_args)
