@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "BlockStateError": ".errors", "OutOfBlocksError": ".errors",
     "BlockManager": ".core.block_manager", "PagedAttentionManager": ".cache.manager",
-    **{name: ".ops" for name in ("explain_decode", "flash_attn_varlen_func",
+    **{name: ".ops" for name in ("cascade_attention", "explain_decode", "flash_attn_varlen_func",
                                  "flash_attn_func", "flash_attn_qkvpacked_func",
                                  "flash_attn_kvpacked_func",
                                  "flash_attn_varlen_qkvpacked_func",
