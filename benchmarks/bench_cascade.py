@@ -229,7 +229,10 @@ def write_outputs(out: Path, results: dict) -> None:
     if results.get("target"):
         lines += ["", results["target"]]
     (out / "cascade.md").write_text("\n".join(lines) + "\n")
-    plot(out / "cascade.png", results)
+    try:
+        plot(out / "cascade.png", results)
+    except ModuleNotFoundError:
+        logger.warning("no plot: matplotlib is not installed (pip install -e .[bench])")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.bench_attention import DecodeCase, ours_launch, sdpa_decode
+from benchmarks.bench_attention import (DecodeCase, DecodeTiles, gather_contiguous, make_inputs,
+                                        ours_launch, sdpa_decode)
 from benchmarks.common import print_table, start_gpu_run, time_us
-from benchmarks.experiments.decode_split_rule import case_inputs, parse
-from mini_paged_attn.ops.decode_tiles import DecodeTiles
+from mini_paged_attn.ops import explain_decode
 
 DEFAULT_CASES = "1x65536,2x65536,4x16384,8x16384,8x65536,16x16384,4x65536,16x8192"
 SPLITS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -29,6 +29,28 @@ TILES = {"planned": None,
          "n128s3": DecodeTiles(block_n=128, num_warps=4, num_stages=3),
          "n64s3w8": DecodeTiles(block_n=64, num_warps=8, num_stages=3),
          "n64s3": DecodeTiles(block_n=64, num_warps=4, num_stages=3)}
+
+
+def parse(spec: str) -> DecodeCase:
+    """BxC, BxC/HEAD_SIZE or BxC/bsBLOCK (bf16, 32 q / 8 kv heads)."""
+    shape, _, variant = spec.partition("/")
+    b, c = (int(t) for t in shape.split("x"))
+    if variant.startswith("bs"):
+        return DecodeCase(batch=b, context=c, block_size=int(variant[2:]))
+    return DecodeCase(batch=b, context=c, head_size=int(variant) if variant else 128)
+
+
+def case_inputs(case: DecodeCase):
+    """``(x, k, v, expected, plan)``: the case's paged inputs, contiguous K/V copies, flash
+    SDPA's output (float32) and the planned launch."""
+    x = make_inputs(case, seed=0)
+    k = gather_contiguous(x, x.key_cache, case).contiguous()
+    v = gather_contiguous(x, x.value_cache, case).contiguous()
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        expected = sdpa_decode(x.query, k, v).float()
+    plan = explain_decode(case.batch, case.num_q_heads, case.num_kv_heads, case.head_size,
+                          case.context, case.block_size, case.dtype)
+    return x, k, v, expected, plan
 
 
 def sweep(case: DecodeCase, ceil_gbps: float) -> list[dict]:
