@@ -108,12 +108,13 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_bytes",
                      "tensor_parallel_size"):
             object.__setattr__(self, name, positive_int(name, getattr(self, name)))
-        for name in ("num_kv_blocks", "max_model_len", "max_num_batched_context_tokens"):
-            if name == "max_num_batched_context_tokens" and self.max_num_batched_context_tokens \
-                    == "auto":
-                continue
+        for name in ("num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, positive_int(name, getattr(self, name)))
+        budget = self.max_num_batched_context_tokens
+        if budget is not None and not (isinstance(budget, str) and budget == "auto"):
+            object.__setattr__(self, "max_num_batched_context_tokens",
+                               positive_int("max_num_batched_context_tokens", budget))
         u = self.gpu_memory_utilization
         if not is_number(u) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {u!r}")

@@ -7,7 +7,7 @@ its device form, checked by shape and dtype (reading values would sync with the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -63,9 +63,7 @@ class CascadeMetadata:
 
     def op_args(self) -> dict:
         """The keyword arguments of ``ops.cascade_attention`` these tensors fill."""
-        return dict(prefix_block_tables=self.prefix_block_tables, prefix_lens=self.prefix_lens,
-                    cu_group_tokens=self.cu_group_tokens, group_tokens=self.group_tokens,
-                    suffix_block_tables=self.suffix_block_tables, suffix_lens=self.suffix_lens)
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 __all__ = ["CascadeMetadata"]

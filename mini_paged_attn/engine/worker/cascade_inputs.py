@@ -82,10 +82,17 @@ def fill_cascade(host, plan: CascadePlan, table: np.ndarray, rows: np.ndarray,
     cu_group = host("cascade_cu_group_tokens", num_groups + 1)
     cu_group[0] = 0
     np.cumsum(np.add.reduceat(member_q, groups.starts[:-1]), out=cu_group[1:])
+    return _shapes(num_groups, prefix_width, num_grouped, n, suffix_width)
+
+
+def _shapes(num_groups: int, prefix_width: int, num_grouped: int, num_seqs: int,
+            suffix_width: int) -> dict[str, tuple[int, ...]]:
+    """The shape of each cascade array, from the counts that size them."""
     return {"cascade_prefix_tables": (num_groups, prefix_width),
             "cascade_prefix_lens": (num_groups,), "cascade_cu_group_tokens": (num_groups + 1,),
             "cascade_group_tokens": (num_grouped,),
-            "cascade_suffix_tables": (n, suffix_width), "cascade_suffix_lens": (n,)}
+            "cascade_suffix_tables": (num_seqs, suffix_width),
+            "cascade_suffix_lens": (num_seqs,)}
 
 
 def cascade_metadata(views: dict) -> CascadeMetadata:
@@ -114,13 +121,9 @@ def shapes_of(arrays: dict[str, np.ndarray], num_seqs: int) -> dict[str, tuple[i
     if "cascade_prefix_lens" not in arrays:
         return {}
     num_groups = len(arrays["cascade_prefix_lens"])
-    return {"cascade_prefix_tables": (num_groups,
-                                      len(arrays["cascade_prefix_tables"]) // num_groups),
-            "cascade_prefix_lens": (num_groups,), "cascade_cu_group_tokens": (num_groups + 1,),
-            "cascade_group_tokens": (len(arrays["cascade_group_tokens"]),),
-            "cascade_suffix_tables": (num_seqs,
-                                      len(arrays["cascade_suffix_tables"]) // num_seqs),
-            "cascade_suffix_lens": (num_seqs,)}
+    return _shapes(num_groups, len(arrays["cascade_prefix_tables"]) // num_groups,
+                   len(arrays["cascade_group_tokens"]), num_seqs,
+                   len(arrays["cascade_suffix_tables"]) // num_seqs)
 
 
 __all__ = ["CASCADE_ARRAYS", "cascade_metadata", "cascade_region_sizes", "dummy_cascade",

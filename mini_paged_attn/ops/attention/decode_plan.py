@@ -66,8 +66,8 @@ long contexts a wave short of the bandwidth: on an H200, 8 x 16k took 150 us in 
 than :data:`SHORT_SPLIT_TILES` tiles each on 2 a SM."""
 
 SHORT_SPLIT_TILES = 4
-"""KV tiles (of the split tiles: 128 tokens at head_size 128 in 16-bit) a split of the
-2-a-SM plan runs at most for that plan to stay: such short splits wait on their block-table
+"""Split tiles a split of the 2-a-SM plan runs at most for that plan to stay (4 tiles are 128
+tokens at head_size 128 in 16-bit): such short splits wait on their block-table
 loads and merge, and doubling them bought nothing (H200: 1 x 4k, 16.0 us in 32 splits, 16.4 in
 64; 1 x 2k, 13.7 and 13.9)."""
 
