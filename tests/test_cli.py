@@ -229,8 +229,9 @@ def test_demo_runs_where_triton_is_not_installed():
     assert "blocks free" in done.stdout
 
 
-@pytest.mark.parametrize("flags, expected", [([], None), (["--no-cascade-attention"], False),
-                                             (["--cascade-attention", "on"], True)])
+@pytest.mark.parametrize("flags, expected", [([], True), (["--no-cascade-attention"], False),
+                                             (["--cascade-attention", "on"], True),
+                                             (["--cascade-attention", "off"], False)])
 def test_serve_maps_the_cascade_flag_to_the_engine_config(flags, expected):
     from mini_paged_attn.cli import build_parser
     from mini_paged_attn.commands.serve import engine_kwargs

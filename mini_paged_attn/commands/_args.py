@@ -129,9 +129,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool) -> N
                         help="turn automatic prefix caching off")
     engine.add_argument("--cascade-attention", choices=("auto", "on", "off"), default="auto",
                         help="attend over a prefix that requests share once per group, where "
-                             "its rule says it pays. auto (default): where decode steps run "
-                             "eagerly anyway (CPU, --enforce-eager), not where they replay "
-                             "CUDA graphs")
+                             "its rule says it pays. auto (default) and on: the rule decides "
+                             "each step; off: plain attention on every step")
     engine.add_argument("--no-cascade-attention", dest="cascade_attention",
                         action="store_const", const="off", help="--cascade-attention off")
     engine.add_argument("--seed", type=int, default=0,

@@ -312,7 +312,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_context_tokens=args.max_num_batched_context_tokens,
                 max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching,
-                cascade_attention={"auto": None, "on": True, "off": False}[args.cascade_attention],
+                cascade_attention=args.cascade_attention != "off",
                 enforce_eager=args.enforce_eager, seed=args.seed,
                 kv_cache_dtype=args.kv_cache_dtype,
                 tensor_parallel_size=args.tensor_parallel_size,

@@ -200,11 +200,14 @@ class CascadePlan:
 
 def plan_cascade(tables: np.ndarray, computed: np.ndarray, context_lens: np.ndarray,
                  block_size: int, rule: CascadeRule,
-                 table_rows: np.ndarray | None = None) -> CascadePlan:
+                 table_rows: np.ndarray | None = None, *,
+                 max_groups: int | None = None) -> CascadePlan:
     """Which groups of the step attend over their shared prefix once (see :class:`CascadeRule`).
 
     ``tables``, ``computed``, ``block_size``, ``table_rows``: as :func:`find_shared_prefixes`;
-    ``context_lens``: int ``[num_rows]``, each row's tokens after the step's writes.
+    ``context_lens``: int ``[num_rows]``, each row's tokens after the step's writes;
+    ``max_groups``: at most this many groups (a captured decode graph holds a fixed number),
+    those of the qualifying groups that save the most reads; None: every qualifying group.
     """
     found = find_shared_prefixes(tables, computed, block_size, table_rows,
                                  min_size=rule.min_group_size)
@@ -213,6 +216,10 @@ def plan_cascade(tables: np.ndarray, computed: np.ndarray, context_lens: np.ndar
         return CascadePlan(found, block_size, len(computed), 0, kv_tokens, 0)
     sizes = found.sizes
     keep = rule.qualifies(sizes, found.prefix_blocks * block_size)
+    if max_groups is not None and int(keep.sum()) > max_groups:
+        saves = np.where(keep, (sizes - 1) * found.prefix_blocks, -1)
+        keep = np.zeros_like(keep)
+        keep[np.argsort(-saves, kind="stable")[:max_groups]] = True
     chosen = found if keep.all() else found.select(keep)
     saved = int(((sizes[keep] - 1) * found.prefix_blocks[keep]).sum()) * block_size
     return CascadePlan(chosen, block_size, len(computed), found.num_groups, kv_tokens, saved)

@@ -70,13 +70,10 @@ class EngineConfig:
             previous step's tokens, see ``engine/in_flight.py``).
         cascade_attention: let a step whose sequences share prefix blocks (a cached system
             prompt, ``n > 1`` samples) attend over each shared prefix once per group
-            (``ops.cascade_attention``) where ``cascade_rule`` says it pays; such a step runs
-            eagerly, without a CUDA graph. False: every step attends plainly. None (the
-            default): on where decode steps run eagerly anyway (the CPU, ``enforce_eager``),
-            off where they replay CUDA graphs: there, on an H200, the eager cascade steps of
-            256 requests over a 2k shared prompt gave 0.18x the output tok/s of plain graph
-            replays, though the op itself took 4.6x less GPU time (docs/performance-notes.md,
-            "Cascade").
+            (``ops.cascade_attention``) where ``cascade_rule`` says it pays (the default). A
+            decode step replays a captured cascade graph holding up to
+            ``cascade_inputs.GRAPH_GROUPS`` groups; a prompt step with cascade runs eagerly.
+            False: every step attends plainly (and no cascade graphs are captured).
         cascade_rule: when a group of sequences uses cascade attention
             (:class:`~mini_paged_attn.core.cascade.CascadeRule`: group size, prefix tokens,
             KV tokens saved).
@@ -100,7 +97,7 @@ class EngineConfig:
     distributed_timeout_s: float = 120.0
     step_timeout_s: float | None = 60.0
     async_scheduling: bool | None = None
-    cascade_attention: bool | None = None
+    cascade_attention: bool = True
     cascade_rule: CascadeRule = field(default_factory=CascadeRule)
 
     def __post_init__(self) -> None:
@@ -134,10 +131,8 @@ class EngineConfig:
         t = self.step_timeout_s
         if t is not None and (not is_number(t) or not 0 < t < float("inf")):
             raise ValueError(f"step_timeout_s: expected None or a number > 0, got {t!r}")
-        for name in ("enable_prefix_caching", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enforce_eager", "cascade_attention"):
             check_bool(name, getattr(self, name))
-        if self.cascade_attention is not None:
-            check_bool("cascade_attention", self.cascade_attention)
         if self.async_scheduling is not None:
             check_bool("async_scheduling", self.async_scheduling)
         if not isinstance(self.cascade_rule, CascadeRule):

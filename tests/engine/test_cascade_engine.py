@@ -215,7 +215,7 @@ def test_tensor_parallel_ranks_rebuild_the_cascade_arrays(tiny_model_factory):
         torch.testing.assert_close(getattr(loaded.cascade, name), tensor, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("value", [1, "yes", "auto"])
+@pytest.mark.parametrize("value", [1, "yes", "auto", None])
 def test_config_rejects_a_bad_flag(value):
     with pytest.raises(ValueError, match="cascade_attention"):
         EngineConfig(cascade_attention=value)
@@ -246,9 +246,10 @@ def test_the_warm_up_runs_a_cascade_step(tiny_model_factory, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cascade_steps_run_eagerly_beside_graph_replays(tiny_model_factory):
-    """On CUDA with decode graphs and asynchronous scheduling: a cascade step never replays a
-    graph, plain decode steps do, and the outputs equal a cascade-off engine's."""
+def test_cascade_decode_steps_replay_cascade_graphs(tiny_model_factory):
+    """On CUDA with decode graphs and asynchronous scheduling: a cascade decode step replays
+    its bucket's cascade graph, a prompt step with cascade runs eagerly, plain decode steps
+    replay plain graphs, and the outputs equal a cascade-off engine's."""
     model_dir = tiny_model_factory("llama")
     requests = _system_requests(256, own_lens=(3, 9, 1, 6, 13, 5, 2, 7), strangers=2)
     config = dict(BASE, backend="triton", enforce_eager=False)
@@ -258,6 +259,7 @@ def test_cascade_steps_run_eagerly_beside_graph_replays(tiny_model_factory):
         engine = make_engine(model_dir, device="cuda", cascade_attention=cascade,
                              cascade_rule=RULE, **config)
         assert engine.runner.graphs is not None
+        assert bool(engine.runner.graphs.cascade_pads) is cascade
         prepare = engine.runner.prepare
 
         def recording(*args, _prepare=prepare, **kwargs):
@@ -273,9 +275,10 @@ def test_cascade_steps_run_eagerly_beside_graph_replays(tiny_model_factory):
                             for i in ids]
         if cascade:
             assert engine.stats().cascade_steps > 0
-    assert any(p.cascade is not None for p in prepared)
-    assert all(p.bucket is None for p in prepared if p.cascade is not None)
-    assert any(p.bucket is not None for p in prepared)
+    cascade_steps = [p for p in prepared if p.cascade is not None]
+    assert any(p.bucket is not None for p in cascade_steps)
+    assert all((p.bucket is not None) == p.out.decode_only for p in cascade_steps)
+    assert any(p.bucket is not None and p.cascade is None for p in prepared)
     for (tokens_on, lp_on), (tokens_off, lp_off) in zip(results[True], results[False]):
         assert tokens_on == tokens_off
         for a, b in zip(lp_on, lp_off):
@@ -305,10 +308,11 @@ def test_tensor_parallel_engine_matches_one_rank(tiny_model_factory):
     _assert_same(on, off)
 
 
-@pytest.mark.parametrize("device_type, enforce_eager, expected", [
-    ("cpu", False, True), ("cuda", False, False), ("cuda", True, True)])
-def test_default_cascade_runs_where_decode_steps_are_eager(device_type, enforce_eager, expected):
-    """``cascade_attention=None`` turns cascade on where no decode graph would be replayed."""
+@pytest.mark.parametrize("device_type, enforce_eager", [
+    ("cpu", False), ("cuda", False), ("cuda", True)])
+def test_cascade_is_on_by_default_with_graphs_or_without(device_type, enforce_eager):
+    """The default rule applies wherever decode steps run: eagerly, or replaying cascade
+    graphs; ``cascade_attention=False`` turns it off."""
     from types import SimpleNamespace
 
     from mini_paged_attn.engine.worker.model_runner import ModelRunner
@@ -319,7 +323,6 @@ def test_default_cascade_runs_where_decode_steps_are_eager(device_type, enforce_
     runner = SimpleNamespace(config=EngineConfig(enforce_eager=enforce_eager),
                              device=torch.device(device_type),
                              model=SimpleNamespace(modules=lambda: [layer]))
-    rule = ModelRunner.cascade_rule(runner)
-    assert (rule is not None) is expected
+    assert ModelRunner.cascade_rule(runner) == EngineConfig().cascade_rule
     runner.config = EngineConfig(cascade_attention=False)
     assert ModelRunner.cascade_rule(runner) is None

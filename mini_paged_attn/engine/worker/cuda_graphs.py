@@ -4,9 +4,12 @@ A decode step of a small model is dominated by kernel launch overhead (hundreds 
 microsecond kernels); replaying a captured graph issues them all at once. The graphs read their
 inputs in place from the fixed device regions :class:`~mini_paged_attn.engine.worker.input_batch.InputBuilder` uploads into,
 and a static block table; a batch of ``n`` sequences replays the smallest bucket ``>= n`` with
-the extra rows padded (slot -1: nothing written; context length 0: nothing read). The graphs
-hold the plain attention path: a decode step that uses cascade attention (sequences sharing
-prefix blocks, ``core.cascade``) runs eagerly instead.
+the extra rows padded (slot -1: nothing written; context length 0: nothing read).
+
+Where the engine uses cascade attention (sequences sharing prefix blocks, ``core.cascade``),
+each bucket that can hold a group also has graphs of the cascade path, whose cascade arrays
+have fixed shapes (``cascade_inputs.CascadePad``: a few group slots, every row in one of
+them, the prefix tables full width, the suffix tables as wide as the plain graphs' tables).
 
 The decode op plans its launch from the block table's width, the bound on the context lengths
 it can see. A bucket is captured over the full table and, where the op would plan differently
@@ -18,19 +21,23 @@ the narrowest view that holds its blocks.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
 
 from ...models.attention import Attention, AttentionMetadata
+from ...models.cascade_metadata import CascadeMetadata
 from ...ops.projection import SplitKWorkspace
+from .cascade_inputs import GRAPH_GROUPS, CascadePad, cascade_metadata
 from .input_batch import InputBuilder, StepInputs, batch_buckets, smallest_bucket
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeGraphs:
-    """Captured decode forwards of ``model``, keyed by (batch-size bucket, table width).
+    """Captured decode forwards of ``model``, keyed by (batch-size bucket, table width, whether
+    the step uses cascade attention; its suffix tables' width then).
 
     Args:
         model: the CausalLM; ``forward(input_ids, positions, kv_caches, meta) -> hidden``.
@@ -61,7 +68,14 @@ class DecodeGraphs:
         self._windows = sorted({m.window_size for m in layers})
         # Per bucket, the table widths (blocks) captured, narrowest first.
         self.widths = {b: self._widths(b) for b in self.buckets}
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Per bucket that can hold a group (the input builder has a cascade rule), the shapes
+        # of its cascade graphs' arrays.
+        rule = inputs.cascade_rule
+        self.cascade_pads = {
+            b: CascadePad(b, GRAPH_GROUPS + 1, inputs.max_blocks_per_seq, tuple(self.widths[b]))
+            for b in self.buckets if rule is not None and b >= rule.min_group_size}
+        self._graphs: dict[tuple[int, int, bool],
+                           tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None    # the graphs' memory pool, once captured (other graphs may share it)
 
     def _widths(self, b: int) -> list[int]:
@@ -103,10 +117,21 @@ class DecodeGraphs:
     def bucket_for(self, n: int) -> int | None:
         return smallest_bucket(self.buckets, n)
 
-    def _step(self, b: int, width: int) -> StepInputs:
+    def cascade_pad(self, b: int) -> CascadePad | None:
+        """The cascade arrays' shapes of bucket ``b``'s graphs, or None: it has none."""
+        return self.cascade_pads.get(b)
+
+    def _step(self, b: int, width: int, cascade: bool = False) -> StepInputs:
         """The inputs of a ``b``-sequence decode step, read in place from the fixed regions,
-        with the leading ``width`` blocks of the table."""
+        with the leading ``width`` blocks of the table (``cascade``: the full table, and
+        cascade arrays over ``width``-block suffixes)."""
         inputs = self.inputs
+        meta = None
+        if cascade:
+            meta = cascade_metadata({
+                name: inputs.region(name, math.prod(shape)).view(shape)
+                for name, shape in self.cascade_pads[b].shapes(width).items()})
+            width = inputs.max_blocks_per_seq
         return StepInputs(
             input_ids=inputs.region("input_ids", b), positions=inputs.region("positions", b),
             slot_mapping=inputs.region("slot_mapping", b),
@@ -114,7 +139,20 @@ class DecodeGraphs:
             context_lens=inputs.region("context_lens", b),
             block_tables=self.block_tables[:b, :width], max_seqlen_q=1,
             num_sample_rows=b, logit_rows=b, sample_rows=None,
-            seq_order=inputs.region("seq_order", b) if inputs.order_decode else None)
+            seq_order=inputs.region("seq_order", b) if inputs.order_decode else None,
+            cascade=meta)
+
+    def _empty_cascade(self, b: int) -> None:
+        """Cascade arrays of an empty ``b``-row batch: every row in the first group, whose
+        prefix has no tokens; no suffix tokens either."""
+        inputs, pad = self.inputs, self.cascade_pads[b]
+        for name in ("cascade_prefix_tables", "cascade_prefix_lens", "cascade_suffix_tables",
+                     "cascade_suffix_lens"):
+            inputs.region(name, math.prod(pad.shapes(pad.suffix_widths[-1])[name])).zero_()
+        cu = inputs.region("cascade_cu_group_tokens", pad.num_groups + 1)
+        cu.fill_(b)
+        cu[0] = 0
+        inputs.region("cascade_group_tokens", b).copy_(torch.arange(b, dtype=torch.int32))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -130,24 +168,34 @@ class DecodeGraphs:
         inputs.region("seq_order", top).copy_(torch.arange(top, dtype=torch.int32))
         pool = self.pool
         for b in reversed(self.buckets):        # largest first: later graphs reuse its pool
+            if b in self.cascade_pads:
+                self._empty_cascade(b)
             for width in reversed(self.widths[b]):
-                step = self._step(b, width)
-                ids, pos = step.input_ids, step.positions
-                meta = AttentionMetadata.for_step(step, decode_only=True, backend=self.backend,
-                                                  decode_workspace=self.workspace,
-                                                  linear_workspace=self.linear_workspace)
-                self.model(ids, pos, self.kv_caches, meta)     # warm-up: compiles the kernels
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    hidden = self.model(ids, pos, self.kv_caches, meta)
-                pool = graph.pool() if pool is None else pool
-                graph.replay()  # an empty batch; the first replay uploads the graph
-                self._graphs[b, width] = (graph, hidden)
+                for cascade in (False, True) if b in self.cascade_pads else (False,):
+                    pool = self._capture(b, width, cascade, pool)
         self.pool = pool
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch sizes %s; %d over narrower tables) "
-                    "in %.1f s", len(self._graphs), self.buckets,
-                    len(self._graphs) - len(self.buckets), time.perf_counter() - start)
+        num_cascade = sum(key[2] for key in self._graphs)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s; %d over narrower tables, "
+                    "%d of cascade attention) in %.1f s", len(self._graphs), self.buckets,
+                    len(self._graphs) - len(self.buckets) - num_cascade, num_cascade,
+                    time.perf_counter() - start)
+
+    def _capture(self, b: int, width: int, cascade: bool, pool):
+        """Capture the graph of key ``(b, width, cascade)`` into ``pool`` (None: a new one);
+        return the pool."""
+        step = self._step(b, width, cascade)
+        ids, pos = step.input_ids, step.positions
+        meta = AttentionMetadata.for_step(step, decode_only=True, backend=self.backend,
+                                          decode_workspace=self.workspace,
+                                          linear_workspace=self.linear_workspace)
+        self.model(ids, pos, self.kv_caches, meta)     # warm-up: compiles the kernels
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            hidden = self.model(ids, pos, self.kv_caches, meta)
+        graph.replay()  # an empty batch; the first replay uploads the graph
+        self._graphs[b, width, cascade] = (graph, hidden)
+        return graph.pool() if pool is None else pool
 
     def release(self) -> None:
         """Wait for the device, then destroy the captured graphs (replay cannot run after)."""
@@ -155,15 +203,24 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             self._graphs.clear()        # a graph is destroyed with its last reference
 
-    def replay(self, n: int, block_tables: torch.Tensor) -> torch.Tensor:
-        """Run the captured forward for ``n`` sequences whose inputs were built with
-        ``pad_to=bucket_for(n)``; ``block_tables`` is the step's int32 ``[n, width]`` table.
-        Returns the hidden states ``[bucket_for(n), hidden_size]`` (the graph's output; rows
-        ``n ..`` are the padding's, finite and meaningless)."""
+    def key_for(self, n: int, width: int, cascade: CascadeMetadata | None = None
+                ) -> tuple[int, int, bool]:
+        """The graph that serves ``n`` sequences over a ``width``-block table (and
+        ``cascade``'s arrays, which the input builder shaped for one of the bucket's graphs)."""
         b = self.bucket_for(n)
+        if cascade is not None:
+            return (b, cascade.suffix_block_tables.shape[1], True)
+        return (b, next(w for w in self.widths[b] if w >= width), False)
+
+    def replay(self, n: int, block_tables: torch.Tensor,
+               cascade: CascadeMetadata | None = None) -> torch.Tensor:
+        """Run the captured forward for ``n`` sequences whose inputs were built with
+        ``pad_to=bucket_for(n)`` (and ``cascade_pad=cascade_pad(bucket_for(n))`` when the
+        step has ``cascade``, its metadata); ``block_tables`` is the step's int32
+        ``[n, width]`` table. Returns the hidden states ``[bucket_for(n), hidden_size]`` (the
+        graph's output; rows ``n ..`` are the padding's, finite and meaningless)."""
         width = block_tables.shape[1]
-        captured = next(w for w in self.widths[b] if w >= width)
-        graph, hidden = self._graphs[b, captured]
+        graph, hidden = self._graphs[self.key_for(n, width, cascade)]
         self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
         graph.replay()
         return hidden

@@ -18,8 +18,8 @@ from ...core.args import cdiv
 from ...core.cascade import CascadePlan, CascadeRule, plan_cascade
 from ...core.scheduler import SchedulerOutput
 from ...models.cascade_metadata import CascadeMetadata
-from .cascade_inputs import (CASCADE_ARRAYS, cascade_metadata, cascade_region_sizes,
-                             fill_cascade, shapes_of)
+from .cascade_inputs import (CASCADE_ARRAYS, CascadePad, cascade_metadata,
+                             cascade_region_sizes, fill_cascade, shapes_of)
 from .tp_messages import STEP_ARRAYS
 
 
@@ -259,7 +259,7 @@ class InputBuilder:
                                else (self.i32, self._i32_regions))
             views[name] = buffer.upload(regions[name], regions[name] + len(values))
         num_seqs = len(arrays["block_tables"]) // table_width if table_width else 0
-        shapes = shapes_of(arrays, num_seqs)
+        shapes = shapes_of(arrays)
         inputs = StepInputs(
             input_ids=views["input_ids"], positions=views["positions"],
             slot_mapping=views["slot_mapping"], cu_seqlens_q=views["cu_seqlens_q"],
@@ -284,23 +284,27 @@ class InputBuilder:
         start = self._i32_regions[name]
         return self.i32.np[start:start + n]
 
-    def plan_cascade(self, out: SchedulerOutput) -> CascadePlan | None:
+    def plan_cascade(self, out: SchedulerOutput, max_groups: int | None = None
+                     ) -> CascadePlan | None:
         """The step's shared-prefix groups that pass the builder's rule (see
-        ``core.cascade``), or None: no rule, nothing cached before the step, or no group
-        passes. Host work only (tens of microseconds for a full batch)."""
+        ``core.cascade``), at most ``max_groups`` of them, or None: no rule, nothing cached
+        before the step, or no group passes. Host work only (tens of microseconds for a full
+        batch)."""
         if self.cascade_rule is None or out.num_seqs < self.cascade_rule.min_group_size:
             return None
         seqs = out.seqs
         computed = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int64, len(seqs))
         plan = plan_cascade(self.tables.host, computed,
                             computed + np.asarray(out.num_new_tokens, dtype=np.int64),
-                            self.block_size, self.cascade_rule, self.tables.rows_for(seqs))
+                            self.block_size, self.cascade_rule, self.tables.rows_for(seqs),
+                            max_groups=max_groups)
         return plan if plan.uses_cascade else None
 
     def build(self, out: SchedulerOutput, pad_to: int | None = None,
               pending: dict[int, int] | None = None,
               pad_prompt_to: int | None = None, paged_prompt: bool = False,
-              cascade: CascadePlan | None = None) -> StepInputs:
+              cascade: CascadePlan | None = None,
+              cascade_pad: CascadePad | None = None) -> StepInputs:
         """Fill and upload the inputs of ``out``. ``pad_to`` (decode-only steps): pad the batch
         to this many sequences (slot -1, context length 0) for a captured CUDA graph.
         ``pending``: ``seq_id -> row`` of the previous step's sampled ids, for sequences whose
@@ -313,9 +317,11 @@ class InputBuilder:
         block tables): both block-table rows are ``max_blocks_per_seq`` wide and the
         padding's row is the prompt's, so the padding attends over the prompt's first
         ``pad_prompt_to - num_tokens`` positions (see :mod:`mini_paged_attn.engine.worker.prefill_graphs` for what they
-        hold). ``cascade``: :meth:`plan_cascade`'s plan for ``out`` (no padding then): the
-        inputs' :class:`CascadeMetadata`."""
-        assert cascade is None or (pad_to is None and pad_prompt_to is None), "cascade is eager"
+        hold). ``cascade``: :meth:`plan_cascade`'s plan for ``out``: the inputs'
+        :class:`CascadeMetadata`, shaped for a decode graph's ``cascade_pad`` when ``pad_to``
+        is set (``cascade_inputs.CascadePad``)."""
+        assert cascade is None or pad_prompt_to is None, "a prompt graph holds the plain path"
+        assert cascade is None or (pad_to is None) == (cascade_pad is None), cascade_pad
         seqs = out.seqs
         n = len(seqs)
         num_tokens = out.num_batched_tokens
@@ -360,7 +366,9 @@ class InputBuilder:
             i64[ids_at + n:ids_at + padded] = 0
             i64[pos_at + n:pos_at + padded] = 0
             i64[slots_at + n:slots_at + padded] = -1       # padding writes nothing
-            i32[cu_at + n + 1:cu_at + padded + 1] = num_tokens
+            # A query row each (a decode step's shape, as the cascade op checks it).
+            i32[cu_at + n + 1:cu_at + padded + 1] = np.arange(num_tokens + 1,
+                                                              num_tokens + 1 + padded - n)
             i32[ctx_at + n:ctx_at + padded] = 0            # and reads nothing
         if pad_prompt_to is not None:
             assert n == 1 and not out.decode_only and pad_prompt_to >= num_tokens, pad_prompt_to
@@ -379,7 +387,8 @@ class InputBuilder:
         staged = None
         if cascade is not None:
             staged = fill_cascade(self._host, cascade, table, rows, context_lens, q_lens, cu,
-                                  lambda blocks: min(table_width(blocks), self.max_blocks_per_seq))
+                                  lambda blocks: min(table_width(blocks), self.max_blocks_per_seq),
+                                  pad=cascade_pad)
         seq_order = None
         if self.order_decode and out.decode_only:
             order_at = r32["seq_order"]

@@ -8,10 +8,9 @@ builds the inputs on the host (once, vectorised, see ``input_batch``) and enqueu
 scheduling: the engine passes that step's ``PendingSample``), makes the copy-on-write block
 copies (all layers at once), runs the forward (on CUDA a captured graph for decode-only batches
 and for a step of one prompt, see ``cuda_graphs`` and ``prefill_graphs``; else eager: always
-for a step whose sequences share prefix blocks worth attending over once, ``cascade_inputs``)
-and the
-logits for the rows that sample; :meth:`ModelRunner.sample` enqueues the sampler. Between
-``prepare`` and ``forward`` the engine may enqueue a held step's sampling, so the host builds
+for a prompt step whose sequences share prefix blocks worth attending over once,
+``cascade_inputs``) and the logits for the rows that sample; :meth:`ModelRunner.sample`
+enqueues the sampler. Between ``prepare`` and ``forward`` the engine may enqueue a held step's sampling, so the host builds
 the inputs while that step's grammar masks fill. The only host sync is reading the sampled token
 ids, which the engine may put off until the next step is launched. Requests that ask for prompt
 logprobs also get the log-softmax of the logits of every prompt position the step computes (see
@@ -224,13 +223,9 @@ class ModelRunner:
 
     def cascade_rule(self) -> CascadeRule | None:
         """The rule of the engine's cascade steps, or None when it has none: cascade attention
-        off (``None``: off where decode steps replay CUDA graphs, see ``EngineConfig``), or
-        every layer windowed (the op has no window; such a model's tables also begin with the
-        pad entries of released blocks, which are not shared blocks)."""
-        enabled = self.config.cascade_attention
-        if enabled is None:
-            enabled = self.device.type != "cuda" or self.config.enforce_eager
-        if not enabled:
+        off, or every layer windowed (the op has no window; such a model's tables also begin
+        with the pad entries of released blocks, which are not shared blocks)."""
+        if not self.config.cascade_attention:
             return None
         if all(m.window_size != (-1, -1) for m in self.model.modules()
                if isinstance(m, Attention)):
@@ -255,15 +250,17 @@ class ModelRunner:
         """
         start = time.perf_counter()
         cfg = self.config
+        cascade = self.inputs.cascade_rule is not None
         for batch in self.attention.warmup_shapes(self.attention_limits):
-            self.run_dummy([batch.q_len] * batch.num_seqs, self.kv_caches,
-                           decode_only=batch.q_len == 1, no_prefix=batch.no_prefix)
-        if self.inputs.cascade_rule is not None:
-            # The cascade op's kernels (a non-causal prefill with lse, the suffix, the merge)
-            # compile here rather than at the first step over a shared prefix.
-            self.run_dummy([1, 1], self.kv_caches, decode_only=True, cascade=True)
-            self.run_dummy([2, 2], self.kv_caches, decode_only=False, no_prefix=False,
-                           cascade=True)
+            q_lens = [batch.q_len] * batch.num_seqs
+            self.run_dummy(q_lens, self.kv_caches, decode_only=batch.q_len == 1,
+                           no_prefix=batch.no_prefix)
+            if cascade and (batch.q_len == 1 or not batch.no_prefix):
+                # The cascade op's kernels (a non-causal prefill with lse, which picks its
+                # tiles by the rows a group has, the suffix, the merge) at the same sizes:
+                # compiled here, not in the first steps over a shared prefix (seconds each).
+                self.run_dummy(q_lens, self.kv_caches, decode_only=batch.q_len == 1,
+                               no_prefix=False, cascade=True)
         q_len = 16
         while q_len <= min(cfg.max_num_batched_tokens, max_model_len):
             self.run_dummy([q_len], self.kv_caches, decode_only=False)
@@ -316,19 +313,27 @@ class ModelRunner:
         self._prompt_device = None
         for seq_id in out.released_seq_ids:
             self.release(seq_id)
-        bucket = prompt_bucket = None
-        # The graphs hold the plain path: a cascade step runs eagerly.
-        cascade = self.inputs.plan_cascade(out)
+        bucket = prompt_bucket = cascade_pad = None
+        if self.graphs is not None and out.decode_only:
+            bucket = self.graphs.bucket_for(out.num_seqs)
+            # A bucket's cascade graphs hold a few groups: those that save the most.
+            cascade_pad = self.graphs.cascade_pad(bucket)
+            cascade = (self.inputs.plan_cascade(out, max_groups=cascade_pad.num_groups - 1)
+                       if cascade_pad is not None else None)
+            if cascade is None:
+                cascade_pad = None
+        else:
+            # The prompt graphs hold the plain path: a prompt step with cascade is eager.
+            cascade = self.inputs.plan_cascade(out)
+            if cascade is None and self.prefill_graphs is not None:
+                prompt_bucket = self.prefill_graphs.bucket_for(out)
         if cascade is not None:
             logger.debug("step of %d sequences: %s", out.num_seqs, cascade)
-        elif self.graphs is not None and out.decode_only:
-            bucket = self.graphs.bucket_for(out.num_seqs)
-        elif self.prefill_graphs is not None:
-            prompt_bucket = self.prefill_graphs.bucket_for(out)
         step = self.inputs.build(
             out, pad_to=bucket, pending=pending,
             pad_prompt_to=prompt_bucket.tokens if prompt_bucket is not None else None,
-            paged_prompt=prompt_bucket is not None and prompt_bucket.paged, cascade=cascade)
+            paged_prompt=prompt_bucket is not None and prompt_bucket.paged, cascade=cascade,
+            cascade_pad=cascade_pad)
         params, seeds = _sample_params(out)
         # The LM head's own output where the sampler reads it as is (the ranks gather the
         # model-dtype columns either way; the other ranks drop their copy).
@@ -427,7 +432,7 @@ class ModelRunner:
         if block_copies:
             self.cache.copy_blocks(block_copies)
         if bucket is not None:
-            hidden = self.graphs.replay(num_seqs, step.block_tables)
+            hidden = self.graphs.replay(num_seqs, step.block_tables, step.cascade)
         elif prompt_bucket is not None:
             hidden = self.prefill_graphs.replay(prompt_bucket, step.input_ids.shape[0])
         else:
