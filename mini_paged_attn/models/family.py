@@ -59,6 +59,11 @@ class Family:
             follows (the tests compare them); None: ``model_type``'s own.
         rope_types: the rope types its transformers config class accepts (Phi-3: default and
             longrope); None: any of ``rope.ROPE_TYPES``.
+        own_tokenizer_class: the tokenizer class transformers 5's ``AutoTokenizer`` gives
+            this family's checkpoints whatever class tokenizer_config.json names (Qwen2:
+            "Qwen2Tokenizer", which rebuilds the tokenizer from tokenizer.json's vocabulary with
+            its own normaliser and pre-tokeniser), so its tokenizers always load through
+            ``AutoTokenizer`` (``hf_tokenizer.py``); None: the class the file names.
         window: None (no sliding window) or one of :data:`WINDOW_RULES` (module docstring).
         window_switch: the window is on only with ``use_sliding_window: true`` (Qwen).
         window_pattern_field: the field giving the "pattern" rule's n (Gemma 3's
@@ -87,6 +92,7 @@ class Family:
     defaults: Mapping[str, Any] = field(default_factory=dict, hash=False)
     hf_model_type: str | None = None
     rope_types: tuple[str, ...] | None = None
+    own_tokenizer_class: str | None = None
     window: str | None = None
     window_switch: bool = False
     window_pattern_field: str | None = None
