@@ -3,10 +3,10 @@
 Every family (``models/families/``, listed in ``registry.py``) shares one config. What differs
 between them is a handful of flags and fields (qkv bias, q/k RMSNorm, tied embeddings, rope
 scaling, partial rotary, sliding-window layers, logit soft-caps, experts), each family declaring
-its rules in its :class:`~.family.Family`. config.json is read through transformers' config class
-of the family (``config_families.config_fields``), so what a file leaves out takes that class's
-default. A config.json without ``architectures`` (as converters write it) is recognized by its
-``model_type``.
+its rules in its :class:`~.family.Family`. What a config.json leaves out takes the default its
+family declares, that of the family's transformers config class
+(``config_families.config_fields``; transformers is not imported). A config.json without
+``architectures`` (as converters write it) is recognized by its ``model_type``.
 
 Sliding windows follow Hugging Face's meaning: a query at position ``p`` of a
 ``sliding_window`` layer sees the keys at ``p - sliding_window + 1 .. p`` (``sliding_window``
@@ -166,10 +166,10 @@ class ModelConfig:
                   source: str = "config.json") -> ModelConfig:
         """Parse a Hugging Face config dict; ``source`` names it in error messages.
 
-        The fields are read through transformers' config class of the family (absent ones
-        take its defaults), except the token ids: those come from the file (and
-        ``generation_config``) alone, since a class's default ids belong to some other
-        checkpoint's tokenizer (``config_families.config_fields``)."""
+        Absent fields take the family's defaults (those of its transformers config class),
+        except the token ids: those come from the file (and ``generation_config``) alone, since
+        a class's default ids belong to some other checkpoint's tokenizer
+        (``config_families.config_fields``)."""
         spec = _registry().of_config(raw, source)
         fields = config_fields(spec, raw, source)
 
@@ -213,8 +213,7 @@ class ModelConfig:
             qk_norm=spec.qk_norm,
             eos_token_ids=eos,
             bos_token_id=bos if isinstance(bos, int) else None,
-            dtype=parse_dtype(fields.get("dtype") or fields.get("torch_dtype") or "float32",
-                              f"{source}: dtype"),
+            dtype=parse_dtype(fields.get("dtype") or "float32", f"{source}: dtype"),
             hidden_act=activation(fields, spec, source),
             sliding_window=window,
             layer_types=layer_types,

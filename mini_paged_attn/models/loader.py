@@ -176,8 +176,8 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype | str | None = None,
 
 
 def read_checkpoint(model_dir: str | Path, timer: LoadTimer) -> tuple[ModelConfig, list[Path]]:
-    """The "config" phase of :func:`load_model`: the model's config (read through
-    transformers' config class) and its safetensors files, checked unquantized."""
+    """The "config" phase of :func:`load_model`: the model's config and its safetensors
+    files, checked unquantized."""
     with timer.phase("config"):
         config = ModelConfig.from_model_dir(model_dir)
         files = checkpoint_files(model_dir)
@@ -226,11 +226,11 @@ def start_loading(model: str | Path, *, dtype="auto", device=None,
     A Hugging Face directory's tokenizer (or ``tokenizer``'s, a directory whose tokenizer
     replaces the model's) loads on a thread of its own, beside the weights and whatever the
     caller builds before it asks for ``result()`` (the engine's KV pool, CUDA graphs and
-    warm-up). The config is read first, on this thread: it imports transformers, which two
-    threads must not import at once (its lazy modules can then fail to import a name). The
-    paths are checked first too (a missing tokenizer is a FileNotFoundError here, not in
-    ``result()``). A GGUF file and the tiny model make their tokenizer with the weights: the
-    Future is already done.
+    warm-up). The config is read first, on this thread, without transformers: the tokenizer's
+    thread is the one that imports it (two threads importing it at once can fail to import a
+    name of its lazy modules, so nothing else of the load may). The paths are checked first too
+    (a missing tokenizer is a FileNotFoundError here, not in ``result()``). A GGUF file and the
+    tiny model make their tokenizer with the weights: the Future is already done.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     timer = timer_or_new(timer)

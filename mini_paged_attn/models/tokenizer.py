@@ -248,17 +248,19 @@ def check_tokenizer_dir(model_dir: str | Path) -> Path:
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    """The tokenizer of a local Hugging Face model directory (nothing is downloaded).
+    """The tokenizer of a local Hugging Face model directory (nothing is downloaded): what
+    ``AutoTokenizer`` gives, without importing it where the base class gives the same
+    (``hf_tokenizer.py``).
 
     Extra eos ids come from config.json and generation_config.json when present.
 
     Raises:
         FileNotFoundError: ``model_dir`` is missing or holds no tokenizer file (named).
     """
-    from transformers import AutoTokenizer
+    from .hf_tokenizer import load_hf_tokenizer
 
     model_dir = check_tokenizer_dir(model_dir)
-    hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    hf = load_hf_tokenizer(model_dir)
     extra: list[int] = []
     for name in ("config.json", "generation_config.json"):
         path = model_dir / name

@@ -159,6 +159,20 @@ def _randomize(model: torch.nn.Module, seed: int, std: float) -> None:
                 p.copy_(std * noise)           # weights and biases (Qwen2's qkv bias included)
 
 
+def tiny_config_json(arch: str = "llama", **config_overrides) -> dict:
+    """The config.json :func:`make_tiny_model_dir` writes for ``arch`` (and the same
+    ``config_overrides``), without building the model."""
+    from mini_paged_attn.models.registry import REGISTRY
+
+    tokenizer = tiny_tokenizer()
+    special_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = _hf_config(arch, len(tokenizer), special_ids, tie_word_embeddings=False,
+                        **config_overrides)
+    raw = json.loads(config.to_json_string(use_diff=True))
+    dtype_key = next(iter(_dtype_kwarg(torch.float32)))
+    return {**raw, "architectures": [REGISTRY.by_name(arch).architecture], dtype_key: "float32"}
+
+
 def make_tiny_model_dir(path: str | Path, arch: str = "llama", *, seed: int = 0,
                         tie_word_embeddings: bool = False, rope_scaling: dict | None = None,
                         max_shard_size: str | int | None = None, dtype: torch.dtype = torch.float32,

@@ -1,6 +1,6 @@
 """The family registry: a new dense family is one module plus one registry line, every family
-module is listed once, and configs take transformers' defaults through the family's config
-class."""
+module is listed once, and configs take the family's defaults (transformers' class's: see
+test_config_defaults.py)."""
 
 from __future__ import annotations
 
@@ -20,14 +20,15 @@ from mini_paged_attn.models.family import Family
 from mini_paged_attn.models.llama import CausalLM
 
 # A family module as a contributor would write it: the Llama family under new names, its
-# files read through transformers' Llama config class.
+# defaults those of transformers' Llama config class.
 CLONE_MODULE = textwrap.dedent('''
     """A Llama clone: the shared decoder as it is."""
     from mini_paged_attn.models.family import Family
     from mini_paged_attn.models.llama import CausalLM
 
     FAMILY = Family(name="llama_clone", architecture="LlamaCloneForCausalLM",
-                    model_type="llama_clone", hf_model_type="llama", model_class=CausalLM)
+                    model_type="llama_clone", hf_model_type="llama", model_class=CausalLM,
+                    defaults={"max_position_embeddings": 2048})
 ''')
 
 
@@ -95,20 +96,14 @@ def test_a_registry_refuses_a_family_twice(field):
 @pytest.mark.parametrize("fields, match", [
     ({"window": "sometimes"}, "window"), ({"qkv_bias": "never"}, "qkv_bias"),
     ({"name": ""}, "name"), ({"model_class": dict}, "model_class"),
+    ({"defaults": {"eos_token_id": 2}}, "defaults.*token ids"), ({"defaults": [1]}, "defaults"),
+    ({"rope_types": ()}, "rope_types"), ({"rope_types": "default"}, "rope_types"),
 ])
 def test_bad_families_name_the_field(fields, match):
     base = {"name": "other", "architecture": "OtherForCausalLM", "model_type": "other",
             "model_class": CausalLM}
     with pytest.raises(ValueError, match=match):
         registry.REGISTRY.with_family(Family(**{**base, **fields}))
-
-
-def test_a_model_type_transformers_does_not_know_is_named(monkeypatch):
-    odd = Family(name="odd", architecture="OddForCausalLM", model_type="odd",
-                 model_class=CausalLM)
-    monkeypatch.setattr(registry, "REGISTRY", registry.REGISTRY.with_family(odd))
-    with pytest.raises(ValueError, match="hf_model_type"):
-        ModelConfig.from_dict({"architectures": ["OddForCausalLM"]})
 
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

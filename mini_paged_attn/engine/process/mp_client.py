@@ -98,9 +98,10 @@ class _Rebuilt:
 
 
 def _import_tokenizer_modules() -> None:
+    # The base fast class: what most engines' tokenizers unpickle to (models/hf_tokenizer.py);
+    # not AutoTokenizer, whose import brings transformers' auto-model stack (seconds).
     try:
-        import transformers
-        transformers.AutoTokenizer  # noqa: B018 (a lazy module: the attribute imports it)
+        from transformers import PreTrainedTokenizerFast  # noqa: F401
     except Exception:    # a missing or broken install shows where the tokenizer is used
         logger.debug("could not import transformers' tokenizers ahead", exc_info=True)
 

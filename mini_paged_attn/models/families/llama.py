@@ -4,4 +4,4 @@ from ..family import Family
 from ..llama import CausalLM
 
 FAMILY = Family(name="llama", architecture="LlamaForCausalLM", model_type="llama",
-                model_class=CausalLM)
+                model_class=CausalLM, defaults={"max_position_embeddings": 2048})

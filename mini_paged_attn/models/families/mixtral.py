@@ -11,7 +11,7 @@ from ..moe_decoder import MoeForCausalLM
 
 
 def read_moe(fields: dict[str, Any], num_layers: int, source: str) -> MoeConfig:
-    """The expert config of a Mixtral config (transformers' defaults filled in)."""
+    """The expert config of a Mixtral config (the family's defaults filled in)."""
     refuse_quantized(fields, source)
     return MoeConfig("softmax_topk",
                      need_field(fields, "mixtral", source, "num_local_experts", "num_experts"),
@@ -22,4 +22,6 @@ def read_moe(fields: dict[str, Any], num_layers: int, source: str) -> MoeConfig:
 
 
 FAMILY = Family(name="mixtral", architecture="MixtralForCausalLM", model_type="mixtral",
-                model_class=MoeForCausalLM, window="every", moe=read_moe)
+                model_class=MoeForCausalLM, window="every", moe=read_moe,
+                defaults={"max_position_embeddings": 131072, "num_key_value_heads": 8,
+                          "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_experts_per_tok": 2})

@@ -6,4 +6,7 @@ from ..llama import CausalLM
 
 FAMILY = Family(name="phi3", architecture="Phi3ForCausalLM", model_type="phi3",
                 model_class=CausalLM, window="every", partial_rotary=True,
-                reads_original_max_positions=True, fused_checkpoint=True)
+                reads_original_max_positions=True, fused_checkpoint=True,
+                rope_types=("default", "longrope"),
+                defaults={"max_position_embeddings": 4096,
+                          "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5})

@@ -6,4 +6,7 @@ from ..llama import CausalLM
 
 FAMILY = Family(name="qwen2", architecture="Qwen2ForCausalLM", model_type="qwen2",
                 model_class=CausalLM, window="from_layer", window_switch=True,
-                qkv_bias="always")
+                qkv_bias="always", own_tokenizer_class="Qwen2Tokenizer",
+                defaults={"max_position_embeddings": 32768, "num_key_value_heads": 32,
+                          "sliding_window": 4096, "use_sliding_window": False,
+                          "max_window_layers": 28})

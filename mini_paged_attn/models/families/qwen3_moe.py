@@ -16,7 +16,7 @@ from ..moe_decoder import MoeForCausalLM
 
 
 def read_moe(fields: dict[str, Any], num_layers: int, source: str) -> MoeConfig:
-    """The expert config of a Qwen3-MoE config (transformers' defaults filled in)."""
+    """The expert config of a Qwen3-MoE config (the family's defaults filled in)."""
     refuse_quantized(fields, source)
     num_experts = need_field(fields, "qwen3_moe", source, "num_experts", "num_local_experts")
     step = positive_int(f"{source}: decoder_sparse_step", fields.get("decoder_sparse_step", 1))
@@ -32,4 +32,8 @@ def read_moe(fields: dict[str, Any], num_layers: int, source: str) -> MoeConfig:
 
 FAMILY = Family(name="qwen3_moe", architecture="Qwen3MoeForCausalLM", model_type="qwen3_moe",
                 model_class=MoeForCausalLM, window="every", window_switch=True, qk_norm=True,
-                moe=read_moe)
+                moe=read_moe,
+                defaults={"max_position_embeddings": 32768, "num_key_value_heads": 4,
+                          "sliding_window": 4096, "use_sliding_window": False,
+                          "decoder_sparse_step": 1, "num_experts_per_tok": 8,
+                          "norm_topk_prob": False})
