@@ -280,8 +280,10 @@ class KVCacheManager:
     def truncate(self, seq: Sequence, num_tokens: int) -> int:
         """Keep the K/V of the first ``num_tokens`` tokens of ``seq`` only: the blocks past
         them are released (last first, as :meth:`free` does: one that ends up held by nobody
-        goes back to the pool), and ``seq.num_computed_tokens`` is at most ``num_tokens``.
-        What a speculative step's rejected proposals reached is given back so.
+        goes back to the pool), ``seq.num_computed_tokens`` is at most ``num_tokens``, and the
+        chained hashes of blocks past the kept full ones are forgotten (the tokens after
+        ``num_tokens`` may change). What a speculative step's rejected proposals reached is
+        given back so.
 
         Returns:
             How many blocks were released.
@@ -311,6 +313,7 @@ class KVCacheManager:
         for b in reversed(blocks[keep:]):
             self._release(b)
         del blocks[keep:]
+        del seq.block_hashes[num_tokens // bs:]
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
         seq.blocks_changed_from = min(seq.blocks_changed_from, len(blocks))
         if seq.deferred_block is not None and seq.deferred_block >= keep:
