@@ -15,6 +15,13 @@ query's window (see ``sliding_window``), so a long sequence holds about one wind
 A prefix hit takes only the hit blocks its first query's window reaches, and
 :meth:`KVCacheManager.chunk_limit` caps a prompt chunk at what the pool can hold next to the
 window, so a prompt many times the pool's size still runs.
+
+Speculative decoding: a step that verifies ``k`` proposed tokens writes ``k + 1`` positions, so
+:meth:`KVCacheManager.allocate_slots` takes ``num_lookahead_tokens`` slots past the new ones.
+Those slots' K/V is a guess until the step's tokens are verified, so no block is registered in
+the prefix cache for them when they are allocated; once the step is verified,
+:meth:`KVCacheManager.truncate` gives back the blocks only rejected tokens reached and
+:meth:`KVCacheManager.register_computed` registers the blocks the accepted tokens filled.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..errors import OutOfBlocksError
-from .args import cdiv, positive_int
+from .args import as_int, cdiv, non_negative_int, positive_int
 from .block_manager import BlockManager
 from .prefix_cache import ROOT_HASH, PrefixCache, hash_block
 from .request import PLACEHOLDER_TOKEN, Sequence
@@ -137,14 +144,17 @@ class KVCacheManager:
         self.num_hit_tokens += num_hit
 
     # ---- allocation --------------------------------------------------------------------------
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
-                       hit: CacheHit = NO_HIT) -> list[tuple[int, int]] | None:
-        """Give ``seq`` room for its next ``num_new_tokens`` tokens' K/V.
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, hit: CacheHit = NO_HIT,
+                       num_lookahead_tokens: int = 0) -> list[tuple[int, int]] | None:
+        """Give ``seq`` room for its next ``num_new_tokens`` tokens' K/V, and
+        ``num_lookahead_tokens`` more past them (speculative proposals the step verifies).
 
         With a ``hit`` (from :meth:`find_cached_prefix`, for a sequence holding no blocks), the
         hit's blocks are attached first and ``seq.num_computed_tokens`` is set to the hit's token
         count; the new tokens follow them. Under a sliding window only the hit blocks the first
-        new token's window reaches are taken; the earlier ones are recorded as dropped.
+        new token's window reaches are taken; the earlier ones are recorded as dropped. Blocks
+        the new tokens fill are registered in the prefix cache now; those that only lookahead
+        tokens reach are not (:meth:`register_computed`, once they are verified).
 
         Returns:
             The copy-on-write ``(src, dst)`` block pairs to copy on the device before the step
@@ -154,7 +164,8 @@ class KVCacheManager:
         bs = self.block_size
         num_computed = hit.num_tokens if hit.block_ids else seq.num_computed_tokens
         held = len(seq.block_ids) + len(hit.block_ids)
-        num_new_blocks = max(0, cdiv(num_computed + num_new_tokens, bs) - held)
+        num_new_blocks = max(0, cdiv(num_computed + num_new_tokens + num_lookahead_tokens, bs)
+                             - held)
         # The first new token lands in an existing block only when it is partly filled; such a
         # block is shared only after a fork (prefix hits are full blocks), so the reference
         # count is read only for requests with several samples.
@@ -258,6 +269,56 @@ class KVCacheManager:
             if self.prefix_cache.insert(hashes[i], parent, seq.token_ids[i * bs:(i + 1) * bs],
                                         seq.block_ids[i]):
                 self._step_registrations.append(seq.block_ids[i])
+
+    def register_computed(self, seq: Sequence, start: int) -> None:
+        """Cache the full blocks ``start ..`` of ``seq`` that its computed tokens fill: after a
+        step whose tokens past the new ones were verified only once it ran (speculative
+        proposals, see :meth:`allocate_slots`). Blocks cached already are skipped."""
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, start, seq.num_computed_tokens // self.block_size)
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> int:
+        """Keep the K/V of the first ``num_tokens`` tokens of ``seq`` only: the blocks past
+        them are released (last first, as :meth:`free` does: one that ends up held by nobody
+        goes back to the pool), ``seq.num_computed_tokens`` is at most ``num_tokens``, and the
+        chained hashes of blocks past the kept full ones are forgotten (the tokens after
+        ``num_tokens`` may change). What a speculative step's rejected proposals reached is
+        given back so.
+
+        Returns:
+            How many blocks were released.
+
+        Raises:
+            TypeError: ``num_tokens`` not an int.
+            ValueError: ``num_tokens`` negative, left of the blocks a sliding window gave back,
+                or inside a block whose tokens past ``num_tokens`` others may read: a block
+                shared with another sequence or cached in the prefix cache (the sequence
+                would overwrite them). Nothing changed then.
+        """
+        num_tokens = non_negative_int("num_tokens", as_int("num_tokens", num_tokens))
+        bs, blocks = self.block_size, seq.block_ids
+        keep = cdiv(num_tokens, bs)
+        if keep < seq.num_dropped_blocks:
+            raise ValueError(f"num_tokens: expected >= {seq.num_dropped_blocks * bs} (the "
+                             f"blocks before are out of the window, given back), got {num_tokens}")
+        if num_tokens % bs and keep <= len(blocks) and keep > seq.num_dropped_blocks:
+            cut = blocks[keep - 1]
+            if (self.block_manager.get_ref_count(cut) > 1
+                    or self.prefix_cache.is_cached(cut)):
+                raise ValueError(f"num_tokens: expected a length that cuts no shared or cached "
+                                 f"block, got {num_tokens} (inside block {cut}, "
+                                 f"{self.block_manager.get_ref_count(cut)} owner(s), cached: "
+                                 f"{self.prefix_cache.is_cached(cut)})")
+        released = max(0, len(blocks) - keep)
+        for b in reversed(blocks[keep:]):
+            self._release(b)
+        del blocks[keep:]
+        del seq.block_hashes[num_tokens // bs:]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+        seq.blocks_changed_from = min(seq.blocks_changed_from, len(blocks))
+        if seq.deferred_block is not None and seq.deferred_block >= keep:
+            seq.deferred_block = None
+        return released
 
     def register_deferred(self, seq: Sequence) -> None:
         """Register the block whose last token was a placeholder when it was allocated (see

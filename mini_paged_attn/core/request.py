@@ -74,6 +74,9 @@ class Sequence:
     deferred_block: int | None = None
     # Steps in a row the context budget left it out of (``core/context_budget.py``).
     num_deferred: int = 0
+    # Speculative decoding: tokens proposed to follow token_ids, for its next step to verify
+    # (the scheduler takes them; they join token_ids only once the target model accepts them).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def awaits_token(self) -> bool:

@@ -25,6 +25,14 @@ then take turns instead of slowing every step of the short ones.
 Under a sliding window (``KVCacheManager.sliding_window``) a sequence gives back the blocks left
 of its window after every step, and "fits the pool alone" means one window: a prompt chunk is
 then also capped at what the pool holds next to the window (``KVCacheManager.chunk_limit``).
+
+Speculative decoding: a decoding sequence that holds proposals (``Sequence.spec_token_ids``)
+computes its token and ``k`` of them in one step (``SchedulerOutput.spec_token_ids``): ``k + 1``
+tokens of the budget and of slots, ``k`` cut to the budget, to what its length allows and to
+0 when the pool has no room for them (proposals never preempt anyone). :meth:`Scheduler.update`
+takes the tokens verification accepted (1 to ``k + 1``), gives back the slots of the rejected
+ones, and stops a sample at a stop token or its length exactly where it would have stopped
+decoding one token a step.
 """
 
 from __future__ import annotations
@@ -86,6 +94,10 @@ class SchedulerOutput:
     # Sequences still computing their prompt (before this step), and their tokens this step.
     num_prefill_seqs: int = 0
     num_prefill_tokens: int = 0
+    # Speculative decoding: batch index i -> the k proposals seqs[i] verifies after its one
+    # token (its num_new_tokens[i] is k + 1, its num_samples[i] 0: its tokens come from the
+    # verification, see Scheduler.update). Empty when no sequence verifies proposals.
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -213,6 +225,16 @@ class Scheduler:
             if windowed:
                 n = min(n, kv.chunk_limit(seq.num_computed_tokens))
             assert n > 0, seq
+            if seq.spec_token_ids:
+                proposals, seq.spec_token_ids = seq.spec_token_ids, []
+                k = self._num_to_verify(seq, proposals, n, budget)
+                copies = kv.allocate_slots(seq, 1, num_lookahead_tokens=k) if k else None
+                if copies is not None:
+                    out.spec_token_ids[len(out.seqs)] = proposals[:k]
+                    self._add(out, seq, 1 + k, copies)
+                    budget -= 1 + k
+                    i += 1
+                    continue
             copies = kv.allocate_slots(seq, n)
             while copies is None:
                 at = self._victim_index(deferred)
@@ -233,6 +255,19 @@ class Scheduler:
         if self.waiting and budget > 0 and not out.preempted:
             self._admit(out, budget)
         return out
+
+    def _num_to_verify(self, seq: Sequence, proposals: list[int], n: int, budget: int) -> int:
+        """How many of ``proposals`` a decoding sequence (``n == 1`` new token) verifies this
+        step: what the budget leaves beside its token, and no more than its length leaves to
+        generate past the token the verification adds (so no position reaches max_model_len);
+        0 for a sequence that is not decoding (a prompt still computing)."""
+        if n != 1 or len(seq.token_ids) - seq.num_computed_tokens != 1:
+            return 0
+        room = self._max_len(seq.request) - len(seq.token_ids) - 1
+        k = min(len(proposals), budget - 1, room)
+        if self.kv.sliding_window is not None:
+            k = min(k, self.kv.chunk_limit(seq.num_computed_tokens) - 1)
+        return max(k, 0)
 
     def _deferred_for_context(self) -> Collection[int]:
         """The ids of the running sequences the context budget leaves out of this step."""
@@ -326,6 +361,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.kv.free(seq)
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_cached_tokens = 0
         seq.num_deferred = 0
@@ -357,16 +393,22 @@ class Scheduler:
     # ---- results of a step ------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: list[list[int]],
                logprobs: list[list[tuple[float, object]]] | None = None,
-               failed: Collection[int] = ()) -> list[Sequence]:
+               failed: Collection[int] = (), failed_verify: Collection[int] = ()
+               ) -> list[Sequence]:
         """Apply a step's results: advance progress, append sampled tokens, fork, finish.
 
         Args:
             out: the step's schedule.
-            sampled: ``sampled[i]`` holds ``out.num_samples[i]`` token ids for ``out.seqs[i]``.
+            sampled: ``sampled[i]`` holds ``out.num_samples[i]`` token ids for ``out.seqs[i]``;
+                for a sequence that verified proposals (``i`` in ``out.spec_token_ids``), the
+                tokens its verification accepted, 1 .. k + 1 (the accepted proposals, then the
+                target model's own token; fewer when a row had nothing to sample).
             logprobs: optional, aligned with ``sampled``: ``(logprob of the token, anything the
                 sampler attaches)`` per sampled token, kept in ``Sequence.logprobs``.
             failed: sample rows (indices into the flattened ``sampled``) that got no token:
                 their samples end with reason "error" and nothing is appended to them.
+            failed_verify: batch indices of sequences that verified proposals and whose first
+                row had nothing to sample: their samples end with reason "error".
 
         Returns:
             The sequences that got a new token (forked children included), then ended by a
@@ -375,7 +417,11 @@ class Scheduler:
         now = time.time()
         grew: list[Sequence] = []
         row = 0
+        verified = out.spec_token_ids
         for i, seq in enumerate(out.seqs):
+            if verified and i in verified:
+                self._take_verified(seq, sampled[i], i in failed_verify, now, grew)
+                continue
             first_row, row = row, row + out.num_samples[i]
             # (Before a fork, so the children share only the window.)
             if not self._advance(seq, out.num_new_tokens[i]):
@@ -402,6 +448,38 @@ class Scheduler:
                     self.finish_sequence(target, FinishReason.LENGTH)
         return grew
 
+    def _take_verified(self, seq: Sequence, tokens: list[int], failed: bool, now: float,
+                       grew: list[Sequence]) -> None:
+        """A step verified ``seq``'s proposals and accepted ``tokens``: the K/V of its token and
+        the accepted proposals is kept (those blocks join the prefix cache), the blocks only
+        rejected proposals reached go back, and the tokens are appended one by one, the
+        sample ending at the first stop token or at its length, where decoding one token a
+        step would have ended it."""
+        start = seq.num_computed_tokens
+        if not self._advance(seq, len(tokens), keep=True):
+            return
+        kv = self.kv
+        kv.truncate(seq, seq.num_computed_tokens)
+        grew.append(seq)
+        if failed:
+            self.finish_sequence(seq, FinishReason.ERROR)
+            return
+        request = seq.request
+        _stamp(request, now)
+        max_len, stop_ids, token_ids = self._max_len(request), request.stop_token_ids, seq.token_ids
+        for token in tokens:
+            token_ids.append(token)
+            if token in stop_ids:
+                self.finish_sequence(seq, FinishReason.STOP)
+                return
+            if len(token_ids) >= max_len:
+                self.finish_sequence(seq, FinishReason.LENGTH)
+                return
+        # The accepted tokens are in token_ids now: their full blocks can be named.
+        kv.register_computed(seq, (start + 1) // kv.block_size)
+        if kv.sliding_window is not None:
+            kv.drop_out_of_window(seq)
+
     # ---- asynchronous scheduling: step t + 1 is scheduled before step t's tokens are known --
     def advance_in_flight(self, out: SchedulerOutput) -> list[int]:
         """Step ``out`` is running on the device, its tokens not yet known: advance progress as
@@ -413,6 +491,7 @@ class Scheduler:
         Returns:
             Per sequence of ``out``, the index of its placeholder in ``token_ids``, or -1.
         """
+        assert not out.spec_token_ids, "a step that verifies proposals is read at once"
         where: list[int] = []
         for i, seq in enumerate(out.seqs):
             if not self._advance(seq, out.num_new_tokens[i]) or not out.num_samples[i]:
@@ -478,14 +557,15 @@ class Scheduler:
                 self.kv.register_deferred(seq)
         return grew
 
-    def _advance(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def _advance(self, seq: Sequence, num_new_tokens: int, keep: bool = False) -> bool:
         """A step computed ``num_new_tokens`` of ``seq``: count them and, under a sliding window,
-        give back the blocks left of the next query's window. False if ``seq`` has finished
-        (aborted, or ended by its grammar or a stop string) since the step was scheduled."""
+        give back the blocks left of the next query's window (``keep``: not yet, the caller
+        does). False if ``seq`` has finished (aborted, or ended by its grammar or a stop
+        string) since the step was scheduled."""
         seq.num_computed_tokens += num_new_tokens
         if seq.status is SequenceStatus.FINISHED:
             return False
-        if self.kv.sliding_window is not None:
+        if self.kv.sliding_window is not None and not keep:
             self.kv.drop_out_of_window(seq)
         return True
 

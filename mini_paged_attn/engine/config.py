@@ -8,6 +8,7 @@ from ..core.args import check_bool, is_int, is_number, positive_int
 from ..core.cascade import CascadeRule
 from ..ops.dispatch import BACKENDS
 from ..ops.kv_quant import KV_CACHE_DTYPES
+from .spec.config import SpeculativeConfig
 
 # KV cache budget on CPU, where there is no free-memory query worth trusting.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -77,6 +78,15 @@ class EngineConfig:
         cascade_rule: when a group of sequences uses cascade attention
             (:class:`~mini_paged_attn.core.cascade.CascadeRule`: group size, prefix tokens,
             KV tokens saved).
+        speculative_config: speculative decoding (a
+            :class:`~mini_paged_attn.engine.spec.config.SpeculativeConfig`, or a dict of its
+            fields, vLLM's names: ``{"method": "ngram", "num_speculative_tokens": k,
+            "prompt_lookup_min": a, "prompt_lookup_max": b}`` or ``{"method": "draft_model",
+            "model": PATH, "num_speculative_tokens": k}``); None: off. Outputs are those of
+            the engine without it (greedy: token for token; sampled: the same distribution).
+            While a step may speculate (at most ``disable_by_batch_size`` running sequences)
+            steps run synchronously, as with ``async_scheduling=False``: proposals are made
+            from the tokens of the step before. Under tensor parallelism it is refused.
     """
 
     block_size: int = 16
@@ -99,8 +109,11 @@ class EngineConfig:
     async_scheduling: bool | None = None
     cascade_attention: bool = True
     cascade_rule: CascadeRule = field(default_factory=CascadeRule)
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.of(self.speculative_config))
         # positive_int returns a Python int (numpy / torch integers come in as well).
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_bytes",
                      "tensor_parallel_size"):
@@ -138,6 +151,10 @@ class EngineConfig:
         if not isinstance(self.cascade_rule, CascadeRule):
             raise ValueError("cascade_rule: expected a CascadeRule, got "
                              f"{type(self.cascade_rule).__name__}")
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config: expected None with tensor_parallel_size > 1 "
+                             f"(the ranks' steps carry no proposals), got "
+                             f"{self.speculative_config}")
 
 
 def resolve_context_budget(config: EngineConfig, device_type: str) -> int | None:

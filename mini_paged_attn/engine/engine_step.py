@@ -35,6 +35,7 @@ from .in_flight import InFlightStep, StepMode
 from .output_processor import RequestState
 from .outputs import RequestOutput
 from .sample.sampler import PendingSample
+from .spec.verify import PendingVerify, VerifyRows
 from .structured import Advance
 
 if TYPE_CHECKING:
@@ -148,17 +149,22 @@ class EngineStep:
             masks = engine.structured.start(out)
         pending = (runner.sample(prepared, logits, self.overlap, masks) if logits is not None
                    else None)
+        checked = runner.verify(prepared, logits) if prepared.verify is not None else None
         if prev is not None and not prev.read:      # while the device computes ``out``
             self._finish_in_flight(prev)
         if mode is StepMode.IN_FLIGHT:
             engine._in_flight = InFlightStep(out, pending, self.start)
             return
-        self._update(out, pending)
+        self._update(out, pending, checked, prepared.verify)
 
-    def _update(self, out: SchedulerOutput, pending: PendingSample | None) -> None:
-        """A synchronous step: wait for its tokens (and prompt logprobs) and apply them."""
+    def _update(self, out: SchedulerOutput, pending: PendingSample | None,
+                checked: PendingVerify | None = None, rows: VerifyRows | None = None) -> None:
+        """A synchronous step: wait for its tokens (and prompt logprobs, and what the
+        verification of its proposals kept: ``checked`` for the sequences of ``rows``) and
+        apply them; then make the next step's proposals."""
         engine, runner = self.engine, self.runner
         result = pending.read() if pending is not None else None
+        verified = checked.read() if checked is not None else None
         runner.read_prompt_logprobs()
         for computed in runner.prompt_logprobs:
             engine._states[computed.request_id].add_prompt_logprobs(computed.start,
@@ -176,10 +182,24 @@ class EngineStep:
         else:
             sampled = [[] for _ in out.seqs]
         failed = result.invalid_rows if result is not None else ()
-        grew = self.scheduler.update(out, sampled, logprobs, failed)
-        num_failed = _log_failed_rows(grew) if failed else 0
+        failed_verify, before = (), {}
+        if verified is not None:
+            failed_verify = {rows.batch_index[s] for s in verified.failed}
+            for i, tokens in zip(rows.batch_index, verified.tokens):
+                sampled[i] = tokens
+                before[out.seqs[i].seq_id] = len(out.seqs[i].token_ids)
+        grew = self.scheduler.update(out, sampled, logprobs, failed, failed_verify)
+        num_failed = _log_failed_rows(grew) if failed or failed_verify else 0
         self._process_tokens(grew)
-        engine._count(out, len(grew) - num_failed, self.start)
+        # A verified run adds several tokens to one sample (what a stop string left of them).
+        extra = sum(max(0, len(seq.token_ids) - before[seq.seq_id] - 1) for seq in grew
+                    if seq.seq_id in before) if before else 0
+        engine._count(out, len(grew) - num_failed + extra, self.start)
+        speculator = engine.speculator
+        if speculator is not None:
+            if verified is not None:
+                speculator.record(rows, verified)
+            speculator.propose(self.scheduler.running)
 
     # ---- the tokens of an in-flight step -------------------------------------------------------
     def _finish_in_flight(self, step: InFlightStep) -> None:

@@ -37,6 +37,7 @@ from .in_flight import InFlightStep, StepMode
 from .output_processor import OutputProcessor, RequestState
 from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
+from .spec.speculator import build_speculator
 from .step_counters import RATE_WINDOW_S, StepCounters
 from .structured import GrammarCompiler, StructuredOutputs
 from .worker.model_runner import ModelRunner, Released
@@ -93,6 +94,9 @@ class LLMEngine:
                                    config.block_size, config.max_num_seqs,
                                    self.kv_manager.sliding_window, grammar=compiler,
                                    prompt_logprobs=peers is None)
+        # Speculative decoding: proposals after each synchronous step, what verification kept.
+        self.speculator = build_speculator(config.speculative_config, self.runner,
+                                           model_config, max_len)
         self._num_structured = 0      # live requests with structured outputs (stepping thread)
         # Live requests whose steps may need their tokens at once (n > 1, prompt logprobs).
         self._num_sync_only = 0
@@ -328,9 +332,16 @@ class LLMEngine:
 
     def _mode(self, out: SchedulerOutput) -> StepMode:
         """How ``out``'s tokens reach the host (see :class:`StepMode`): synchronously with
-        asynchronous scheduling off, when a sample forks or a request wants its prompt
-        logprobs; held while a live request has structured outputs; else in flight."""
+        asynchronous scheduling off, when the step verifies proposals or the batch is small
+        enough to speculate (``SpeculativeConfig.disable_by_batch_size``), when a sample forks
+        or a request wants its prompt logprobs; held while a live request has structured
+        outputs; else in flight."""
         if not self._async:
+            return StepMode.SYNC
+        # Proposals are made from a step's tokens on the host, for the step after it.
+        speculator = self.speculator
+        if out.spec_token_ids or (speculator is not None
+                                  and speculator.active(self.scheduler.num_running)):
             return StepMode.SYNC
         if self._num_sync_only and (max(out.num_samples) > 1 or any(
                 seq.request.params.prompt_logprobs is not None for seq in out.seqs)):
@@ -388,7 +399,16 @@ class LLMEngine:
             prompt_tokens_total=c.prompt_tokens, generation_tokens_total=c.generation_tokens,
             generation_tokens_per_s=c.generation_rate(),
             requests_finished=c.requests_finished, window_s=RATE_WINDOW_S,
-            cascade_steps=c.cascade_steps)
+            cascade_steps=c.cascade_steps, **self._spec_stats())
+
+    def _spec_stats(self) -> dict[str, int]:
+        """The speculator's counters, as EngineStats fields (none without speculation)."""
+        spec = self.speculator
+        if spec is None:
+            return {}
+        return dict(spec_steps=spec.num_steps, spec_num_drafts=spec.num_drafts,
+                    spec_num_draft_tokens=spec.num_draft_tokens,
+                    spec_num_accepted_tokens=spec.num_accepted_tokens)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()

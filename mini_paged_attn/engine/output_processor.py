@@ -128,7 +128,11 @@ class OutputProcessor:
     def process(self, state: RequestState, seq: Sequence) -> bool:
         """Detokenize what ``seq`` gained; returns True if a stop string matched (the caller
         then finishes a running sequence with reason "stop"; one that already finished on its
-        length with the same token gets reason "stop" here, since its text ends there)."""
+        length with the same token gets reason "stop" here, since its text ends there).
+
+        Several tokens gained at once (a verified speculative run) are looked at one by one,
+        as steps of one token would have: a stop string that the ``j``-th completes cuts the
+        sample's tokens after it off (no output has shown them)."""
         if not state.incremental:
             return False
         text = state.texts.get(seq.index)
@@ -138,11 +142,22 @@ class OutputProcessor:
                 skip_special_tokens=seq.request.params.skip_special_tokens)
             text = state.texts[seq.index] = _SampleText(det)
         num = self._num_to_decode(seq)
+        if state.stop and num > text.num_fed + 1:
+            for j in range(text.num_fed + 1, num):
+                if self._advance(state, text, seq, j, finished=False):
+                    del seq.token_ids[seq.request.num_prompt_tokens + j:]
+                    return True
+        return self._advance(state, text, seq, num, seq.is_finished)
+
+    def _advance(self, state: RequestState, text: _SampleText, seq: Sequence, num: int,
+                 finished: bool) -> bool:
+        """Feed the sample's first ``num`` generated tokens to its detokenizer (flushed when
+        ``finished``) and look for the stop strings in the new text; True on a match."""
         if num > text.num_fed:
             start = seq.request.num_prompt_tokens
             text.detokenizer.add(seq.token_ids[start + text.num_fed:start + num])
             text.num_fed = num
-        if seq.is_finished:
+        if finished:
             text.detokenizer.flush()
         full = text.detokenizer.text
         for stop in state.stop:

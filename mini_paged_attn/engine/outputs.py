@@ -211,6 +211,12 @@ class EngineStats:
     ``kv_blocks_free`` counts the blocks no live request holds: free ones and cached ones that
     can be evicted. ``prefix_cache_hit_rate`` is the share of prompt tokens found in the prefix
     cache. ``generation_tokens_per_s`` is measured over the last ``window_s`` seconds of steps.
+
+    Speculative decoding (0 without it): ``spec_steps`` steps verified proposals,
+    ``spec_num_drafts`` times a sequence verified some (once per sequence and step),
+    ``spec_num_draft_tokens`` tokens were proposed and ``spec_num_accepted_tokens`` of them
+    kept; :attr:`spec_acceptance_rate`, :attr:`spec_mean_accepted_length` and
+    :attr:`spec_proposals_per_step` follow from them.
     """
 
     kv_blocks_total: int
@@ -228,6 +234,30 @@ class EngineStats:
     requests_finished: int = 0
     window_s: float = 0.0
     cascade_steps: int = 0              # steps that attended over shared prefixes once
+    spec_steps: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """The share of proposed tokens that verification kept (0.0 before any)."""
+        n = self.spec_num_draft_tokens
+        return self.spec_num_accepted_tokens / n if n else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a sequence gained per verification: the kept proposals and the target's
+        own token (vLLM's "mean acceptance length"; 0.0 before any)."""
+        n = self.spec_num_drafts
+        return 1.0 + self.spec_num_accepted_tokens / n if n else 0.0
+
+    @property
+    def spec_proposals_per_step(self) -> float:
+        """Tokens proposed per sequence and step that verified (at most
+        num_speculative_tokens; 0.0 before any)."""
+        n = self.spec_num_drafts
+        return self.spec_num_draft_tokens / n if n else 0.0
 
     @property
     def kv_blocks_used(self) -> int:
@@ -247,7 +277,10 @@ class EngineStats:
                 f"KV blocks used {self.kv_blocks_used}/{self.kv_blocks_total} "
                 f"({100 * self.kv_cache_usage:.1f}%), prefix hit rate "
                 f"{100 * self.prefix_cache_hit_rate:.1f}%, preemptions {self.num_preemptions}, "
-                f"generation {self.generation_tokens_per_s:.1f} tok/s")
+                f"generation {self.generation_tokens_per_s:.1f} tok/s"
+                + (f", speculation kept {100 * self.spec_acceptance_rate:.1f}% "
+                   f"({self.spec_mean_accepted_length:.2f} tokens a step)"
+                   if self.spec_num_drafts else ""))
 
 
 _stats_fields = operator.attrgetter(*(f.name for f in fields(EngineStats)))

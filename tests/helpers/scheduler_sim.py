@@ -1,7 +1,10 @@
 """A scheduler driven against a simulated device, with or without a sliding window.
 
 The device stores which token id each KV slot holds; after every step each query must read its
-own tokens back from the slots its window reaches. ``SchedulerMachine`` is the Hypothesis state
+own tokens back from the slots its window reaches, and every block the prefix cache can hand out
+must hold the tokens it is named by. A step may verify speculative proposals
+(``step(..., propose=p)``): their slots hold the proposals, and a random prefix of them is
+accepted. ``SchedulerMachine`` is the Hypothesis state
 machine (submit / step / failed step / stop / abort / pause) both the plain and the windowed scheduler
 tests subclass: they add the ``@initialize`` setup and the ``submit`` rule, whose strategies and
 admission rule differ.
@@ -41,16 +44,24 @@ class SimDevice:
         for src, dst in out.block_copies:
             self.slots[dst] = list(self.slots[src])
         bs = self.block_size
-        for seq, n in zip(out.seqs, out.num_new_tokens):
+        # A sequence that verifies proposals writes them after its token.
+        tokens = [seq.token_ids + out.spec_token_ids.get(i, []) for i, seq in enumerate(out.seqs)]
+        for seq, n, ids in zip(out.seqs, out.num_new_tokens, tokens):
             for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-                self.slots[seq.block_ids[p // bs]][p % bs] = seq.token_ids[p]
-        for seq, n in zip(out.seqs, out.num_new_tokens):
+                self.slots[seq.block_ids[p // bs]][p % bs] = ids[p]
+        for seq, n, ids in zip(out.seqs, out.num_new_tokens, tokens):
             start = seq.num_computed_tokens
             # The earliest query of the step has the earliest window: the others see a suffix.
             first = 0 if self.window is None else max(0, start - self.window + 1)
             assert first // bs >= seq.num_dropped_blocks, seq   # no query reads a dropped block
             seen = [self.slots[seq.block_ids[p // bs]][p % bs] for p in range(first, start + n)]
-            assert seen == seq.token_ids[first:start + n], (seq, seen)
+            assert seen == ids[first:start + n], (seq, seen)
+
+    def check_cache(self, kv):
+        """Every block the prefix cache can hand out holds the tokens it is named by: no block
+        was registered before its tokens were known (a rejected proposal's, say)."""
+        for entry in kv.prefix_cache._by_hash.values():
+            assert self.slots[entry.block_id] == list(entry.tokens), entry
 
 
 def make_scheduler(num_blocks, block_size, window=None, *, max_num_seqs=8,
@@ -69,12 +80,28 @@ def submit(sched, rid, prompt, max_tokens=4, n=1):
     return request
 
 
-def step(sched, device, rng, stop_prob=0.0):
-    """Schedule, run on ``device`` and feed back random tokens (``STOP`` with ``stop_prob``)."""
+def step(sched, device, rng, stop_prob=0.0, propose=0.0, max_proposals=4):
+    """Schedule, run on ``device`` and feed back random tokens (``STOP`` with ``stop_prob``).
+
+    ``propose``: the chance that a decoding sequence gets 1 .. ``max_proposals`` random
+    proposals for this step; a random prefix of those it verifies is accepted, then one more
+    token."""
+    def token():
+        return STOP if rng.random() < stop_prob else rng.randrange(1, 50)
+
+    for seq in sched.running:
+        if seq.num_computed_tokens == seq.num_tokens - 1 and rng.random() < propose:
+            seq.spec_token_ids = [rng.randrange(1, 50)
+                                  for _ in range(rng.randint(1, max_proposals))]
     out = sched.schedule()
     device.run(out)
-    sampled = [[STOP if rng.random() < stop_prob else rng.randrange(1, 50) for _ in range(k)]
-               for k in out.num_samples]
+    sampled = []
+    for i, k in enumerate(out.num_samples):
+        proposals = out.spec_token_ids.get(i)
+        if proposals is None:
+            sampled.append([token() for _ in range(k)])
+        else:
+            sampled.append(proposals[:rng.randint(0, len(proposals))] + [token()])
     sched.update(out, sampled)
     return out
 
@@ -114,12 +141,12 @@ def check_blocks(sched):
     assert seats <= sched.config.max_num_seqs
 
 
-def drain(sched, device, rng, max_steps=3000):
+def drain(sched, device, rng, max_steps=3000, propose=0.0):
     """Step until nothing is unfinished, checking progress and the blocks after every step."""
     for _ in range(max_steps):
         if not sched.has_unfinished():
             break
-        out = step(sched, device, rng)
+        out = step(sched, device, rng, propose=propose)
         assert not out.is_empty, "no progress"
         check_blocks(sched)
     assert not sched.has_unfinished()
@@ -139,7 +166,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     own tokens.
 
     A subclass adds an ``@initialize`` rule that calls :meth:`start`, and a ``submit`` rule that
-    calls :meth:`submit_random` with its own strategies; :meth:`fits` is its admission rule."""
+    calls :meth:`submit_random` with its own strategies; :meth:`fits` is its admission rule.
+    ``propose``: the chance a decoding sequence verifies proposals in a step (see :func:`step`).
+    """
+
+    propose = 0.0
 
     def start(self, sched, device, seed: int, prefix_len: int) -> None:
         self.sched, self.device = sched, device
@@ -167,9 +198,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         sched = self.sched
         unpaused = any(not r.paused for r in sched.requests.values())
         was_running = {s.seq_id for s in sched.running}
-        out = step(sched, self.device, self.rng, stop_prob)
+        out = step(sched, self.device, self.rng, stop_prob, self.propose)
         assert not out.is_empty or not unpaused, "no progress with unfinished requests"
         assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
+        for i, proposals in out.spec_token_ids.items():
+            assert out.num_new_tokens[i] == len(proposals) + 1 and out.num_samples[i] == 0
         limit = sched.config.max_num_batched_context_tokens
         if limit is not None:
             # Counted after the step: computed tokens now = context the step attended over.
@@ -219,12 +252,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     def blocks_consistent(self):
         if hasattr(self, "sched"):
             check_blocks(self.sched)
+            self.device.check_cache(self.sched.kv)
 
     def teardown(self):
         if hasattr(self, "sched"):
             for rid in list(self.sched.requests):
                 self.sched.set_paused(rid, False)
-            drain(self.sched, self.device, self.rng)
+            drain(self.sched, self.device, self.rng, propose=self.propose)
             assert_all_free(self.sched)
 
 

@@ -111,7 +111,6 @@ class PendingSample:
         packed = torch.stack((token_ids, invalid.long()))
         self.token_ids = token_ids = packed[0]
         self.want_logprobs = want_logprobs
-        device = token_ids.device
         pending = [packed]
         if raw_logprobs is not None:
             chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
@@ -119,15 +118,7 @@ class PendingSample:
             k = max(v for v in want_logprobs if v is not None)
             if k > 0:
                 pending.extend(raw_logprobs.topk(k, dim=-1))
-        self._event = None
-        if device.type == "cuda":
-            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in pending]
-            for h, t in zip(host, pending):
-                h.copy_(t, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-            pending = host
-        self._host = pending
+        self._host, self._event = copy_to_host(pending)
 
     def read(self) -> SamplerOutput:
         """The sampled ids (and logprobs) on the host: waits for this step's copy only."""
@@ -326,17 +317,7 @@ class Sampler:
                         torch.float32, device)
         logits.div_(temps[:, None])
 
-        top_k = [p.top_k for p in params]
-        if any(k != -1 for k in top_k):
-            vocab = logits.shape[1]
-            k_max = min(vocab, max(top_k))
-            k = _upload([min(v, vocab) if v != -1 else k_max for v in top_k], torch.int64, device)
-            # The k-th largest logit of each row is its threshold (-inf: top-k off); 1 <= k
-            # <= k_max, so the gather stays in range.
-            kth = logits.topk(k_max, dim=-1).values.gather(1, (k - 1)[:, None])
-            off = _upload([v == -1 for v in top_k], torch.bool, device)
-            kth.masked_fill_(off[:, None], float("-inf"))
-            logits.masked_fill_(logits < kth, float("-inf"))
+        mask_top_k(logits, params)
 
         noise = torch.empty_like(logits)
         if len(seeded_rows) < len(seeds):
@@ -352,7 +333,7 @@ class Sampler:
             # softmax NaN: at the largest float it is still the row's best, sharing the mass
             # with the others there.
             probs = torch.softmax(logits.clamp_(max=torch.finfo(logits.dtype).max), dim=-1)
-            self._filter_probs(probs, params)
+            filter_probs(probs, params)
             sampled = probs.div_(noise).argmax(dim=-1)
         else:
             # argmax(p / q) == argmax(logits / T - log q): no softmax needed.
@@ -362,26 +343,63 @@ class Sampler:
             sampled = torch.where(is_greedy, greedy_ids, sampled)
         return sampled, invalid
 
-    @staticmethod
-    def _filter_probs(probs: torch.Tensor, params: list[SamplingParams]) -> None:
-        """Zero the probabilities top-p and min-p drop (per row; thresholds, in place).
 
-        ``probs``: float32 ``[num_rows, vocab_size]``. Each row keeps at least its most likely
-        token; a row of NaN (nothing to sample, flagged by the caller) is left as it is."""
-        device = probs.device
-        if any(p.top_p < 1.0 for p in params):
-            top_p = _upload([p.top_p for p in params], torch.float32, device)
-            sorted_probs = probs.sort(dim=-1, descending=True).values
-            # Keep a token while the mass before it is below top_p. The first token's "before"
-            # is 0, yet it must stay even where top_p is 0 in float32 (1e-46) or the row is
-            # NaN: at least one kept, so the gather below never reads index -1.
-            before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            keep = (before < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_min_(1)
-            threshold = sorted_probs.gather(1, keep - 1)
-            probs.masked_fill_(probs < threshold, 0.0)
-        if any(p.min_p > 0.0 for p in params):
-            min_p = _upload([p.min_p for p in params], torch.float32, device)
-            threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
-            probs.masked_fill_(probs < threshold, 0.0)
+def mask_top_k(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Set each row's logits below its ``top_k``-th largest to -inf (in place; rows with
+    top-k off are left as they are). ``logits``: float ``[num_rows, vocab_size]``, already
+    divided by the temperature."""
+    top_k = [p.top_k for p in params]
+    if all(k == -1 for k in top_k):
+        return
+    device = logits.device
+    vocab = logits.shape[1]
+    k_max = min(vocab, max(top_k))
+    k = _upload([min(v, vocab) if v != -1 else k_max for v in top_k], torch.int64, device)
+    # The k-th largest logit of each row is its threshold (-inf: top-k off); 1 <= k <= k_max,
+    # so the gather stays in range.
+    kth = logits.topk(k_max, dim=-1).values.gather(1, (k - 1)[:, None])
+    off = _upload([v == -1 for v in top_k], torch.bool, device)
+    kth.masked_fill_(off[:, None], float("-inf"))
+    logits.masked_fill_(logits < kth, float("-inf"))
 
-__all__ = ["PendingSample", "SampleRow", "Sampler", "SamplerOutput"]
+
+def filter_probs(probs: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Zero the probabilities top-p and min-p drop (per row; thresholds, in place).
+
+    ``probs``: float32 ``[num_rows, vocab_size]``. Each row keeps at least its most likely
+    token; a row of NaN (nothing to sample, flagged by the caller) is left as it is. The rows
+    are not renormalised (a sampler's argmax race does not need it)."""
+    device = probs.device
+    if any(p.top_p < 1.0 for p in params):
+        top_p = _upload([p.top_p for p in params], torch.float32, device)
+        sorted_probs = probs.sort(dim=-1, descending=True).values
+        # Keep a token while the mass before it is below top_p. The first token's "before"
+        # is 0, yet it must stay even where top_p is 0 in float32 (1e-46) or the row is NaN:
+        # at least one kept, so the gather below never reads index -1.
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        keep = (before < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_min_(1)
+        threshold = sorted_probs.gather(1, keep - 1)
+        probs.masked_fill_(probs < threshold, 0.0)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = _upload([p.min_p for p in params], torch.float32, device)
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+        probs.masked_fill_(probs < threshold, 0.0)
+
+
+def copy_to_host(tensors: list[torch.Tensor]
+                 ) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Start copying ``tensors`` to the host right behind the work enqueued so far: on CUDA
+    into pinned memory, with an event recorded after the copies (wait on it, not on the
+    stream, to read them: later work is not waited for); elsewhere they are the tensors."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return tensors, None
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for h, t in zip(host, tensors):
+        h.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+__all__ = ["PendingSample", "SampleRow", "Sampler", "SamplerOutput", "copy_to_host",
+           "filter_probs", "mask_top_k"]

@@ -79,7 +79,8 @@ class StepInputs:
     ``cu_seqlens_q``: int32 ``[num_seqs + 1]``; ``context_lens``: int32 ``[num_seqs]``;
     ``block_tables``: int32 ``[num_seqs, width]`` (width: the batch's most blocks, rounded up
     to a multiple of 16);
-    ``num_sample_rows``: the rows that sample (a request about to fork counts n times);
+    ``num_sample_rows``: the rows that sample (a request about to fork counts n times; a
+    sequence that verifies k proposals, k + 1 times: all its rows, after the others');
     ``logit_rows``: the rows the LM head runs on, ``num_sample_rows`` rounded up to the
     builder's bucket (the rows past ``num_sample_rows`` are padding; 0 when nothing samples);
     ``sample_rows``: int64 ``[logit_rows]``, the hidden rows to run the LM head on (a request
@@ -180,12 +181,15 @@ class InputBuilder:
             size). A fixed set of counts is loaded once, at warm-up.
         cascade_rule: when a step's sequences sharing prefix blocks attend over them once
             (:meth:`plan_cascade`); None: never (no staging regions for it either).
+        speculative: steps may verify proposals (``SchedulerOutput.spec_token_ids``): every
+            position of such a sequence is a sample row, so there are up to
+            ``max_num_tokens`` of them, not ``max_num_seqs``.
     """
 
     def __init__(self, tables: BlockTable, *, max_num_seqs: int, max_num_tokens: int,
                  block_size: int, device: torch.device, order_decode: bool = False,
                  logit_buckets: list[int] | None = None,
-                 cascade_rule: CascadeRule | None = None) -> None:
+                 cascade_rule: CascadeRule | None = None, speculative: bool = False) -> None:
         assert logit_buckets is None or logit_buckets[-1] >= max_num_seqs, logit_buckets
         self.max_num_seqs = max_num_seqs
         self.order_decode = order_decode
@@ -204,7 +208,8 @@ class InputBuilder:
         # max_num_seqs is 1.
         s2 = max(s, 2)
         self._i64_regions = _layout({"input_ids": t, "positions": t, "slot_mapping": t,
-                                     "sample_rows": s, "fill": 2 * s})
+                                     "sample_rows": max(s, t) if speculative else s,
+                                     "fill": 2 * s})
         self._i32_regions = _layout({"cu_seqlens_q": s2 + 1, "context_lens": s2,
                                      "seq_order": s, "block_tables": s2 * w,
                                      **cascade_region_sizes(s, t, w, cascade_rule is not None)})
@@ -336,13 +341,19 @@ class InputBuilder:
         i64, i32 = self.i64.np, self.i32.np
         if self._uploaded is not None:
             self._uploaded.synchronize()     # the previous step's copies have read the buffers
+        spec = out.spec_token_ids
         if out.decode_only:
             # One token each; not always the last one (a 1-token prompt chunk, a recompute).
             i64[ids_at:ids_at + n] = [seq.token_ids[seq.num_computed_tokens] for seq in seqs]
         else:
             flat: list[int] = []
-            for seq, c, q in zip(seqs, computed.tolist(), out.num_new_tokens):
-                flat += seq.token_ids[c:c + q]
+            if spec:     # a sequence's proposals follow its token
+                for i, (seq, c, q) in enumerate(zip(seqs, computed.tolist(), out.num_new_tokens)):
+                    flat += seq.token_ids[c:c + q]
+                    flat += spec.get(i, ())
+            else:
+                for seq, c, q in zip(seqs, computed.tolist(), out.num_new_tokens):
+                    flat += seq.token_ids[c:c + q]
             i64[ids_at:ids_at + num_tokens] = flat
         cu = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
@@ -401,14 +412,22 @@ class InputBuilder:
             seq_order = self.i32.upload(order_at, order_at + padded)
 
         # Rows to sample from: the last token of each sequence that samples, k times for k
-        # samples; then padding up to the LM head's rows.
+        # samples; then every row of the sequences that verify proposals (in batch order);
+        # then padding up to the LM head's rows.
         num_samples = out.num_samples
         sample_rows = None
         num_sample_rows = sum(num_samples)
+        verify_rows = (np.concatenate([np.arange(cu[i], cu[i + 1]) for i in sorted(spec)])
+                       if spec else None)
+        num_plain = num_sample_rows
+        if verify_rows is not None:
+            num_sample_rows += len(verify_rows)
         logit_rows = self.logit_rows(num_sample_rows)
         if not (out.decode_only and num_sample_rows == n and logit_rows <= m):
             at = r64["sample_rows"]
-            i64[at:at + num_sample_rows] = np.repeat(cu[1:] - 1, num_samples)
+            i64[at:at + num_plain] = np.repeat(cu[1:] - 1, num_samples)
+            if verify_rows is not None:
+                i64[at + num_plain:at + num_sample_rows] = verify_rows
             i64[at + num_sample_rows:at + logit_rows] = 0
             sample_rows = self.i64.upload(at, at + logit_rows)
 

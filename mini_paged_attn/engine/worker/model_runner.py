@@ -48,6 +48,7 @@ from ..sample.prompt_logprobs import (PendingPromptLogprobs, PromptLogprobs, Pro
                                       compute_prompt_logprobs, prompt_logprob_rows)
 from ..sample.sampler import PendingSample, SampleRow, Sampler
 from ..sampling_params import SamplingParams
+from ..spec.verify import PendingVerify, VerifyRows, verify
 from ..structured.bitmask import TokenMasks
 from .cascade_inputs import dummy_cascade
 from .cuda_graphs import DecodeGraphs
@@ -90,7 +91,8 @@ class PreparedStep:
     ``logits_dtype``: the dtype its logits are computed in; ``params`` / ``seeds``: per
     sample row, its request's params and seed key (None: unseeded), as the sampler takes them;
     ``cascade``: the shared-prefix groups it attends over once (``core.cascade``; a cascade
-    step runs eagerly), or None.
+    step runs eagerly), or None; ``verify``: the sequences that verify proposals and where
+    their rows start in the logits (after the sample rows), or None.
     """
 
     out: SchedulerOutput
@@ -101,6 +103,7 @@ class PreparedStep:
     params: list[SamplingParams]
     seeds: list[tuple[str, int] | None]
     cascade: CascadePlan | None = None
+    verify: VerifyRows | None = None
 
 
 class ModelRunner:
@@ -188,7 +191,7 @@ class ModelRunner:
             self.cache.tables, max_num_seqs=config.max_num_seqs, max_num_tokens=max_num_tokens,
             block_size=bs, device=device, order_decode=self.backend == "triton",
             logit_buckets=batch_buckets(config.max_num_seqs) if device.type == "cuda" else None,
-            cascade_rule=self.cascade_rule())
+            cascade_rule=self.cascade_rule(), speculative=config.speculative_config is not None)
 
         self.graphs = self.prefill_graphs = None
         if device.type == "cuda" and not config.enforce_eager:
@@ -335,12 +338,15 @@ class ModelRunner:
             paged_prompt=prompt_bucket is not None and prompt_bucket.paged, cascade=cascade,
             cascade_pad=cascade_pad)
         params, seeds = _sample_params(out)
+        rows = _verify_rows(out, len(params))
         # The LM head's own output where the sampler reads it as is (the ranks gather the
-        # model-dtype columns either way; the other ranks drop their copy).
+        # model-dtype columns either way; the other ranks drop their copy); verification
+        # takes it where every verifying row is greedy.
         logits_dtype = (self.model.dtype if self.sampler.reads_model_dtype(params, seeds)
+                        and (rows is None or all(p.greedy for p in rows.params))
                         else torch.float32)
         return PreparedStep(out, step, bucket, prompt_bucket, logits_dtype, params, seeds,
-                            cascade)
+                            cascade, rows)
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput, prepared: PreparedStep | None = None,
@@ -393,10 +399,22 @@ class ModelRunner:
         :meth:`history_rows` taken when it was launched (default: made now). A synchronous
         step then reads the ids and :meth:`read_prompt_logprobs`."""
         out = prepared.out
+        if prepared.verify is not None:     # its rows follow the sample rows
+            logits = logits[:prepared.verify.first_row]
         # Made only if some row uses penalties or min_tokens.
         return self.sampler.sample(logits, prepared.params, prepared.seeds, overlap,
                                    (lambda: rows) if rows is not None else
                                    (lambda: _sample_rows(out)), masks)
+
+    def verify(self, prepared: PreparedStep, logits: torch.Tensor) -> PendingVerify:
+        """Enqueue the verification of the proposals of ``prepared``'s step (its
+        ``verify`` rows of :meth:`forward`'s ``logits``), drawing from the engine's
+        generator; :meth:`PendingVerify.read` gives what each sequence keeps
+        (``spec/verify.py``)."""
+        rows = prepared.verify
+        assert rows is not None, "the step verifies no proposals"
+        return verify(logits[rows.first_row:rows.first_row + rows.num_rows], rows,
+                      self.sampler.generator)
 
     @staticmethod
     def history_rows(out: SchedulerOutput) -> list[SampleRow] | None:
@@ -507,6 +525,17 @@ def _sample_params(out: SchedulerOutput
             seeds.append(None if p.seed is None else
                          (seq.request.request_id, seq.index if k == 1 else j))
     return params, seeds
+
+
+def _verify_rows(out: SchedulerOutput, first_row: int) -> VerifyRows | None:
+    """The sequences of ``out`` that verify proposals, in batch order (their rows follow the
+    ``first_row`` sample rows of the others), or None."""
+    spec = out.spec_token_ids
+    if not spec:
+        return None
+    order = sorted(spec)
+    return VerifyRows(order, [spec[i] for i in order],
+                      [out.seqs[i].request.params for i in order], first_row)
 
 
 def _sample_rows(out: SchedulerOutput) -> list[SampleRow]:
