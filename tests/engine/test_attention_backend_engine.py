@@ -66,10 +66,10 @@ def test_warm_up_runs_the_backend_batches(tiny_model_factory, monkeypatch):
     runner.inputs.logit_buckets = None
     runner._warm_up(LIMITS["max_model_len"])
     assert backend.limits == [runner.attention_limits]
-    # The backend's batches first, then a cascade decode and prefill (the engine's rule is
-    # on by default), then the engine's own power-of-two prompts (cuBLAS).
-    assert calls[:4] == [([3, 3], False, False, False), ([1], True, True, False),
-                         ([1, 1], True, True, True), ([2, 2], False, False, True)]
+    # The backend's batches first, each followed by a cascade step of the same sizes (the
+    # engine's rule is on by default), then the engine's own power-of-two prompts (cuBLAS).
+    assert calls[:4] == [([3, 3], False, False, False), ([3, 3], False, False, True),
+                         ([1], True, True, False), ([1], True, False, True)]
     assert all(len(q) == 1 and not d and not c for q, d, _, c in calls[4:])
 
 
