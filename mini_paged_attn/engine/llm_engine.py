@@ -30,6 +30,7 @@ from ..models.config import ModelConfig
 from ..models.load_progress import LoadTimer
 from ..models.loader import TINY_MODEL, load_model_and_tokenizer, start_loading
 from ..models.tokenizer import Tokenizer
+from ..ops.kv_quant import kv_cache_torch_dtype
 from .admission import Admission
 from .config import EngineConfig, resolve_context_budget, resolve_max_model_len
 from .engine_step import EngineStep
@@ -37,10 +38,12 @@ from .in_flight import InFlightStep, StepMode
 from .output_processor import OutputProcessor, RequestState
 from .outputs import EngineStats, RequestOutput
 from .sampling_params import SamplingParams
+from .spec.draft import DraftProposer, load_draft_model
 from .spec.speculator import build_speculator
 from .step_counters import RATE_WINDOW_S, StepCounters
 from .structured import GrammarCompiler, StructuredOutputs
 from .worker.model_runner import ModelRunner, Released
+from .worker.pool_sizing import kv_block_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +71,20 @@ class LLMEngine:
         self.max_model_len = max_len
         # Rank 0 under tensor parallelism: the other ranks (stopped by shutdown()).
         self.peers = peers
-        self.runner = ModelRunner(model, model_config, config, max_len, peers=peers,
-                                  load_timer=load_timer)
+        spec = config.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            # Loaded first, so that the target's pool is sized in what the draft leaves; each
+            # of its blocks takes a draft block beside it.
+            draft = load_draft_model(spec.model, model_config, dtype=model.dtype,
+                                     device=model.device)
+        self.runner = ModelRunner(
+            model, model_config, config, max_len, peers=peers, load_timer=load_timer,
+            extra_block_bytes=0 if draft is None else kv_block_bytes(
+                draft[1], config.block_size,
+                kv_cache_torch_dtype(config.kv_cache_dtype, model.dtype)))
+        if draft is not None:
+            draft = DraftProposer(*draft, config, max_len, self.runner.num_blocks)
         # The scheduler's block bookkeeping, over as many blocks as the runner's pool holds;
         # the pool (the one KV cache: K/V, block tables, copy-on-write) follows the same one.
         self.kv_manager = KVCacheManager(BlockManager(self.runner.num_blocks), config.block_size,
@@ -95,8 +110,7 @@ class LLMEngine:
                                    self.kv_manager.sliding_window, grammar=compiler,
                                    prompt_logprobs=peers is None)
         # Speculative decoding: proposals after each synchronous step, what verification kept.
-        self.speculator = build_speculator(config.speculative_config, self.runner,
-                                           model_config, max_len)
+        self.speculator = build_speculator(spec, max_len, draft)
         self._num_structured = 0      # live requests with structured outputs (stepping thread)
         # Live requests whose steps may need their tokens at once (n > 1, prompt logprobs).
         self._num_sync_only = 0
@@ -185,6 +199,8 @@ class LLMEngine:
         # The engine's own reference to the pool first, so that the runner's release (and
         # its emptying of the allocator's cache) frees it.
         self.cache = Released("LLMEngine.cache")
+        if self.speculator is not None and self.speculator.draft is not None:
+            self.speculator.draft.release_memory()
         self.runner.release_memory()
 
     # ---- requests (any thread) ----------------------------------------------------------------

@@ -101,3 +101,56 @@ def test_greedy_outputs_equal_the_engine_without_speculation(tiny_model_factory,
     # A verified run counts each token it added, as steps of one token would.
     assert stats.generation_tokens_total == 2 * sum(len(c[0]) for o in expected for c in o)
     assert_pool_whole(spec.engine)
+
+
+def _draft(model_dir, k=4):
+    return {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": k}
+
+
+def _assert_draft_pool_whole(llm):
+    draft = llm.engine.speculator.draft
+    assert not draft._shadows
+    assert draft.kv.num_free_blocks() == draft.kv.num_blocks
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_draft_model_greedy_outputs_equal_the_engine_without_speculation(
+        tiny_model_factory, arch):
+    """The target as its own draft: every proposal is kept, so stop strings, stop tokens and
+    max_tokens land inside accepted runs; prompts longer than a step's tokens catch up in
+    chunks; a windowed draft keeps its blocks (the window is the kernels' mask)."""
+    model_dir = tiny_model_factory(arch, **OVERRIDES.get(arch, {}))
+    base = _llm(model_dir, arch)
+    spec = _llm(model_dir, arch, speculative_config=_draft(model_dir))
+    requests = _requests(base, base.engine.model_config.vocab_size)
+    expected = _outputs(base, requests)
+    for _ in range(2):          # the second round hits the prefix cache
+        assert _outputs(spec, requests) == expected
+    stats = spec.stats()
+    assert stats.spec_num_draft_tokens > 0
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens, stats
+    assert stats.num_preemptions > 0
+    assert_pool_whole(spec.engine)
+    _assert_draft_pool_whole(spec)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_draft_model_that_disagrees_keeps_the_outputs(tiny_model_factory, k):
+    """Another model of the vocabulary as the draft: proposals are rejected, the draft's
+    cache is cut back to what the target kept, and the outputs stay the target's own."""
+    model_dir = tiny_model_factory("llama")
+    other = tiny_model_factory("qwen2", seed=3)
+    base = _llm(model_dir, "llama")
+    spec = _llm(model_dir, "llama", speculative_config=_draft(other, k))
+    requests = _requests(base, base.engine.model_config.vocab_size)
+    assert _outputs(spec, requests) == _outputs(base, requests)
+    stats = spec.stats()
+    assert 0 <= stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens, stats
+    assert_pool_whole(spec.engine)
+    _assert_draft_pool_whole(spec)
+
+
+def test_draft_model_of_another_vocabulary_is_refused(tiny_model_factory):
+    model_dir = tiny_model_factory("llama")
+    with pytest.raises(ValueError, match=r"speculative_config.model: .*\(\d+ tokens\).* \d+"):
+        _llm(model_dir, "llama", speculative_config=_draft("tiny"))

@@ -11,11 +11,16 @@ the proposals to verify in one step.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
+
 from ...core.ngram import NgramProposer
 from ...core.request import Sequence
 from ..sampling_params import SamplingParams
 from .config import SpeculativeConfig
 from .verify import Verified, VerifyRows
+
+if TYPE_CHECKING:
+    from .draft import DraftProposer
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +45,13 @@ class Speculator:
 
     Args:
         config: the engine's :class:`SpeculativeConfig`.
-        draft: the draft model's proposer (``draft.DraftProposer``) for method
+        draft: the draft model's proposer (:class:`~.draft.DraftProposer`) for method
             "draft_model"; None for "ngram".
         max_model_len: the engine's maximum sequence length.
     """
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft=None) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 draft: DraftProposer | None = None) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
@@ -77,7 +83,7 @@ class Speculator:
             self.ngram.retain({seq.seq_id for seq in running})
         if not self.active(len(running)):
             if self.draft is not None:
-                self.draft.retain(running)
+                self.draft.retain([])     # a step this large frees the draft's blocks
             return
         chosen, room = [], []
         for seq in running:
@@ -102,17 +108,13 @@ class Speculator:
         self.num_accepted_tokens += sum(verified.num_accepted)
 
 
-def build_speculator(config: SpeculativeConfig | None, runner, model_config,
-                     max_model_len: int) -> Speculator | None:
-    """The engine's speculator for ``config`` (None: none). Method "draft_model" loads the
-    draft beside the target ``runner`` (a ``ModelRunner``) and checks it against the target's
-    ``model_config`` (``draft.DraftProposer.load``)."""
+def build_speculator(config: SpeculativeConfig | None, max_model_len: int,
+                     draft: DraftProposer | None = None) -> Speculator | None:
+    """The engine's speculator for ``config`` (None: none); ``draft``: the draft model's
+    proposer, for method "draft_model"."""
     if config is None:
         return None
-    draft = None
-    if config.method == "draft_model":
-        from .draft import DraftProposer
-        draft = DraftProposer.load(config.model, runner, model_config, max_model_len)
+    assert (draft is not None) == (config.method == "draft_model"), config
     logger.info("speculative decoding: %s, %d tokens a step", config.method,
                 config.num_speculative_tokens)
     return Speculator(config, max_model_len, draft)

@@ -116,11 +116,13 @@ class ModelRunner:
         max_model_len: the resolved maximum sequence length.
         peers: rank 0 under tensor parallelism: the other ranks, which get every step's
             inputs (``send(StepMessage)``) before this rank's forward; None otherwise.
+        extra_block_bytes: device bytes another pool takes for each block of this one (a
+            draft model's, ``spec/draft.py``), counted when the pool is sized from free memory.
     """
 
     def __init__(self, model, model_config: ModelConfig, config: EngineConfig,
-                 max_model_len: int, *, peers=None, load_timer: LoadTimer | None = None
-                 ) -> None:
+                 max_model_len: int, *, peers=None, load_timer: LoadTimer | None = None,
+                 extra_block_bytes: int = 0) -> None:
         self.model = model
         self.model_config = model_config
         self.config = config
@@ -159,6 +161,7 @@ class ModelRunner:
         self.linear_workspace = SplitKWorkspace(device) if device.type == "cuda" else None
 
         self._max_model_len = max_model_len
+        self.extra_block_bytes = extra_block_bytes
         self._timer = timer = timer_or_new(load_timer)
         with timer.phase("kv pool"):
             self.num_blocks = config.num_kv_blocks or auto_num_blocks(self, max_model_len)

@@ -48,7 +48,7 @@ def auto_num_blocks(runner: ModelRunner, max_model_len: int) -> int:
     """
     config, model_config = runner.config, runner.model_config
     per_block = kv_block_bytes(model_config, runner.block_size, runner.kv_dtype,
-                               runner.layout.num_kv_heads)
+                               runner.layout.num_kv_heads) + runner.extra_block_bytes
     if runner.device.type != "cuda":
         budget = config.cpu_kv_cache_bytes
         # More than the running sequences can ever hold is never used (under a window, each
